@@ -1,0 +1,184 @@
+/*
+ * attention_common.cuh - device helpers shared by the sparse grouped attention kernels
+ * (sparse_attention_fwd.cu, sparse_attention_bwd.cu).
+ *
+ * Tensor-core path: mma.sync.m16n8k16 (bf16 / fp16 inputs, fp32 accumulation), operands staged
+ * in shared memory with cp.async (16-byte chunks) and read with ldmatrix. Shared-memory tiles
+ * of D-element rows are padded by 8 elements (16 bytes) per row, which makes the 8 row
+ * addresses of every ldmatrix fall into 8 distinct bank groups for D in {64, 96, 128, 256}.
+ *
+ * Fragment layouts of m16n8k16 (lane = threadIdx.x % 32, r = lane / 4, c = (lane % 4) * 2):
+ *   A (16x16, row-major): a0 = (r, c..c+1), a1 = (r+8, c..), a2 = (r, c+8..), a3 = (r+8, c+8..)
+ *   B (16x8, "col"):      b0 = (k = c..c+1, n = r), b1 = (k = c+8.., n = r)
+ *   C (16x8):             c0,c1 = (r, c..c+1), c2,c3 = (r+8, c..c+1)
+ */
+#ifndef DSV_ATTENTION_COMMON_CUH
+#define DSV_ATTENTION_COMMON_CUH
+
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "dsv.h"
+
+#define DSV_LOG2E 1.4426950408889634f
+#define DSV_LN2 0.6931471805599453f
+
+namespace dsv_attn {
+
+/* ---------------------------------------------------------------------------------------- */
+/* element types */
+
+template <typename T> struct Elem;
+template <> struct Elem<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+template <> struct Elem<__half> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
+
+/* D = A * B + D, m16n8k16, fp32 accumulators. */
+template <typename T>
+__device__ __forceinline__ void mma16816(float* d, const uint32_t* a, const uint32_t* b);
+
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float* d, const uint32_t* a,
+                                                        const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma16816<__half>(float* d, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* shared memory access */
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+/* 16-byte async copy global -> shared; when `valid` is false nothing is read and the 16 bytes
+ * are zero-filled (src must still be a mapped address; callers pass the tensor base). */
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  uint32_t s = smem_u32(smem);
+  int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* Row-major tile in shared memory, R rows of D elements padded to D + 8. Fragment loaders:
+ *  load_a(frag, tile, r0, c0):   A fragment of the 16x16 block at (r0, c0), tile is [m][k]
+ *  load_a_t(frag, tile, r0, c0): A fragment of the transposed tile: A(m, k) = tile[k][m],
+ *                                block rows m0 = c0 .. c0+15 (tile cols), k0 = r0 .. r0+15
+ *  load_b(frag, tile, n0, k0):   B fragments of two n8 tiles (n0, n0+8), k0..k0+15,
+ *                                tile is [n][k]  (b for tile n0 in frag[0..1], n0+8 in [2..3])
+ *  load_b_t(frag, tile, k0, n0): same but the tile is [k][n]
+ */
+template <int LD>
+__device__ __forceinline__ void load_a(uint32_t* f, const void* tile, int r0, int c0, int lane) {
+  const char* base = (const char*)tile;
+  int r = r0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+  int c = c0 + (lane >> 4) * 8;
+  ldsm_x4(f, smem_u32(base + ((size_t)r * LD + c) * 2));
+}
+template <int LD>
+__device__ __forceinline__ void load_a_t(uint32_t* f, const void* tile, int k0, int m0, int lane) {
+  const char* base = (const char*)tile;
+  int k = k0 + (lane & 7) + (lane >> 4) * 8;
+  int m = m0 + ((lane >> 3) & 1) * 8;
+  ldsm_x4_t(f, smem_u32(base + ((size_t)k * LD + m) * 2));
+}
+template <int LD>
+__device__ __forceinline__ void load_b(uint32_t* f, const void* tile, int n0, int k0, int lane) {
+  const char* base = (const char*)tile;
+  int n = n0 + (lane & 7) + (lane >> 4) * 8;
+  int k = k0 + ((lane >> 3) & 1) * 8;
+  ldsm_x4(f, smem_u32(base + ((size_t)n * LD + k) * 2));
+}
+template <int LD>
+__device__ __forceinline__ void load_b_t(uint32_t* f, const void* tile, int k0, int n0, int lane) {
+  const char* base = (const char*)tile;
+  int k = k0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+  int n = n0 + (lane >> 4) * 8;
+  ldsm_x4_t(f, smem_u32(base + ((size_t)k * LD + n) * 2));
+}
+
+/* Copy `rows` rows of D elements (row r from gmem row pointer rowptr(r), or zero when invalid)
+ * into a padded tile; all threads of the block take part. */
+template <int D, int NT>
+__device__ __forceinline__ void copy_rows_async(void* tile, const char* gbase, const int64_t* offs,
+                                                int rows) {
+  constexpr int CH = D / 8; /* 16-byte chunks per row */
+  constexpr int LD = D + 8;
+  for (int i = threadIdx.x; i < rows * CH; i += NT) {
+    int r = i / CH, c = i - r * CH;
+    int64_t off = offs[r];
+    bool valid = off >= 0;
+    const char* src = valid ? gbase + off + c * 16 : gbase;
+    cp_async16((char*)tile + ((size_t)r * LD + c * 8) * 2, src, valid);
+  }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  return x;
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* host-side helpers */
+
+static inline int check_bshd_aligned(dsv_bshd t) {
+  /* Rows are read with 16-byte vectors: base 16-byte aligned and strides multiples of 8. */
+  if (((uintptr_t)t.data & 15u) != 0) return 0;
+  if ((t.stride_b & 7) || (t.stride_s & 7) || (t.stride_h & 7)) return 0;
+  return 1;
+}
+
+static inline int clamp_count_host(int64_t c, int64_t kmax) {
+  return (int)(c < 0 ? 0 : (c > kmax ? kmax : c));
+}
+
+}  // namespace dsv_attn
+
+#endif /* DSV_ATTENTION_COMMON_CUH */

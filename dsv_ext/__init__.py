@@ -1,0 +1,50 @@
+"""dsv-ext: DSV sparse attention for video Diffusion Transformer training.
+
+Kernels (C on the CPU, CUDA on the GPU) registered as ``torch.ops.dsv.*``; the public functions
+below wrap them with argument checks, fake kernels and autograd. The modules (SparseAttention,
+DSVAttention), the training controller (DSVController), the config (DSVConfig), ``convert`` and
+the context-parallel package (``dsv_ext.parallel``) are imported on first use.
+"""
+from importlib import import_module
+
+from .ops import (
+    ProfileResult,
+    gather_rows,
+    has_cuda_kernels,
+    predictor_loss,
+    profile_attention,
+    scatter_add_rows,
+    sparse_attention,
+    topk_estimate,
+)
+
+__version__ = "0.1.0"
+
+# name -> module that defines it, imported lazily so `import dsv_ext` stays light
+_LAZY = {
+    "SparseAttention": "attention",
+    "DSVAttention": "attention",
+    "DSVController": "controller",
+    "DSVConfig": "config",
+    "convert": "convert",
+    "parallel": None,
+    "models": None,
+}
+
+__all__ = [
+    "sparse_attention", "topk_estimate", "predictor_loss", "profile_attention", "ProfileResult",
+    "gather_rows", "scatter_add_rows", "has_cuda_kernels", *_LAZY,
+]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module = import_module(f".{_LAZY[name] or name}", __name__)
+        value = module if _LAZY[name] is None else getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dsv_ext' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,222 @@
+"""DSVConfig: every threshold, schedule, rank and rate of the DSV drop-in attention.
+
+One dataclass holds all knobs of SparseAttention / DSVController / the op dispatcher. Defaults
+follow the DSV paper (arXiv 2502.07590) and ../shared/SPEC.md section 1. Load overrides from YAML:
+
+    cfg = DSVConfig.from_yaml("configs/dsv_default.yaml")
+    cfg = DSVConfig(rank=8, switch_loss=0.02)          # or in code
+    cfg.to_dict()                                       # plain dict (YAML/JSON friendly)
+
+Unknown YAML keys raise a ValueError naming the key (typos must not be silently ignored).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+__all__ = ["DSVConfig"]
+
+
+@dataclass
+class DSVConfig:
+    # ---------------------------------------------------------------- predictors
+    rank: int = 16
+    """Rank r of the per-head low-rank predictor projections (head_dim -> r) for q and k."""
+    predictor_lr: float = 1e-4
+    """AdamW learning rate of the predictors during stage 1 (their own optimizer)."""
+    finetune_lr: float = 1e-5
+    """AdamW learning rate of the predictors after the switch to stage 2 (fine-tuning)."""
+    predictor_betas: Tuple[float, float] = (0.9, 0.999)
+    """AdamW betas of the predictor optimizer."""
+    predictor_weight_decay: float = 0.0
+    """AdamW weight decay of the predictor optimizer."""
+    cos_weight: float = 0.95
+    """Weight of the cosine term of the predictor loss (see dsv_ext.predictor_loss)."""
+    norm_weight: float = 0.05
+    """Weight of the norm-matching term of the predictor loss."""
+    row_sample_stride: int = 16
+    """Query rows sampled for the predictor loss and the profiler: 1 row in this many
+    (a strided set with an offset that rotates deterministically with the step)."""
+    train_every_stage1: int = 1
+    """Train the predictors every this many steps in stage 1 (1 = every step)."""
+    train_every_stage2: int = 10
+    """Train (fine-tune) the predictors every this many steps in stage 2 (0 = never)."""
+
+    # ---------------------------------------------------------------- profiler
+    theta: float = 0.9
+    """Critical-KV mass: the critical set of a query is the smallest set of keys whose exact
+    softmax probabilities sum to at least theta. Head sparsity = 1 - mean |critical| / S."""
+    ema_alpha: float = 0.9
+    """EMA of per-head sparsity: ema = alpha * ema + (1 - alpha) * measured (first = measured)."""
+    profile_every: int = 25
+    """Profile every this many steps while step < profile_until (step 0 included)."""
+    profile_until: int = 2000
+    """Step after which the profile interval becomes profile_every_late."""
+    profile_every_late: int = 100
+    """Profile every this many steps from profile_until on."""
+    measure_recall: bool = True
+    """On profile steps, also measure the recall (exact attention mass covered by the predicted
+    index) once a block has a sparsity estimate. Costs one extra top-K estimation then."""
+
+    # ---------------------------------------------------------------- stage switch
+    switch_loss: float = 0.01
+    """Switch to stage 2 when the mean predictor loss over blocks falls below this."""
+    loss_ema_alpha: float = 0.9
+    """Smoothing of the per-block predictor loss used by the switch criterion
+    (ema = alpha * ema + (1 - alpha) * loss; 0 = use the latest loss only)."""
+    switch_check_every: int = 25
+    """Evaluate the loss criterion every this many steps (each check is one host sync)."""
+    min_stage1_steps: int = 0
+    """Never switch on the loss criterion before this step."""
+    force_stage2_step: Optional[int] = None
+    """If set, switch to stage 2 at this step regardless of the loss (None = loss criterion only)."""
+
+    # ---------------------------------------------------------------- sparse attention
+    cube: Tuple[int, int, int] = (2, 4, 4)
+    """3D cube (time, height, width) of the token grid whose tokens are made contiguous before
+    grouping (2x4x4 = 32 tokens). Grids not divisible by the cube get partial edge cubes."""
+    group_size: int = 32
+    """G: consecutive (cube-ordered) queries sharing one critical-KV list."""
+    min_density: float = 0.02
+    """Per-head K is at least this fraction of S."""
+    k_multiple: int = 64
+    """Per-head K is rounded up to a multiple of this (the kernel's K tile); capped at S."""
+    k_margin: float = 0.0
+    """Extra density added to (1 - s_h) before computing K (safety margin; 0 = paper's rule)."""
+
+    # ---------------------------------------------------------------- dispatcher
+    dispatch_threshold: float = 0.8
+    """Without a calibration table, a block runs sparse when its mean head sparsity >= this."""
+    calibration_path: Optional[str] = None
+    """JSON calibration table of dense vs sparse time; None = ~/.cache/dsv_ext/calibration.json."""
+    use_calibration: bool = True
+    """Use the calibration table when one exists for this device (else the threshold rule)."""
+    dispatch_margin: float = 0.05
+    """With a table, sparse must be at least this fraction faster than dense to be chosen."""
+    memory_fraction: float = 0.5
+    """Keep blocks dense when the extra memory of the sparse path (over all sparse blocks) would
+    exceed this fraction of the free device memory (CUDA only)."""
+
+    # ---------------------------------------------------------------- dense path
+    dense_backend: str = "auto"
+    """Stage-1 SDPA backend: "auto" (CUDA: cuDNN > Flash > memory-efficient > math by priority;
+    CPU: torch's default) or "default" (leave torch's choice alone)."""
+
+    def __post_init__(self) -> None:
+        self.cube = tuple(int(c) for c in self.cube)  # type: ignore[assignment]
+        self.predictor_betas = tuple(float(b) for b in self.predictor_betas)  # type: ignore
+        self.validate()
+
+    # ------------------------------------------------------------------ helpers
+    def validate(self) -> None:
+        def pos_int(name: str, allow_zero: bool = False) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if allow_zero else 1):
+                raise ValueError(f"{name}: expected an integer >= {0 if allow_zero else 1}, got {v!r}")
+
+        def frac(name: str, lo: float = 0.0, hi: float = 1.0, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise ValueError(f"{name}: expected a number, got {v!r}")
+            if v > hi or v < lo or (lo_open and v == lo):
+                raise ValueError(f"{name}: expected a value in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
+
+        for n in ("rank", "row_sample_stride", "train_every_stage1", "profile_every",
+                  "profile_every_late", "switch_check_every", "group_size", "k_multiple"):
+            pos_int(n)
+        for n in ("train_every_stage2", "profile_until", "min_stage1_steps"):
+            pos_int(n, allow_zero=True)
+        if len(self.cube) != 3 or any(c < 1 for c in self.cube):
+            raise ValueError(f"cube: expected three positive integers (t, h, w), got {self.cube!r}")
+        if len(self.predictor_betas) != 2:
+            raise ValueError(f"predictor_betas: expected two numbers, got {self.predictor_betas!r}")
+        frac("theta", lo_open=True)
+        frac("ema_alpha", hi=1.0)
+        frac("loss_ema_alpha")
+        frac("min_density")
+        frac("k_margin")
+        frac("dispatch_threshold")
+        frac("dispatch_margin")
+        frac("memory_fraction")
+        frac("cos_weight", hi=float("inf"))
+        frac("norm_weight", hi=float("inf"))
+        frac("switch_loss", hi=float("inf"))
+        frac("predictor_lr", hi=float("inf"))
+        frac("finetune_lr", hi=float("inf"))
+        frac("predictor_weight_decay", hi=float("inf"))
+        if self.force_stage2_step is not None:
+            pos_int("force_stage2_step", allow_zero=True)
+        if self.dense_backend not in ("auto", "default"):
+            raise ValueError(f"dense_backend: expected 'auto' or 'default', got {self.dense_backend!r}")
+
+    @property
+    def cube_volume(self) -> int:
+        return self.cube[0] * self.cube[1] * self.cube[2]
+
+    def profile_due(self, step: int) -> bool:
+        """True when the profiler runs on this (0-based) training step."""
+        if step < self.profile_until:
+            return step % self.profile_every == 0
+        return step % self.profile_every_late == 0
+
+    def train_due(self, step: int, stage: int) -> bool:
+        """True when the predictors train on this step in this stage."""
+        every = self.train_every_stage1 if stage == 1 else self.train_every_stage2
+        return every > 0 and step % every == 0
+
+    def head_k(self, sparsity: float, seq_len: int) -> int:
+        """Per-head K = max(ceil((1 - s + margin) * S), ceil(min_density * S)), rounded up to a
+        multiple of k_multiple, capped at S (and at least 1)."""
+        dens = min(1.0, max(0.0, 1.0 - float(sparsity) + self.k_margin))
+        k = max(math.ceil(dens * seq_len - 1e-9), math.ceil(self.min_density * seq_len - 1e-9), 1)
+        k = -(-k // self.k_multiple) * self.k_multiple
+        return int(min(k, seq_len))
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["cube"] = list(self.cube)
+        d["predictor_betas"] = list(self.predictor_betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "DSVConfig":
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise TypeError(f"config: expected a mapping, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(d) - names)
+        if bad:
+            raise ValueError(f"config: unknown key(s) {bad}; valid keys: {sorted(names)}")
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "DSVConfig":
+        """Load a config from a YAML file; the file may hold the keys at top level or under `dsv:`."""
+        import yaml
+
+        with open(path, "r") as f:
+            data = yaml.safe_load(f) or {}
+        if isinstance(data, dict) and set(data) == {"dsv"}:
+            data = data["dsv"] or {}
+        return cls.from_dict(data)
+
+    def replace(self, **kw: Any) -> "DSVConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def _field_docs() -> Dict[str, str]:  # pragma: no cover - documentation helper
+    """Attribute docstrings (the string literal after each field), for docs generation."""
+    import ast
+    import inspect
+
+    src = inspect.getsource(DSVConfig)
+    tree = ast.parse(src)
+    out: Dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            out[a.target.id] = b.value.value  # type: ignore[attr-defined]
+    return out

@@ -1,0 +1,414 @@
+"""Video data for the reference DiT: a procedural dataset and a loader for a folder of videos.
+
+Everything here yields *latents* of shape ``[C, T, H, W]`` (float32), the tensors a video DiT
+trains on. Two sources:
+
+``ProceduralVideos``
+    Textured objects (soft-edged super-ellipses carrying stripe / checker / blob textures) that
+    move, rotate and scale over a textured, slowly panning background. Every video is a pure
+    function of ``(seed, index)``: the same arguments give the same tensor on every run, which is
+    what makes validation losses and checkpoint resumes reproducible. The objects give attention
+    real spatio-temporal structure: a token's relevant keys are the tokens of the same object in
+    other frames (which moved) and nearby background, not a fixed window.
+
+    ``mode="latent"`` (default) renders directly at latent resolution with ``channels`` channels
+    (each channel is an independent random mixture of the scene's texture fields, so channels
+    are correlated like real VAE latents). ``mode="pixels"`` renders RGB frames at 8x the latent
+    resolution and encodes them with :class:`PatchEncoder`, a fixed random *linear* 8x8 patch
+    encoder (a stand-in for a VAE, no training, no download). Both are normalised per video to
+    zero mean and unit variance.
+
+``VideoFolder``
+    A folder of the user's videos. ``.npy`` files always work: ``[T, H, W, 3]`` or ``[T, H, W]``
+    frames (uint8 0..255 or float 0..1) are resized to ``(frames, 8*height, 8*width)`` and encoded
+    with :class:`PatchEncoder`; ``[C, T, H, W]`` float arrays with ``C == channels`` are taken as
+    latents already and only resized to the latent grid. ``.mp4`` / ``.avi`` / ``.mov`` / ``.mkv`` /
+    ``.webm`` files are decoded with PyAV when it is importable, else with torchvision, else a
+    clear ``ImportError`` says what to install (or to convert to ``.npy``).
+
+``make_dataset(data_cfg, split)`` builds either from the ``data`` section of a config.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ProceduralVideos",
+    "PatchEncoder",
+    "VideoFolder",
+    "make_dataset",
+    "VIDEO_EXTENSIONS",
+]
+
+VIDEO_EXTENSIONS = (".mp4", ".avi", ".mov", ".mkv", ".webm")
+
+# Index offset of the held-out split: validation videos never coincide with training videos
+# (training indices stay far below it).
+_VAL_OFFSET = 1 << 40
+
+
+def _generator(seed: int, index: int) -> torch.Generator:
+    # A 63-bit mix of (seed, index) so neighbouring seeds/indices give unrelated streams.
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(index) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB)
+    x &= (1 << 64) - 1
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & ((1 << 64) - 1)
+    x ^= x >> 32
+    g = torch.Generator()
+    g.manual_seed(x & ((1 << 63) - 1))
+    return g
+
+
+def _rand(g: torch.Generator, *shape, lo: float = 0.0, hi: float = 1.0) -> torch.Tensor:
+    return lo + (hi - lo) * torch.rand(*shape, generator=g, dtype=torch.float64)
+
+
+def _standardize(x: torch.Tensor) -> torch.Tensor:
+    x = x - x.mean()
+    return (x / x.std().clamp_min(1e-6)).float()
+
+
+class PatchEncoder:
+    """A fixed, random, *linear* 8x8 patch encoder: RGB frames -> ``channels`` latent channels.
+
+    Each latent pixel is ``W @ patch`` where ``patch`` is the flattened ``3 x p x p`` block of
+    pixels (values in [0, 1]). The rows of ``W`` are orthonormal: the first three are the
+    per-colour patch averages (so the latents keep the image's low frequencies), the rest are
+    random directions orthogonal to them (from ``seed``), scaled by ``p``. It is not a learned
+    VAE; it only gives realistic shapes (8x spatial compression, ``channels`` channels) and
+    preserves structure. ``decode`` is the pseudo-inverse (useful for looking at samples).
+    """
+
+    def __init__(self, channels: int = 4, patch: int = 8, in_channels: int = 3, seed: int = 1234):
+        if channels < 1:
+            raise ValueError(f"channels: must be >= 1, got {channels}")
+        if patch < 1:
+            raise ValueError(f"patch: must be >= 1, got {patch}")
+        n = in_channels * patch * patch
+        if channels > n:
+            raise ValueError(f"channels: must be <= in_channels * patch^2 = {n}, got {channels}")
+        self.channels, self.patch, self.in_channels = channels, patch, in_channels
+        g = torch.Generator()
+        g.manual_seed(int(seed))
+        basis = torch.zeros(n, max(channels, in_channels), dtype=torch.float64)
+        for c in range(min(in_channels, channels)):
+            basis[c * patch * patch:(c + 1) * patch * patch, c] = 1.0
+        extra = max(channels, in_channels) - min(in_channels, channels)
+        if extra:
+            basis[:, min(in_channels, channels):] = torch.randn(n, extra, generator=g,
+                                                                dtype=torch.float64)
+        q, _ = torch.linalg.qr(basis)
+        self.weight = (q[:, :channels].T * patch).float().contiguous()  # [channels, n]
+
+    def encode(self, frames: torch.Tensor) -> torch.Tensor:
+        """frames ``[T, 3, H*p, W*p]`` in [0, 1] -> latents ``[C, T, H, W]``."""
+        if frames.dim() != 4 or frames.shape[1] != self.in_channels:
+            raise ValueError(f"frames: expected [T, {self.in_channels}, H, W], "
+                             f"got {tuple(frames.shape)}")
+        t, c, hp, wp = frames.shape
+        p = self.patch
+        if hp % p or wp % p:
+            raise ValueError(f"frames: height and width must be multiples of {p}, got {hp}x{wp}")
+        x = frames.float().reshape(t, c, hp // p, p, wp // p, p)
+        x = x.permute(0, 2, 4, 1, 3, 5).reshape(t, hp // p, wp // p, c * p * p)
+        z = x @ self.weight.T  # [T, H, W, C]
+        return z.permute(3, 0, 1, 2).contiguous()
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Pseudo-inverse of :meth:`encode`: latents ``[C, T, H, W]`` -> frames ``[T, 3, H*p, W*p]``."""
+        c, t, h, w = latents.shape
+        p = self.patch
+        x = latents.permute(1, 2, 3, 0) @ (self.weight / (p * p))  # rows of W have norm p
+        x = x.reshape(t, h, w, self.in_channels, p, p).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(t, self.in_channels, h * p, w * p)
+
+
+class ProceduralVideos(torch.utils.data.Dataset):
+    """Deterministic procedural videos: textured objects moving, rotating and scaling.
+
+    Args:
+        num_videos: dataset length (indices ``0 .. num_videos-1``; generation is on the fly, so a
+            huge value is free and acts as an endless stream).
+        frames, height, width: the latent grid ``(T, H, W)`` of every returned tensor.
+        channels: latent channels ``C``.
+        seed: the dataset seed; video ``i`` depends only on ``(seed, i, split)``.
+        split: ``"train"`` or ``"val"`` (disjoint index ranges of the same distribution).
+        mode: ``"latent"`` (render at latent resolution) or ``"pixels"`` (render RGB at 8x and
+            encode with :class:`PatchEncoder`).
+        max_objects: up to this many objects per video (at least one).
+        encoder_seed: seed of the fixed patch encoder (``mode="pixels"`` only).
+
+    Returns ``[C, T, H, W]`` float32, zero mean and unit variance per video.
+    """
+
+    def __init__(self, num_videos: int, frames: int, height: int, width: int, channels: int = 4,
+                 seed: int = 0, split: str = "train", mode: str = "latent", max_objects: int = 3,
+                 encoder_seed: int = 1234, patch: int = 8):
+        for name, v in (("num_videos", num_videos), ("frames", frames), ("height", height),
+                        ("width", width), ("channels", channels), ("max_objects", max_objects)):
+            if int(v) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {v}")
+        if split not in ("train", "val"):
+            raise ValueError(f"split: must be 'train' or 'val', got {split!r}")
+        if mode not in ("latent", "pixels"):
+            raise ValueError(f"mode: must be 'latent' or 'pixels', got {mode!r}")
+        self.num_videos = int(num_videos)
+        self.frames, self.height, self.width = int(frames), int(height), int(width)
+        self.channels, self.seed, self.split, self.mode = int(channels), int(seed), split, mode
+        self.max_objects = int(max_objects)
+        self.encoder = PatchEncoder(channels, patch, 3, encoder_seed) if mode == "pixels" else None
+        self.patch = patch
+
+    def __len__(self) -> int:
+        return self.num_videos
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index < 0:
+            index += self.num_videos
+        if not 0 <= index < self.num_videos:
+            raise IndexError(f"index: {index} out of range for {self.num_videos} videos")
+        gidx = index + (_VAL_OFFSET if self.split == "val" else 0)
+        g = _generator(self.seed, gidx)
+        if self.mode == "latent":
+            fields = self._render(g, self.height, self.width)  # [F, T, H, W]
+            mix = torch.randn(self.channels, fields.shape[0], generator=g, dtype=torch.float64)
+            mix[:, 0] += 1.0  # a shared component: channels correlated like real latents
+            z = torch.einsum("cf,fthw->cthw", mix, fields)
+            return _standardize(z)
+        p = self.patch
+        fields = self._render(g, self.height * p, self.width * p)
+        rgb = fields[:3].clamp(-1, 1) * 0.5 + 0.5  # [3, T, H, W] in [0, 1]
+        z = self.encoder.encode(rgb.permute(1, 0, 2, 3).float())
+        return _standardize(z.double())
+
+    # -- rendering ----------------------------------------------------------------------------
+    def _render(self, g: torch.Generator, h: int, w: int) -> torch.Tensor:
+        """Render ``F = 4`` scalar fields of one video over ``[T, h, w]`` (float64)."""
+        t_n, nf = self.frames, 4
+        tt = torch.arange(t_n, dtype=torch.float64).view(t_n, 1, 1)
+        aspect = w / h
+        ys = (torch.arange(h, dtype=torch.float64) + 0.5) / h * 2 - 1
+        xs = ((torch.arange(w, dtype=torch.float64) + 0.5) / w * 2 - 1) * aspect
+        yy, xx = ys.view(1, h, 1), xs.view(1, 1, w)
+        # Sharpness of the soft edges, in units of the [-1, 1] coordinate (about one pixel).
+        edge = 2.0 / h
+
+        # Background: a few oriented gratings per field, panning slowly (camera motion).
+        pan = _rand(g, 2, lo=-0.06, hi=0.06)
+        bx, by = xx - pan[0] * tt, yy - pan[1] * tt
+        bg = torch.zeros(nf, t_n, h, w, dtype=torch.float64)
+        for f in range(nf):
+            for _ in range(3):
+                ang = float(_rand(g, 1, lo=0, hi=math.pi))
+                freq = float(_rand(g, 1, lo=1.0, hi=4.0))
+                ph = float(_rand(g, 1, lo=0, hi=2 * math.pi))
+                amp = float(_rand(g, 1, lo=0.15, hi=0.4))
+                bg[f] += amp * torch.sin(freq * math.pi * (math.cos(ang) * bx + math.sin(ang) * by) + ph)
+        out = bg
+
+        n_obj = 1 + int(torch.randint(0, self.max_objects, (1,), generator=g))
+        for _ in range(n_obj):
+            c0 = _rand(g, 2, lo=-0.6, hi=0.6)
+            c0[0] *= aspect
+            vel = _rand(g, 2, lo=-0.12, hi=0.12)  # per frame, in [-1, 1] units
+            theta0 = float(_rand(g, 1, lo=0, hi=2 * math.pi))
+            omega = float(_rand(g, 1, lo=-0.35, hi=0.35))  # radians per frame
+            size = _rand(g, 2, lo=0.2, hi=0.45)
+            s_amp = float(_rand(g, 1, lo=0.0, hi=0.3))
+            s_freq = float(_rand(g, 1, lo=0.2, hi=0.8))
+            s_ph = float(_rand(g, 1, lo=0, hi=2 * math.pi))
+            power = float(_rand(g, 1, lo=1.0, hi=4.0))  # 1: diamond, 2: ellipse, 4: rounded box
+            kind = int(torch.randint(0, 3, (1,), generator=g))
+            tex_f = float(_rand(g, 1, lo=2.0, hi=5.0))
+            level = _rand(g, nf, lo=-1.0, hi=1.0)
+            contrast = _rand(g, nf, lo=0.3, hi=0.8)
+
+            cx = c0[0] + vel[0] * tt
+            cy = c0[1] + vel[1] * tt
+            # Bounce off the borders (reflect the path) so objects stay in view.
+            cx = _reflect(cx, -aspect * 0.85, aspect * 0.85)
+            cy = _reflect(cy, -0.85, 0.85)
+            th = theta0 + omega * tt
+            sc = 1.0 + s_amp * torch.sin(s_freq * tt + s_ph)
+            dx, dy = xx - cx, yy - cy
+            u = (torch.cos(th) * dx + torch.sin(th) * dy) / (size[0] * sc)
+            v = (-torch.sin(th) * dx + torch.cos(th) * dy) / (size[1] * sc)
+            r = (u.abs() ** power + v.abs() ** power) ** (1.0 / power)
+            scale_px = float(size.min()) * sc
+            mask = torch.sigmoid((1.0 - r) * scale_px / edge * 2.0)
+            if kind == 0:  # stripes (rotate with the object)
+                tex = torch.sin(tex_f * math.pi * u)
+            elif kind == 1:  # checker
+                tex = torch.sin(tex_f * math.pi * u) * torch.sin(tex_f * math.pi * v)
+            else:  # radial blob
+                tex = torch.cos(tex_f * math.pi * r * 0.5)
+            for f in range(nf):
+                obj = level[f] + contrast[f] * tex
+                out[f] = out[f] * (1 - mask) + obj * mask
+        return out
+
+
+def _reflect(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    span = hi - lo
+    y = torch.remainder(x - lo, 2 * span)
+    return lo + torch.where(y > span, 2 * span - y, y)
+
+
+# ---------------------------------------------------------------------------------------------
+# A folder of user videos
+# ---------------------------------------------------------------------------------------------
+
+def _read_video_file(path: str) -> np.ndarray:
+    """Decode a video file to uint8 frames ``[T, H, W, 3]`` with PyAV or torchvision."""
+    try:
+        import av  # type: ignore
+    except ImportError:
+        av = None
+    if av is not None:
+        frames = []
+        with av.open(path) as container:
+            for frame in container.decode(video=0):
+                frames.append(frame.to_ndarray(format="rgb24"))
+        if not frames:
+            raise ValueError(f"path: no video frames decoded from {path}")
+        return np.stack(frames)
+    try:
+        import torchvision.io  # type: ignore
+    except Exception:  # ImportError, or a torchvision that fails to load its ops
+        torchvision = None
+    else:
+        import torchvision  # type: ignore
+    if torchvision is not None:
+        video, _, _ = torchvision.io.read_video(path, pts_unit="sec", output_format="THWC")
+        return video.numpy()
+    raise ImportError(
+        f"reading {os.path.basename(path)} needs PyAV (`pip install av`) or torchvision; "
+        "neither is importable. Install one, or convert the videos to .npy arrays of shape "
+        "[T, H, W, 3] (uint8) and put those in the folder.")
+
+
+class VideoFolder(torch.utils.data.Dataset):
+    """Latent clips ``[C, T, H, W]`` from a folder of ``.npy`` arrays and/or video files.
+
+    Args:
+        root: the folder (searched recursively, files sorted by path).
+        frames, height, width: the latent grid of every returned clip; pixel frames are resized
+            to ``(frames, patch*height, patch*width)`` before encoding (clips longer than
+            ``frames * frame_stride`` are cut from the start, shorter ones are stretched).
+        channels: latent channels; ``.npy`` arrays shaped ``[channels, T, H, W]`` are taken as
+            latents (only resized), everything else as frames.
+        frame_stride: keep every ``frame_stride``-th frame before resizing in time.
+        encoder_seed, patch: the :class:`PatchEncoder`.
+        cache: keep encoded clips in memory.
+        normalize: standardise each clip to zero mean and unit variance (as ProceduralVideos).
+    """
+
+    def __init__(self, root: str, frames: int, height: int, width: int, channels: int = 4,
+                 frame_stride: int = 1, encoder_seed: int = 1234, patch: int = 8,
+                 cache: bool = True, normalize: bool = True):
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"root: not a directory: {root!r}")
+        files: List[str] = []
+        for dirpath, _, names in os.walk(root):
+            for n in names:
+                if n.lower().endswith((".npy",) + VIDEO_EXTENSIONS):
+                    files.append(os.path.join(dirpath, n))
+        files.sort()
+        if not files:
+            raise FileNotFoundError(
+                f"root: no .npy or video files ({', '.join(VIDEO_EXTENSIONS)}) under {root!r}")
+        if frame_stride < 1:
+            raise ValueError(f"frame_stride: must be >= 1, got {frame_stride}")
+        self.root, self.files = root, files
+        self.frames, self.height, self.width, self.channels = frames, height, width, channels
+        self.frame_stride, self.patch, self.normalize = frame_stride, patch, normalize
+        self.encoder = PatchEncoder(channels, patch, 3, encoder_seed)
+        self._cache: Optional[Dict[int, torch.Tensor]] = {} if cache else None
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self._cache is not None and index in self._cache:
+            return self._cache[index]
+        path = self.files[index]
+        if path.lower().endswith(".npy"):
+            arr = np.load(path, allow_pickle=False)
+        else:
+            arr = _read_video_file(path)
+        z = self._to_latents(arr, path)
+        if self.normalize:
+            z = _standardize(z.double())
+        if self._cache is not None:
+            self._cache[index] = z
+        return z
+
+    def _to_latents(self, arr: np.ndarray, path: str) -> torch.Tensor:
+        grid = (self.frames, self.height, self.width)
+        if arr.ndim == 4 and arr.shape[0] == self.channels and arr.shape[-1] not in (1, 3) \
+                and np.issubdtype(arr.dtype, np.floating):
+            z = torch.from_numpy(np.ascontiguousarray(arr)).float()  # [C, T, H, W] latents
+            z = z[:, ::self.frame_stride]
+            if tuple(z.shape[1:]) != grid:
+                z = F.interpolate(z[None], size=grid, mode="trilinear", align_corners=False)[0]
+            return z
+        if arr.ndim == 3:
+            arr = arr[..., None]
+        if arr.ndim != 4 or arr.shape[-1] not in (1, 3):
+            raise ValueError(
+                f"{os.path.basename(path)}: expected frames [T, H, W, 3] / [T, H, W] or latents "
+                f"[{self.channels}, T, H, W] (float), got shape {tuple(arr.shape)}")
+        x = torch.from_numpy(np.ascontiguousarray(arr))
+        if x.dtype == torch.uint8:
+            x = x.float() / 255.0
+        else:
+            x = x.float()
+        if x.shape[-1] == 1:
+            x = x.expand(*x.shape[:-1], 3)
+        x = x[::self.frame_stride]
+        need = self.frames
+        if x.shape[0] > need:
+            x = x[:need]
+        x = x.permute(3, 0, 1, 2)[None]  # [1, 3, T, H, W]
+        size = (self.frames, self.height * self.patch, self.width * self.patch)
+        if tuple(x.shape[2:]) != size:
+            x = F.interpolate(x, size=size, mode="trilinear", align_corners=False)
+        frames = x[0].permute(1, 0, 2, 3).clamp(0, 1)  # [T, 3, H, W]
+        return self.encoder.encode(frames)
+
+
+def make_dataset(data_cfg: dict, split: str = "train", seed: int = 0):
+    """Build the dataset of a config's ``data`` section.
+
+    Keys: ``source`` (``procedural`` | ``folder``), ``frames``, ``height``, ``width`` (latent
+    grid), ``channels``; procedural: ``mode`` (``latent`` | ``pixels``), ``max_objects``,
+    ``num_train`` (default 1e9, an endless stream), ``num_val``; folder: ``path``,
+    ``val_fraction`` (default 0.1 of the files, at least one, taken from the end), ``frame_stride``.
+    """
+    src = data_cfg.get("source", "procedural")
+    t, h, w = int(data_cfg["frames"]), int(data_cfg["height"]), int(data_cfg["width"])
+    c = int(data_cfg.get("channels", 4))
+    if src == "procedural":
+        n = int(data_cfg.get("num_train", 10**9)) if split == "train" else int(data_cfg.get("num_val", 8))
+        return ProceduralVideos(n, t, h, w, c, seed=int(data_cfg.get("seed", seed)), split=split,
+                                mode=data_cfg.get("mode", "latent"),
+                                max_objects=int(data_cfg.get("max_objects", 3)))
+    if src == "folder":
+        path = data_cfg.get("path")
+        if not path:
+            raise ValueError("data.path: required when data.source is 'folder'")
+        full = VideoFolder(path, t, h, w, c, frame_stride=int(data_cfg.get("frame_stride", 1)))
+        n = len(full)
+        n_val = max(1, int(round(n * float(data_cfg.get("val_fraction", 0.1))))) if n > 1 else 0
+        idx = list(range(n - n_val)) if split == "train" else list(range(n - n_val, n))
+        if not idx:  # a single file: use it for both
+            idx = [0]
+        return torch.utils.data.Subset(full, idx)
+    raise ValueError(f"data.source: must be 'procedural' or 'folder', got {src!r}")

@@ -1,0 +1,353 @@
+"""A reference video Diffusion Transformer (DiT) whose self-attention runs through DSV.
+
+Shape of the computation (one training step of flow matching calls ``model(x_t, t)``):
+
+    latents x [B, C, T, H, W]
+      -> 3D patch embedding (Conv3d, kernel = stride = patch (pt, ph, pw))  -> tokens [B, S, hidden]
+         with S = (T/pt) * (H/ph) * (W/pw), tokens in raster (t, h, w) order
+      -> + fixed 3D sin-cos position embedding
+      -> depth x DiTBlock: adaLN-zero conditioned on the timestep embedding,
+           x = x + gate1 * Attn(modulate(LN(x)))     (self-attention over all S tokens)
+           x = x + gate2 * MLP(modulate(LN(x)))
+      -> final adaLN + linear to pt*ph*pw*C values per token -> unpatchify -> [B, C, T, H, W]
+
+The attention layer is ``dsv_ext.attention.DSVAttention`` when ``attention="dsv"`` (it owns the
+low-rank predictors and switches from dense to sparse attention under a ``DSVController``), and
+:class:`SelfAttention` (plain ``scaled_dot_product_attention``) when ``attention="dense"``.
+Both have the same ``qkv`` / ``proj`` linear layers, and :meth:`VideoDiT.initialize_weights`
+initialises the DiT's own weights from a dedicated generator in module order while skipping the
+predictors, so a dense and a DSV model built with the same seed start from identical weights.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["DiTConfig", "VideoDiT", "DiTBlock", "SelfAttention", "timestep_embedding",
+           "sincos_pos_embed_3d", "dsv_attention_available"]
+
+
+def _triple(v) -> Tuple[int, int, int]:
+    if isinstance(v, int):
+        return (v, v, v)
+    v = tuple(int(x) for x in v)
+    if len(v) != 3:
+        raise ValueError(f"expected 3 values (t, h, w), got {v}")
+    return v  # type: ignore[return-value]
+
+
+@dataclass
+class DiTConfig:
+    """Model section of a config file.
+
+    ``latent_size`` is the (T, H, W) latent grid the model is built for (the position embedding
+    and DSV's token grid follow from it; inputs must match it). ``patch`` is the 3D patch size.
+    ``attention`` is ``dsv`` or ``dense``; ``attention_kwargs`` go to DSVAttention unchanged.
+    """
+
+    in_channels: int = 4
+    latent_size: Tuple[int, int, int] = (8, 16, 16)
+    patch: Tuple[int, int, int] = (1, 2, 2)
+    hidden: int = 128
+    depth: int = 4
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    qk_norm: bool = True
+    attention: str = "dsv"
+    grad_checkpointing: bool = False
+    attention_kwargs: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.latent_size = _triple(self.latent_size)
+        self.patch = _triple(self.patch)
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden: {self.hidden} is not divisible by heads={self.heads}")
+        for n, (a, p) in zip("THW", zip(self.latent_size, self.patch)):
+            if a % p:
+                raise ValueError(f"latent_size: {n}={a} is not divisible by patch {p}")
+        if self.attention not in ("dsv", "dense"):
+            raise ValueError(f"attention: must be 'dsv' or 'dense', got {self.attention!r}")
+
+    @property
+    def grid(self) -> Tuple[int, int, int]:
+        """The token grid (T/pt, H/ph, W/pw)."""
+        return tuple(a // p for a, p in zip(self.latent_size, self.patch))  # type: ignore
+
+    @property
+    def num_tokens(self) -> int:
+        t, h, w = self.grid
+        return t * h * w
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "DiTConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"model: unknown keys {unknown}; known: {sorted(names)}")
+        return cls(**d)
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["latent_size"], d["patch"] = list(self.latent_size), list(self.patch)
+        return d
+
+
+def dsv_attention_available() -> bool:
+    try:
+        from dsv_ext.attention import DSVAttention  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Embeddings
+# ---------------------------------------------------------------------------------------------
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal embedding of timesteps ``t`` in [0, 1] (scaled by 1000), ``[B] -> [B, dim]``."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32,
+                                                          device=t.device) / half)
+    args = (t.float() * 1000.0)[:, None] * freqs[None]
+    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    if dim % 2:
+        emb = F.pad(emb, (0, 1))
+    return emb
+
+
+def sincos_pos_embed_3d(dim: int, grid: Sequence[int]) -> torch.Tensor:
+    """Fixed 3D sin-cos position embedding ``[T*H*W, dim]`` in raster (t, h, w) order.
+
+    Each axis gets ``2 * (dim // 6)`` channels (sin and cos of geometric frequencies); leftover
+    channels are zero.
+    """
+    t, h, w = grid
+    per = dim // 6
+    out = torch.zeros(t, h, w, dim)
+    if per == 0:
+        return out.reshape(t * h * w, dim)
+    omega = 1.0 / (10000 ** (torch.arange(per, dtype=torch.float64) / per))
+    coords = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+    for a, c in enumerate(coords):
+        ang = c.double()[..., None] * omega
+        out[..., 2 * per * a:2 * per * a + per] = torch.sin(ang).float()
+        out[..., 2 * per * a + per:2 * per * (a + 1)] = torch.cos(ang).float()
+    return out.reshape(t * h * w, dim)
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, hidden: int, freq_dim: int = 256):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.mlp(timestep_embedding(t, self.freq_dim).to(self.mlp[0].weight.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+
+class SelfAttention(nn.Module):
+    """Plain full self-attention (``F.scaled_dot_product_attention``): the dense baseline.
+
+    ``[B, S, hidden] -> [B, S, hidden]``; the same ``qkv`` / ``proj`` layers (and optional
+    per-head RMS QK-norm) as DSVAttention so the two start from identical weights.
+    """
+
+    def __init__(self, hidden: int, heads: int, qk_norm: bool = True, grid=None, **_: Any):
+        super().__init__()
+        self.hidden, self.heads, self.head_dim = hidden, heads, hidden // heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).unbind(2)
+        q, k = self.q_norm(q), self.k_norm(k)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.proj(o.transpose(1, 2).reshape(b, s, self.hidden))
+
+
+def _make_attention(cfg: DiTConfig, dsv_config=None) -> nn.Module:
+    if cfg.attention == "dense":
+        return SelfAttention(cfg.hidden, cfg.heads, qk_norm=cfg.qk_norm)
+    try:
+        from dsv_ext.attention import DSVAttention
+    except Exception as e:  # the drop-in module is not importable (not built yet?)
+        warnings.warn(f"dsv_ext.attention.DSVAttention is not importable ({e}); "
+                      "falling back to dense SelfAttention")
+        return SelfAttention(cfg.hidden, cfg.heads, qk_norm=cfg.qk_norm)
+    kw = dict(cfg.attention_kwargs)
+    kw.setdefault("qk_norm", cfg.qk_norm)
+    if dsv_config is not None:
+        kw["config"] = dsv_config
+    return DSVAttention(cfg.hidden, cfg.heads, grid=cfg.grid, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks
+# ---------------------------------------------------------------------------------------------
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class Mlp(nn.Module):
+    def __init__(self, hidden: int, ratio: float):
+        super().__init__()
+        inner = int(hidden * ratio)
+        self.fc1 = nn.Linear(hidden, inner)
+        self.fc2 = nn.Linear(inner, hidden)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class DiTBlock(nn.Module):
+    """adaLN-zero transformer block: self-attention and MLP, gated by the conditioning."""
+
+    def __init__(self, cfg: DiTConfig, dsv_config=None):
+        super().__init__()
+        h = cfg.hidden
+        self.norm1 = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
+        self.attn = _make_attention(cfg, dsv_config)
+        self.norm2 = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(h, cfg.mlp_ratio)
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(h, 6 * h))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        sh1, sc1, g1, sh2, sc2, g2 = self.ada(c).chunk(6, dim=-1)
+        x = x + g1[:, None] * self.attn(modulate(self.norm1(x), sh1, sc1))
+        x = x + g2[:, None] * self.mlp(modulate(self.norm2(x), sh2, sc2))
+        return x
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, hidden: int, out: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
+        self.linear = nn.Linear(hidden, out)
+
+    def forward(self, x, c):
+        shift, scale = self.ada(c).chunk(2, dim=-1)
+        return self.linear(modulate(self.norm(x), shift, scale))
+
+
+class VideoDiT(nn.Module):
+    """The reference video DiT. ``forward(x [B, C, T, H, W], t [B] in [0, 1]) -> [B, C, T, H, W]``
+    (the flow-matching velocity). ``seed`` drives :meth:`initialize_weights`; ``dsv_config``
+    (a ``DSVConfig``) is handed to every DSVAttention layer."""
+
+    def __init__(self, cfg: DiTConfig, seed: int = 0, dsv_config=None):
+        super().__init__()
+        self.cfg = cfg
+        c, h = cfg.in_channels, cfg.hidden
+        self.patch_embed = nn.Conv3d(c, h, kernel_size=cfg.patch, stride=cfg.patch)
+        self.register_buffer("pos_embed", sincos_pos_embed_3d(h, cfg.grid), persistent=False)
+        self.t_embed = TimestepEmbedder(h)
+        self.blocks = nn.ModuleList([DiTBlock(cfg, dsv_config) for _ in range(cfg.depth)])
+        pt, ph, pw = cfg.patch
+        self.final = FinalLayer(h, pt * ph * pw * c)
+        self.grad_checkpointing = cfg.grad_checkpointing
+        self.initialize_weights(seed)
+
+    # -- init -----------------------------------------------------------------------------------
+    def _own_modules(self):
+        """(name, module) of the DiT's own layers in order, skipping DSV predictor internals."""
+        skip = set()
+        try:
+            from dsv_ext.attention import SparseAttention  # type: ignore
+        except Exception:
+            SparseAttention = None
+        for name, m in self.named_modules():
+            if SparseAttention is not None and isinstance(m, SparseAttention):
+                skip.add(name)
+        for name, m in self.named_modules():
+            if any(name == s or name.startswith(s + ".") for s in skip):
+                continue
+            if "predictor" in name.split(".")[-1] or ".predictor" in name:
+                continue
+            yield name, m
+
+    @torch.no_grad()
+    def initialize_weights(self, seed: int = 0) -> None:
+        """DiT initialisation from a private generator (independent of the global RNG and of the
+        predictors' parameters): xavier-uniform linears, zero biases, N(0, 0.02) timestep MLP,
+        zero adaLN modulation and zero output layer (adaLN-zero)."""
+        g = torch.Generator()
+        g.manual_seed(int(seed))
+        for name, m in self._own_modules():
+            if isinstance(m, nn.Linear):
+                w = torch.empty(m.weight.shape, dtype=torch.float32)
+                if name.startswith("t_embed"):
+                    w.normal_(0.0, 0.02, generator=g)
+                else:
+                    nn.init.xavier_uniform_(w, generator=g)
+                m.weight.copy_(w)
+                if m.bias is not None:
+                    m.bias.zero_()
+        w = torch.empty(self.patch_embed.weight.shape, dtype=torch.float32)
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1), generator=g)
+        self.patch_embed.weight.copy_(w)
+        self.patch_embed.bias.zero_()
+        for blk in self.blocks:
+            blk.ada[-1].weight.zero_()
+            blk.ada[-1].bias.zero_()
+        self.final.ada[-1].weight.zero_()
+        self.final.ada[-1].bias.zero_()
+        self.final.linear.weight.zero_()
+        self.final.linear.bias.zero_()
+
+    # -- forward --------------------------------------------------------------------------------
+    def patchify(self, x: torch.Tensor) -> torch.Tensor:
+        return self.patch_embed(x).flatten(2).transpose(1, 2)  # [B, S, hidden], raster order
+
+    def unpatchify(self, y: torch.Tensor) -> torch.Tensor:
+        b = y.shape[0]
+        t, h, w = self.cfg.grid
+        pt, ph, pw = self.cfg.patch
+        c = self.cfg.in_channels
+        y = y.view(b, t, h, w, pt, ph, pw, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return y.reshape(b, c, t * pt, h * ph, w * pw)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 5 or tuple(x.shape[1:]) != (self.cfg.in_channels, *self.cfg.latent_size):
+            raise ValueError(f"x: expected [B, {self.cfg.in_channels}, "
+                             f"{', '.join(map(str, self.cfg.latent_size))}], got {tuple(x.shape)}")
+        if t.dim() != 1 or t.shape[0] != x.shape[0]:
+            raise ValueError(f"t: expected shape [{x.shape[0]}], got {tuple(t.shape)}")
+        tok = self.patchify(x) + self.pos_embed.to(x.dtype)
+        c = self.t_embed(t)
+        for blk in self.blocks:
+            if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+                tok = checkpoint(blk, tok, c, use_reentrant=False)
+            else:
+                tok = blk(tok, c)
+        return self.unpatchify(self.final(tok, c))
+
+    def dit_parameters(self):
+        """Parameters trained by the DiT optimizer (everything except DSV predictors)."""
+        pred = set()
+        for name, m in self.named_modules():
+            if hasattr(m, "predictor_parameters") and callable(m.predictor_parameters):
+                pred.update(id(p) for p in m.predictor_parameters())
+        return [p for n, p in self.named_parameters() if id(p) not in pred
+                and "predictor" not in n]

@@ -1,0 +1,493 @@
+"""The dsv ops: fake (meta) kernels, autograd, and the validated public functions.
+
+The kernels live in the compiled extension ``dsv_ext._C`` (C reference kernels on the CPU, CUDA
+kernels on the GPU) and are registered as ``torch.ops.dsv.*`` through PyTorch's stable ABI. This
+module adds what PyTorch needs around them (fake kernels for ``torch.compile`` and meta tensors,
+autograd formulas) and the public functions of the package, which check their arguments and raise
+``ValueError`` / ``TypeError`` messages that start with the name of the offending argument.
+
+See ``docs/API.md`` for the op contract and ``csrc/dsv.h`` for the exact semantics of each kernel.
+"""
+from __future__ import annotations
+
+import glob
+import math
+import os
+from typing import NamedTuple, Optional
+
+import torch
+
+__all__ = [
+    "sparse_attention",
+    "topk_estimate",
+    "predictor_loss",
+    "profile_attention",
+    "ProfileResult",
+    "gather_rows",
+    "scatter_add_rows",
+    "has_cuda_kernels",
+    "DEFAULT_COS_WEIGHT",
+    "DEFAULT_NORM_WEIGHT",
+]
+
+DEFAULT_COS_WEIGHT = 0.95
+DEFAULT_NORM_WEIGHT = 0.05
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _load_extension() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_C*.so")) + glob.glob(os.path.join(here, "_C*.pyd")))
+    if not found:
+        raise ImportError(
+            "dsv_ext: the compiled extension dsv_ext/_C*.so was not found. Build it with "
+            "`pip install --no-build-isolation -e .` from the repository root (torch must be "
+            "installed first).")
+    torch.ops.load_library(found[0])
+
+
+_load_extension()
+_ops = torch.ops.dsv
+
+
+def has_cuda_kernels() -> bool:
+    """True when the extension was built with its CUDA kernels."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("dsv::sparse_attention_fwd", "CUDA")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# fake kernels (shapes and dtypes only; used by torch.compile, meta tensors and opcheck)
+
+@torch.library.register_fake("dsv::sparse_attention_fwd")
+def _sparse_attention_fwd_fake(q, k, v, kv_index, kv_count, group_size, scale):
+    B, S, H, D = q.shape
+    return q.new_empty(B, S, H, D), q.new_empty(B, H, S, dtype=_acc_dtype(q.dtype))
+
+
+@torch.library.register_fake("dsv::sparse_attention_bwd")
+def _sparse_attention_bwd_fake(dout, q, k, v, out, lse, kv_index, kv_count, group_size, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+
+@torch.library.register_fake("dsv::topk_estimate")
+def _topk_estimate_fake(q_lr, k_lr, kv_count, group_size, kmax):
+    B, S, H, _ = q_lr.shape
+    return q_lr.new_empty(B, H, -(-S // group_size), kmax, dtype=torch.int32)
+
+
+@torch.library.register_fake("dsv::predictor_loss_fwd")
+def _predictor_loss_fwd_fake(q, k, q_lr, k_lr, rows, scale, cos_weight, norm_weight):
+    B, _, H, _ = q.shape
+    acc = _acc_dtype(q.dtype)
+    return q.new_empty(B, H, dtype=acc), q.new_empty(B, H, rows.shape[0], 3, dtype=acc)
+
+
+@torch.library.register_fake("dsv::predictor_loss_bwd")
+def _predictor_loss_bwd_fake(dloss, q, k, q_lr, k_lr, rows, row_stats, scale, cos_weight, norm_weight):
+    return q_lr.new_empty(q_lr.shape), q_lr.new_empty(q_lr.shape)
+
+
+@torch.library.register_fake("dsv::profile_attention")
+def _profile_attention_fake(q, k, rows, theta, scale, kv_index, kv_count, group_size):
+    B, _, H, _ = q.shape
+    acc = _acc_dtype(q.dtype)
+    return q.new_empty(B, H, dtype=acc), q.new_empty(B, H, dtype=acc)
+
+
+@torch.library.register_fake("dsv::gather_rows")
+def _gather_rows_fake(src, index):
+    return src.new_empty(index.shape[0], src.shape[1])
+
+
+@torch.library.register_fake("dsv::scatter_add_rows")
+def _scatter_add_rows_fake(src, index, num_rows):
+    return src.new_empty(num_rows, src.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# autograd
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def _sparse_attention_setup(ctx, inputs, output):
+    q, k, v, kv_index, kv_count, group_size, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, kv_index, kv_count)
+    ctx.group_size = group_size
+    ctx.scale = scale
+
+
+def _sparse_attention_backward(ctx, dout, dlse):
+    q, k, v, out, lse, kv_index, kv_count = ctx.saved_tensors
+    if dout is None:
+        return None, None, None, None, None, None, None
+    dq, dk, dv = _ops.sparse_attention_bwd(_last_dim_contiguous(dout), q, k, v, out, lse, kv_index,
+                                           kv_count, ctx.group_size, ctx.scale)
+    return dq, dk, dv, None, None, None, None
+
+
+torch.library.register_autograd("dsv::sparse_attention_fwd", _sparse_attention_backward,
+                                setup_context=_sparse_attention_setup)
+
+
+def _predictor_loss_setup(ctx, inputs, output):
+    q, k, q_lr, k_lr, rows, scale, cos_weight, norm_weight = inputs
+    _, row_stats = output
+    ctx.save_for_backward(q, k, q_lr, k_lr, rows, row_stats)
+    ctx.params = (scale, cos_weight, norm_weight)
+
+
+def _predictor_loss_backward(ctx, dloss, dstats):
+    q, k, q_lr, k_lr, rows, row_stats = ctx.saved_tensors
+    if dloss is None:
+        return None, None, None, None, None, None, None, None
+    dloss = dloss.to(row_stats.dtype).contiguous()
+    dq_lr, dk_lr = _ops.predictor_loss_bwd(dloss, q, k, q_lr, k_lr, rows, row_stats, *ctx.params)
+    return None, None, dq_lr, dk_lr, None, None, None, None
+
+
+torch.library.register_autograd("dsv::predictor_loss_fwd", _predictor_loss_backward,
+                                setup_context=_predictor_loss_setup)
+
+
+def _gather_rows_setup(ctx, inputs, output):
+    src, index = inputs
+    ctx.save_for_backward(index)
+    ctx.num_rows = src.shape[0]
+
+
+def _gather_rows_backward(ctx, grad):
+    (index,) = ctx.saved_tensors
+    return _ops.scatter_add_rows(_last_dim_contiguous(grad), index, ctx.num_rows), None
+
+
+torch.library.register_autograd("dsv::gather_rows", _gather_rows_backward, setup_context=_gather_rows_setup)
+
+
+def _scatter_add_rows_setup(ctx, inputs, output):
+    _, index, _ = inputs
+    ctx.save_for_backward(index)
+
+
+def _scatter_add_rows_backward(ctx, grad):
+    (index,) = ctx.saved_tensors
+    return _ops.gather_rows(_last_dim_contiguous(grad), index), None, None
+
+
+torch.library.register_autograd("dsv::scatter_add_rows", _scatter_add_rows_backward,
+                                setup_context=_scatter_add_rows_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks (messages start with the argument's name)
+
+def _check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_activation(name: str, t, ref: Optional[torch.Tensor] = None, ref_name: str = "q",
+                      last_dim: Optional[int] = None) -> None:
+    """A [B, S, H, D] floating tensor with a contiguous last dim, matching ``ref``."""
+    _check_tensor(name, t)
+    if t.dim() != 4:
+        raise ValueError(f"{name}: expected a 4-d [B, S, H, D] tensor, got shape {tuple(t.shape)}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected float32, float64, float16 or bfloat16, got {t.dtype}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {t.stride()}")
+    if t.shape[-1] == 0:
+        raise ValueError(f"{name}: the last dim (head dim) must not be empty")
+    if ref is not None:
+        if t.device != ref.device:
+            raise ValueError(f"{name}: on {t.device}, but {ref_name} is on {ref.device}")
+        if t.dtype != ref.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from {ref_name}'s {ref.dtype}")
+        want = tuple(ref.shape[:3]) + ((ref.shape[3],) if last_dim is None else (last_dim,))
+        if last_dim == -1:
+            want = tuple(ref.shape[:3]) + (t.shape[3],)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}: expected shape {want} to match {ref_name}, got {tuple(t.shape)}")
+
+
+def _check_group_size(group_size) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        try:
+            import operator
+            group_size = operator.index(group_size)
+        except TypeError:
+            raise TypeError(f"group_size: expected an int, got {type(group_size).__name__}") from None
+    if group_size <= 0:
+        raise ValueError(f"group_size: must be a positive int, got {group_size}")
+    return int(group_size)
+
+
+def _scale_of(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}") from None
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: must be finite, got {scale}")
+    return scale
+
+
+def _as_int32(name: str, t, device: torch.device) -> torch.Tensor:
+    _check_tensor(name, t)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor (int32), got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, but q is on {device}")
+    return t.to(torch.int32).contiguous()
+
+
+def _check_counts(kv_count: torch.Tensor, B: int, H: int) -> None:
+    if tuple(kv_count.shape) != (B, H):
+        raise ValueError(f"kv_count: expected shape ({B}, {H}) = [B, H], got {tuple(kv_count.shape)}")
+
+
+def _check_index(kv_index: torch.Tensor, kv_count: torch.Tensor, B: int, S: int, H: int,
+                 group_size: int, check_values: bool) -> None:
+    ng = -(-S // group_size)
+    if kv_index.dim() != 4 or tuple(kv_index.shape[:3]) != (B, H, ng):
+        raise ValueError(
+            f"kv_index: expected shape [B, H, ceil(S/G), Kmax] = [{B}, {H}, {ng}, Kmax] for S={S}, "
+            f"G={group_size}, got {tuple(kv_index.shape)}")
+    _check_counts(kv_count, B, H)
+    if not check_values or kv_index.numel() == 0 and kv_count.numel() == 0:
+        return
+    kmax = kv_index.shape[3]
+    lo, hi = (int(x) for x in torch.aminmax(kv_count)) if kv_count.numel() else (0, 0)
+    if lo < 0 or hi > kmax:
+        raise ValueError(f"kv_count: values must be in [0, Kmax={kmax}], got min {lo}, max {hi}")
+    if kv_index.numel() == 0:
+        return
+    used = torch.arange(kmax, device=kv_index.device) < kv_count[:, :, None, None]
+    bad = used & ((kv_index < 0) | (kv_index >= S))
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"kv_index: entry {tuple(where)} = {int(kv_index[tuple(where)])} is outside [0, S={S}) "
+            f"(only the first kv_count[b, h] entries of each list are used and checked)")
+
+
+def _check_rows(rows, S: int, device: torch.device, check_values: bool) -> torch.Tensor:
+    rows = _as_int32("rows", rows, device)
+    if rows.dim() != 1:
+        raise ValueError(f"rows: expected a 1-d tensor of query positions, got shape {tuple(rows.shape)}")
+    if check_values and rows.numel():
+        lo, hi = (int(x) for x in torch.aminmax(rows))
+        if lo < 0 or hi >= S:
+            raise ValueError(f"rows: positions must be in [0, S={S}), got min {lo}, max {hi}")
+    return rows
+
+
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """CUDA kernels load rows with 16-byte vectors: copy the rare misaligned view."""
+    if t.is_cuda:
+        es = t.element_size()
+        if t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
+            return t.contiguous()
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# public functions
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
+                     kv_count: torch.Tensor, group_size: int, scale: Optional[float] = None,
+                     check_index: bool = True) -> torch.Tensor:
+    """Grouped sparse attention over per-group key lists.
+
+    Args:
+        q, k, v: ``[B, S, H, D]`` (last dim contiguous; other strides are used without copies).
+        kv_index: int32 ``[B, H, ceil(S/G), Kmax]``: for each group of ``group_size`` consecutive
+            queries, the positions of the keys it attends to (distinct; duplicates would count
+            twice). Only the first ``kv_count[b, h]`` entries of each list are used.
+        kv_count: int32 ``[B, H]``, per-head list length, ``0 <= kv_count <= Kmax``.
+        group_size: queries per group ``G``; the last group may be partial.
+        scale: softmax scale, default ``1/sqrt(D)``.
+        check_index: check ``kv_count`` and the used ``kv_index`` entries on the host (a device
+            sync). Indices from :func:`topk_estimate` are valid by construction, so pass False
+            there; kernels never access memory out of bounds either way.
+
+    Returns:
+        ``[B, S, H, D]``, the same dtype as q; differentiable in q, k and v.
+
+    Example:
+        >>> import torch, dsv_ext
+        >>> q, k, v = (torch.randn(1, 128, 2, 64) for _ in range(3))
+        >>> q_lr, k_lr = torch.randn(1, 128, 2, 16), torch.randn(1, 128, 2, 16)
+        >>> count = torch.full((1, 2), 32, dtype=torch.int32)
+        >>> index = dsv_ext.topk_estimate(q_lr, k_lr, count, group_size=32)
+        >>> dsv_ext.sparse_attention(q, k, v, index, count, group_size=32).shape
+        torch.Size([1, 128, 2, 64])
+    """
+    _check_activation("q", q)
+    _check_activation("k", k, q)
+    _check_activation("v", v, q)
+    group_size = _check_group_size(group_size)
+    B, S, H, D = q.shape
+    kv_index = _as_int32("kv_index", kv_index, q.device)
+    kv_count = _as_int32("kv_count", kv_count, q.device)
+    _check_index(kv_index, kv_count, B, S, H, group_size, check_index)
+    scale = _scale_of(scale, D)
+    out, _ = _ops.sparse_attention_fwd(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), kv_index,
+                                       kv_count, group_size, scale)
+    return out
+
+
+def topk_estimate(q_lr: torch.Tensor, k_lr: torch.Tensor, kv_count: torch.Tensor, group_size: int,
+                  kmax: Optional[int] = None) -> torch.Tensor:
+    """Critical-key lists from low-rank projections: exact top-K of each group's scores.
+
+    The representative of group ``g`` is the mean of ``q_lr`` over its members; its scores are
+    its dot products with every ``k_lr`` row. List ``(b, h, g)`` holds the positions of the
+    ``kv_count[b, h]`` best keys, sorted ascending, then ``-1`` up to ``kmax``. Memory is
+    O(S * kmax): no score matrix is formed.
+
+    Args:
+        q_lr, k_lr: ``[B, S, H, r]`` low-rank queries and keys.
+        kv_count: int32 ``[B, H]`` keys to keep per head.
+        group_size: queries per group.
+        kmax: the list length (the last dim of the result). ``None`` uses ``max(kv_count)``, which
+            reads ``kv_count`` on the host (a device sync) and checks its values; pass it
+            explicitly in training loops. Counts above ``kmax`` are clamped to ``kmax``.
+
+    Returns:
+        int32 ``[B, H, ceil(S/G), kmax]``, ready for :func:`sparse_attention`.
+    """
+    _check_activation("q_lr", q_lr)
+    _check_activation("k_lr", k_lr, q_lr, "q_lr")
+    group_size = _check_group_size(group_size)
+    B, S, H, _ = q_lr.shape
+    kv_count = _as_int32("kv_count", kv_count, q_lr.device)
+    _check_counts(kv_count, B, H)
+    if kmax is None:
+        if kv_count.numel() == 0:
+            kmax = 0
+        else:
+            lo, hi = (int(x) for x in torch.aminmax(kv_count))
+            if lo < 0 or hi > S:
+                raise ValueError(f"kv_count: values must be in [0, S={S}], got min {lo}, max {hi}")
+            kmax = hi
+    else:
+        if isinstance(kmax, bool) or not isinstance(kmax, int):
+            raise TypeError(f"kmax: expected an int or None, got {type(kmax).__name__}")
+        if kmax < 0 or kmax > S:
+            raise ValueError(f"kmax: must be in [0, S={S}], got {kmax}")
+    return _ops.topk_estimate(_kernel_ready(q_lr), _kernel_ready(k_lr), kv_count, group_size, int(kmax))
+
+
+def predictor_loss(q: torch.Tensor, k: torch.Tensor, q_lr: torch.Tensor, k_lr: torch.Tensor, rows,
+                   scale: Optional[float] = None, cos_weight: float = DEFAULT_COS_WEIGHT,
+                   norm_weight: float = DEFAULT_NORM_WEIGHT, check_rows: bool = True) -> torch.Tensor:
+    """Loss of the low-rank predictor on sampled query rows, per (batch, head).
+
+    For each sampled row i the exact logits ``z_j = scale * q_i . k_j`` and the predicted ones
+    ``p_j = q_lr_i . k_lr_j`` over all keys j give
+    ``loss_i = cos_weight * (1 - cos(z, p)) + norm_weight * (|p| / |z| - 1)^2``; the result is the
+    mean over rows, ``[B, H]`` (float32, float64 for float64 inputs). Differentiable in ``q_lr``
+    and ``k_lr``; ``q`` and ``k`` are constants (detached). Memory is O(S) per row: no score
+    matrix is kept.
+    """
+    _check_activation("q", q)
+    _check_activation("k", k, q)
+    _check_activation("q_lr", q_lr, q, last_dim=-1)
+    _check_activation("k_lr", k_lr, q_lr, "q_lr")
+    B, S, H, D = q.shape
+    rows = _check_rows(rows, S, q.device, check_rows)
+    scale = _scale_of(scale, D)
+    loss, _ = _ops.predictor_loss_fwd(_kernel_ready(q.detach()), _kernel_ready(k.detach()), _kernel_ready(q_lr),
+                                      _kernel_ready(k_lr), rows, scale, float(cos_weight), float(norm_weight))
+    return loss
+
+
+class ProfileResult(NamedTuple):
+    """Per-head attention profile from sampled rows: ``sparsity`` and ``recall``, each ``[B, H]``.
+
+    ``sparsity`` is the fraction of keys outside the critical set (the smallest set holding
+    ``theta`` of the softmax mass); ``recall`` (None when no index was given) is the softmax mass
+    that the index covers.
+    """
+    sparsity: torch.Tensor
+    recall: Optional[torch.Tensor]
+
+
+def profile_attention(q: torch.Tensor, k: torch.Tensor, rows, theta: float = 0.9,
+                      kv_index: Optional[torch.Tensor] = None, kv_count: Optional[torch.Tensor] = None,
+                      group_size: Optional[int] = None, scale: Optional[float] = None) -> ProfileResult:
+    """Measure per-head sparsity at mass ``theta`` (and the recall of an index) on sampled rows."""
+    _check_activation("q", q)
+    _check_activation("k", k, q)
+    B, S, H, D = q.shape
+    rows = _check_rows(rows, S, q.device, True)
+    try:
+        theta = float(theta)
+    except (TypeError, ValueError):
+        raise TypeError(f"theta: expected a float, got {type(theta).__name__}") from None
+    if not 0.0 < theta <= 1.0:
+        raise ValueError(f"theta: must be in (0, 1], got {theta}")
+    scale = _scale_of(scale, D)
+    given = [x is not None for x in (kv_index, kv_count, group_size)]
+    if any(given) and not all(given):
+        raise ValueError("kv_index, kv_count, group_size: give all three to measure recall, or none")
+    if all(given):
+        group_size = _check_group_size(group_size)
+        kv_index = _as_int32("kv_index", kv_index, q.device)
+        kv_count = _as_int32("kv_count", kv_count, q.device)
+        _check_index(kv_index, kv_count, B, S, H, group_size, True)
+    sparsity, recall = _ops.profile_attention(_kernel_ready(q.detach()), _kernel_ready(k.detach()), rows, theta,
+                                              scale, kv_index, kv_count, group_size or 1)
+    return ProfileResult(sparsity, recall if all(given) else None)
+
+
+def _check_row_table(src, index) -> torch.Tensor:
+    _check_tensor("src", src)
+    if src.dim() != 2:
+        raise ValueError(f"src: expected a 2-d [rows, dim] tensor, got shape {tuple(src.shape)}")
+    if src.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"src: expected a floating dtype, got {src.dtype}")
+    if src.shape[1] > 1 and src.stride(1) != 1:
+        raise ValueError(f"src: the last dim must be contiguous, got strides {src.stride()}")
+    _check_tensor("index", index)
+    if index.dtype.is_floating_point or index.dtype == torch.bool:
+        raise TypeError(f"index: expected an integer tensor, got {index.dtype}")
+    if index.dim() != 1:
+        raise ValueError(f"index: expected a 1-d tensor, got shape {tuple(index.shape)}")
+    if index.device != src.device:
+        raise ValueError(f"index: on {index.device}, but src is on {src.device}")
+    return index.to(torch.int64).contiguous()
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor, check_index: bool = True) -> torch.Tensor:
+    """``src[index]`` for a ``[N, D]`` row table (differentiable: the backward scatter-adds)."""
+    index = _check_row_table(src, index)
+    if check_index and index.numel():
+        lo, hi = (int(x) for x in torch.aminmax(index))
+        if lo < 0 or hi >= src.shape[0]:
+            raise ValueError(f"index: rows must be in [0, {src.shape[0]}), got min {lo}, max {hi}")
+    return _ops.gather_rows(_kernel_ready(src), index)
+
+
+def scatter_add_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int,
+                     check_index: bool = True) -> torch.Tensor:
+    """A ``[num_rows, D]`` table with ``out[index[i]] += src[i]`` (accumulated in float32/64)."""
+    index = _check_row_table(src, index)
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
+        raise ValueError(f"num_rows: expected a non-negative int, got {num_rows!r}")
+    if index.shape[0] != src.shape[0]:
+        raise ValueError(f"index: has {index.shape[0]} entries but src has {src.shape[0]} rows")
+    if check_index and index.numel():
+        lo, hi = (int(x) for x in torch.aminmax(index))
+        if lo < 0 or hi >= num_rows:
+            raise ValueError(f"index: rows must be in [0, num_rows={num_rows}), got min {lo}, max {hi}")
+    return _ops.scatter_add_rows(_kernel_ready(src), index, num_rows)

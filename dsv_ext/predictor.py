@@ -1,0 +1,53 @@
+"""Per-head low-rank predictors of DSV.
+
+For head h, q_lr = q @ Wq[h] and k_lr = k @ Wk[h] (head_dim -> rank), trained so that
+q_lr . k_lr approximates the exact logit scale * q . k (loss: dsv_ext.predictor_loss).
+The weights are batched parameters of shape [H, D, r] (one einsum for all heads).
+
+Initialisation: Wq = Wk = W with W ~ N(0, scale / r), scale = 1/sqrt(D), so that
+E[W W^T] = scale * I and q_lr . k_lr is an unbiased random-projection estimate of the logit
+before any training (a Johnson-Lindenstrauss start, better than a random bilinear form).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["LowRankPredictor"]
+
+
+class LowRankPredictor(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, rank: int = 16, scale: Optional[float] = None,
+                 device=None, dtype=torch.float32):
+        super().__init__()
+        for n, v in (("num_heads", num_heads), ("head_dim", head_dim), ("rank", rank)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{n}: expected a positive int, got {v!r}")
+        self.num_heads, self.head_dim, self.rank = num_heads, head_dim, rank
+        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+        self.wq = nn.Parameter(torch.empty(num_heads, head_dim, rank, device=device, dtype=dtype))
+        self.wk = nn.Parameter(torch.empty(num_heads, head_dim, rank, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        std = math.sqrt(self.scale / self.rank)
+        w = torch.randn(self.wq.shape, generator=generator, dtype=torch.float32) * std
+        self.wq.copy_(w)
+        self.wk.copy_(w)
+
+    def project(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """[B, S, H, D] x [H, D, r] -> [B, S, H, r] in x's dtype (autocast off: explicit dtype)."""
+        if x.dim() != 4 or x.shape[2] != self.num_heads or x.shape[3] != self.head_dim:
+            raise ValueError(f"x: expected [B, S, {self.num_heads}, {self.head_dim}], got {tuple(x.shape)}")
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return torch.einsum("bshd,hdr->bshr", x, w.to(x.dtype)).contiguous()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.project(q, self.wq), self.project(k, self.wk)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, head_dim={self.head_dim}, rank={self.rank}"

@@ -1,0 +1,84 @@
+"""Build script of dsv-ext.
+
+The C reference kernels (csrc/cpu/*.c, C11 + OpenMP) are built into a static library with the C
+compiler; the one C++ file (csrc/dsv_ops.cpp, PyTorch stable ABI, TORCH_TARGET_VERSION 2.10) and,
+when CUDA is available, the CUDA kernels (csrc/cuda/*.cu) are linked into dsv_ext/_C.
+
+Environment:
+  DSV_BUILD_CUDA   "auto" (default): build the CUDA kernels when torch has CUDA and nvcc exists;
+                   "1" forces them (an error if impossible); "0" builds the CPU kernels only.
+  DSV_CUDA_ARCH    nvcc target flags, default "-gencode=arch=compute_90a,code=sm_90a" (H100/H200).
+  MAX_JOBS         parallel compile jobs (ninja), as for any PyTorch extension.
+"""
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+
+import torch
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+TORCH_TARGET_VERSION = "0x020a000000000000"  # the stable ABI of PyTorch 2.10
+
+
+def _rel(paths):
+    return sorted(os.path.relpath(p, ROOT) for p in paths)
+
+
+def want_cuda():
+    setting = os.environ.get("DSV_BUILD_CUDA", "auto").strip().lower()
+    nvcc = shutil.which("nvcc") or (CUDA_HOME and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")))
+    possible = torch.version.cuda is not None and CUDA_HOME is not None and bool(nvcc)
+    if setting in ("0", "false", "no", "off"):
+        return False
+    if setting in ("1", "true", "yes", "on"):
+        if not possible:
+            raise RuntimeError(
+                "DSV_BUILD_CUDA=1 but CUDA kernels cannot be built: torch.version.cuda="
+                f"{torch.version.cuda}, CUDA_HOME={CUDA_HOME}, nvcc={'found' if nvcc else 'missing'}")
+        return True
+    return possible
+
+
+with_cuda = want_cuda()
+c_sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.c")))
+cu_sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))) if with_cuda else []
+
+define_macros = [("TORCH_TARGET_VERSION", TORCH_TARGET_VERSION), ("TORCH_STABLE_ONLY", None)]
+cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+nvcc_flags = [
+    "-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr",
+    *os.environ.get("DSV_CUDA_ARCH", "-gencode=arch=compute_90a,code=sm_90a").split(),
+]
+if with_cuda:
+    define_macros += [("DSV_WITH_CUDA", None), ("USE_CUDA", None)]
+    # the kernels use the half / bfloat16 intrinsics and operators directly
+    nvcc_flags += ["-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                   "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
+
+Extension = CUDAExtension if with_cuda else CppExtension
+ext = Extension(
+    name="dsv_ext._C",
+    sources=["csrc/dsv_ops.cpp", *cu_sources],
+    include_dirs=[os.path.join(ROOT, "csrc")],
+    define_macros=define_macros,
+    extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+    extra_link_args=["-fopenmp"],
+    libraries=["dsv_cpu"],
+    py_limited_api=True,
+)
+
+setup(
+    packages=find_packages(include=["dsv_ext", "dsv_ext.*"]),
+    libraries=[("dsv_cpu", {
+        "sources": c_sources,
+        "include_dirs": ["csrc"],
+        "cflags": ["-std=c11", "-O3", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                   "-fvisibility=hidden"],
+    })],
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)
