@@ -1,6 +1,6 @@
 """Drop-in DSV attention modules.
 
-PUBLIC API (stable; implementation in progress below)
+PUBLIC API
 ------------------------------------------------------
 class SparseAttention(nn.Module):
     SparseAttention(num_heads: int, head_dim: int, grid: tuple[int,int,int] | None = None,
@@ -29,3 +29,429 @@ class DenseAttention(nn.Module): # plain SDPA core with the same call signature;
     DenseAttention(num_heads, head_dim)   # swaps any `.attn_core` of this type for SparseAttention
     forward(q, k, v, grid=None, scale=None) -> out   # [B, S, H, D]
 """
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DSVConfig
+from .grouping import check_grid, cube_permutation
+from .predictor import LowRankPredictor
+
+try:  # the compiled ops; the Python layer stays importable without them (clear error at use)
+    from . import ops as _ops
+    _OPS_ERROR: Optional[BaseException] = None
+except Exception as e:  # pragma: no cover - only before the extension is built
+    _ops = None  # type: ignore[assignment]
+    _OPS_ERROR = e
+
+__all__ = ["SparseAttention", "DSVAttention", "DenseAttention", "dense_core", "sparse_core"]
+
+
+def _identity(x):
+    return x
+
+
+def _need_ops():
+    if _ops is None:
+        raise ImportError(f"dsv_ext.ops is not available (build the extension): {_OPS_ERROR}")
+    return _ops
+
+
+# ------------------------------------------------------------------------------------------------
+# pure core functions (no module state, no host syncs): torch.compile(fullgraph=True) friendly
+
+def _sdpa_priority():
+    from torch.nn.attention import SDPBackend
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def dense_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
+               backend: str = "auto") -> torch.Tensor:
+    """Dense attention on [B, S, H, D] tensors through SDPA (output [B, S, H, D], a view).
+
+    backend "auto" on CUDA asks SDPA for cuDNN first, then Flash, memory-efficient and math
+    (the fastest available on Hopper); elsewhere torch's default choice is kept."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if backend == "auto" and q.is_cuda:
+        from torch.nn.attention import sdpa_kernel
+        with sdpa_kernel(_sdpa_priority(), set_priority=True):
+            o = F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+    else:
+        o = F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+    return o.transpose(1, 2)
+
+
+def _autocast_inputs(q, k, v):
+    dev = q.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    return q, k, v
+
+
+_CUDA_SPARSE_HEAD_DIMS = (64, 96, 128, 256)
+
+
+def kernel_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the dsv kernels run in for this input: the CUDA kernels take bf16/fp16 only
+    (float32/float64 inputs run in bf16 there); the CPU kernels take any float dtype."""
+    if t.is_cuda and t.dtype not in (torch.bfloat16, torch.float16):
+        return torch.bfloat16
+    return t.dtype
+
+
+def kernels_available(device: torch.device, head_dim: int, rank: int) -> bool:
+    """Whether predictor training / profiling kernels exist for this device and shape."""
+    if _ops is None:
+        return False
+    if torch.device(device).type == "cuda":
+        return _ops.has_cuda_kernels() and head_dim <= 256 and rank <= 64
+    return True
+
+
+def sparse_supported(device: torch.device, head_dim: int, rank: int) -> bool:
+    """Whether the sparse path (estimation + sparse attention) exists for this device and shape."""
+    if not kernels_available(device, head_dim, rank):
+        return False
+    return torch.device(device).type != "cuda" or head_dim in _CUDA_SPARSE_HEAD_DIMS
+
+
+def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                perm: Optional[torch.Tensor], inv: Optional[torch.Tensor], kv_count: torch.Tensor,
+                kmax: int, group_size: int, scale: Optional[float] = None) -> torch.Tensor:
+    """Stage-2 attention on [B, S, H, D]: cube-reorder the queries, low-rank projections (detached
+    from the model graph), top-K estimation of each query group's keys, sparse attention,
+    inverse reorder. Keys/values stay in their original order (kv_index addresses them there),
+    so only q and the output are permuted.
+
+    wq, wk: predictor weights [H, D, r]; perm/inv: int64 [S] (None = no reordering);
+    kv_count: int32 [H] per-head K (<= kmax); kmax: Python int, the index list length."""
+    ops = _need_ops()
+    q, k, v = _autocast_inputs(q, k, v)
+    out_dtype = q.dtype
+    kdt = kernel_dtype(q)
+    q, k, v = q.to(kdt), k.to(kdt), v.to(kdt)
+    B, S, H, D = q.shape
+    qp = q.index_select(1, perm) if perm is not None else q
+    with torch.no_grad():
+        q_lr = torch.einsum("bshd,hdr->bshr", qp.detach(), wq.detach().to(q.dtype)).contiguous()
+        k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), wk.detach().to(k.dtype)).contiguous()
+    counts = kv_count.view(1, H).expand(B, H).contiguous()
+    index = ops.topk_estimate(q_lr, k_lr, counts, group_size, kmax)
+    out = ops.sparse_attention(qp, k, v, index, counts, group_size, scale, check_index=False)
+    out = out.index_select(1, inv) if inv is not None else out
+    return out.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+
+class DenseAttention(nn.Module):
+    """Plain SDPA attention core with SparseAttention's call signature (q, k, v: [B, S, H, D]).
+
+    A model may use it as its `.attn_core`; dsv_ext.convert() swaps it for a SparseAttention."""
+
+    def __init__(self, num_heads: int, head_dim: int, backend: str = "auto"):
+        super().__init__()
+        self.num_heads, self.head_dim, self.backend = int(num_heads), int(head_dim), backend
+
+    def forward(self, q, k, v, grid=None, scale=None):
+        return dense_core(q, k, v, scale, self.backend)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, head_dim={self.head_dim}"
+
+
+class SparseAttention(nn.Module):
+    """Drop-in for F.scaled_dot_product_attention on [B, S, H, D] with DSV's two stages.
+
+    Stage 1 (default; also what you get without a DSVController): dense SDPA. When the controller
+    arms a step, the forward additionally trains the predictors on sampled query rows (loss and
+    its backward run here on detached q, k; only predictor .grad is touched) and/or profiles the
+    per-head sparsity. Stage 2: cube-ordered query groups, top-K keys per group estimated from the
+    low-rank predictors with per-head K from the profiled sparsity, sparse attention; blocks the
+    dispatcher keeps dense stay on SDPA.
+
+    State the controller sets (all host-side): stage, use_sparse, density/kv_count/kmax (from the
+    sparsity EMAs), _train_now, _profile_now, _row_offset.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, grid: Optional[Sequence[int]] = None,
+                 config: Optional[DSVConfig] = None, name: Optional[str] = None):
+        super().__init__()
+        if not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
+        if not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"head_dim: expected a positive int, got {head_dim!r}")
+        self.config = config if config is not None else DSVConfig()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.name = name
+        self.grid: Optional[Tuple[int, int, int]] = None
+        if grid is not None:
+            self.set_grid(grid)
+        self.predictor = LowRankPredictor(num_heads, head_dim, self.config.rank)
+        # stage / dispatch state (host side, set by the controller)
+        self.stage: int = 1
+        self.use_sparse: bool = False
+        self.density: Optional[List[float]] = None       # per-head 1 - sparsity EMA
+        self.kmax: int = 0
+        self._k_seq_len: int = -1
+        self.register_buffer("kv_count", torch.zeros(num_heads, dtype=torch.int32), persistent=False)
+        # per-step flags (controller) and per-step results (read by the controller)
+        self._train_now: bool = False
+        self._profile_now: bool = False
+        self._row_offset: int = 0
+        self._seq_len: int = -1
+        self._batch: int = 1
+        self._dtype: torch.dtype = torch.float32
+        self._pending_loss: Optional[torch.Tensor] = None      # [H] sum over forwards
+        self._pending_loss_n: int = 0
+        self._pending_sparsity: Optional[torch.Tensor] = None  # [H]
+        self._pending_sparsity_n: int = 0
+        self._pending_recall: Optional[torch.Tensor] = None    # [H]
+        self._pending_recall_n: int = 0
+        self._rows_cache: Dict[tuple, torch.Tensor] = {}
+        self._grad_acc: Optional[List[torch.Tensor]] = None     # predictor grads [wq, wk]
+        self._warned = False
+
+    # ---------------------------------------------------------------- configuration
+    def set_grid(self, grid: Optional[Sequence[int]]) -> None:
+        """The (T, H, W) token grid used when forward() is called without one (None: no reorder)."""
+        self.grid = None if grid is None else check_grid(grid)
+
+    def set_density(self, density: Optional[Sequence[float]], seq_len: Optional[int] = None) -> None:
+        """Per-head density (1 - sparsity) -> per-head K for seq_len (host only, no sync)."""
+        if density is None:
+            self.density, self.kmax, self._k_seq_len = None, 0, -1
+            return
+        if len(density) != self.num_heads:
+            raise ValueError(f"density: expected {self.num_heads} values, got {len(density)}")
+        self.density = [float(d) for d in density]
+        S = seq_len if seq_len is not None else self._seq_len
+        if S is not None and S > 0:
+            self._refresh_counts(S)
+
+    @torch._dynamo.disable
+    def _refresh_counts(self, S: int) -> None:
+        ks = [self.config.head_k(1.0 - d, S) for d in self.density]  # type: ignore[union-attr]
+        self.kmax = max(ks)
+        with torch.no_grad():
+            self.kv_count.copy_(torch.tensor(ks, dtype=torch.int32), non_blocking=True)
+        self._k_seq_len = S
+
+    @property
+    def head_k(self) -> List[int]:
+        """Per-head K for the current sequence length (host copy, no device sync)."""
+        if self.density is None or self._k_seq_len < 0:
+            return []
+        return [self.config.head_k(1.0 - d, self._k_seq_len) for d in self.density]
+
+    # ---------------------------------------------------------------- forward
+    def _check(self, q, k, v) -> None:
+        for n, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{n}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ValueError(f"{n}: expected a [B, S, H, D] tensor, got shape {tuple(t.shape)}")
+            if t.shape[2] != self.num_heads or t.shape[3] != self.head_dim:
+                raise ValueError(f"{n}: expected H={self.num_heads}, D={self.head_dim} in [B, S, H, D], "
+                                 f"got shape {tuple(t.shape)}")
+        if k.shape != q.shape or v.shape != q.shape:
+            raise ValueError(f"k, v: expected the shape of q {tuple(q.shape)} (self-attention), "
+                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+
+    def _perm(self, grid, S: int, device):
+        if grid is None:
+            return None, None
+        return cube_permutation(grid, self.config.cube, S, device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Optional[Sequence[int]] = None,
+                scale: Optional[float] = None) -> torch.Tensor:
+        self._check(q, k, v)
+        grid = self.grid if grid is None else tuple(grid)
+        if self.training and (self._train_now or self._profile_now):
+            self._side_tasks(q, k, grid, scale)
+        if self.stage == 2 and self.use_sparse and self.density is not None:
+            S = q.shape[1]
+            if S != self._k_seq_len:
+                self._refresh_counts(S)
+            perm, inv = self._perm(grid, S, q.device)
+            return sparse_core(q, k, v, self.predictor.wq, self.predictor.wk, perm, inv, self.kv_count,
+                               self.kmax, self.config.group_size, scale)
+        return dense_core(q, k, v, scale, self.config.dense_backend)
+
+    # ---------------------------------------------------------------- side tasks (eager)
+    def _rows(self, S: int, device) -> torch.Tensor:
+        stride = self.config.row_sample_stride
+        off = self._row_offset % min(stride, S)
+        key = (S, off, str(device))
+        r = self._rows_cache.get(key)
+        if r is None:
+            if len(self._rows_cache) > 32:
+                self._rows_cache.clear()
+            r = torch.arange(off, S, stride, dtype=torch.int32).to(device)
+            self._rows_cache[key] = r
+        return r
+
+    @staticmethod
+    def _accumulate(cur: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
+        return new if cur is None else cur + new
+
+    @torch._dynamo.disable
+    def _side_tasks(self, q: torch.Tensor, k: torch.Tensor, grid, scale: Optional[float]) -> None:
+        """Predictor training step (loss + backward into predictor .grad) and profiling, on
+        detached q, k. Skipped while autograd recomputes a checkpointed forward."""
+        if torch._C._current_graph_task_id() != -1:  # inside backward (activation recompute)
+            return
+        cfg = self.config
+        if not kernels_available(q.device, self.head_dim, cfg.rank):
+            if not self._warned:
+                import warnings
+                warnings.warn(f"SparseAttention({self.name}): no dsv kernels for {q.device.type} with "
+                              f"head_dim={self.head_dim}, rank={cfg.rank}: predictors are not trained "
+                              "and the block stays dense")
+                self._warned = True
+            return
+        ops = _need_ops()
+        kdt = kernel_dtype(q)
+        q, k = q.detach().to(kdt), k.detach().to(kdt)
+        B, S, H, D = q.shape
+        self._seq_len, self._batch, self._dtype = S, B, q.dtype
+        rows = self._rows(S, q.device)
+        # identity saved-tensor hooks: the predictor-loss graph must stay invisible to activation
+        # checkpointing (whose own hooks would otherwise count these tensors) and to offloading
+        with torch.autocast(device_type=q.device.type, enabled=False), \
+                torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            if self._train_now:
+                with torch.enable_grad():
+                    wq = self.predictor.wq.detach().requires_grad_(True)
+                    wk = self.predictor.wk.detach().requires_grad_(True)
+                    q_lr, k_lr = self.predictor(q, k, wq, wk)
+                    loss = ops.predictor_loss(q, k, q_lr, k_lr, rows, scale, cfg.cos_weight,
+                                              cfg.norm_weight, check_rows=False)
+                    gq, gk = torch.autograd.grad(loss.mean(0).sum(), (wq, wk))
+                if self._grad_acc is None:
+                    self._grad_acc = [gq, gk]
+                else:
+                    self._grad_acc[0] += gq
+                    self._grad_acc[1] += gk
+                self._pending_loss = self._accumulate(self._pending_loss, loss.detach().float().mean(0))
+                self._pending_loss_n += 1
+            if self._profile_now:
+                with torch.no_grad():
+                    recall = None
+                    if cfg.measure_recall and self.density is not None:
+                        if S != self._k_seq_len:
+                            self._refresh_counts(S)
+                        perm, _ = self._perm(grid, S, q.device)
+                        qp = q.index_select(1, perm) if perm is not None else q
+                        q_lr, k_lr = self.predictor(qp, k)
+                        counts = self.kv_count.view(1, H).expand(B, H).contiguous()
+                        index = ops.topk_estimate(q_lr, k_lr, counts, cfg.group_size, self.kmax)
+                        prof = ops.profile_attention(qp, k, rows, cfg.theta, index, counts, cfg.group_size, scale)
+                        recall = prof.recall
+                    else:
+                        prof = ops.profile_attention(q, k, rows, cfg.theta, scale=scale)
+                self._pending_sparsity = self._accumulate(self._pending_sparsity, prof.sparsity.float().mean(0))
+                self._pending_sparsity_n += 1
+                if recall is not None:
+                    self._pending_recall = self._accumulate(self._pending_recall, recall.float().mean(0))
+                    self._pending_recall_n += 1
+
+    def sparse_supported(self) -> bool:
+        """Whether this block can run the sparse path on its device (dispatcher precondition)."""
+        return sparse_supported(self.kv_count.device, self.head_dim, self.config.rank)
+
+    def predictor_parameters(self):
+        """The predictor weights (trained by DSVController's own optimizer, never by the model's)."""
+        return list(self.predictor.parameters())
+
+    def pop_grads(self) -> Optional[List[torch.Tensor]]:
+        """Predictor gradients accumulated by the forwards since the last call ([d wq, d wk])."""
+        g, self._grad_acc = self._grad_acc, None
+        return g
+
+    def pop_pending(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(mean loss [H], mean sparsity [H], mean recall [H]) measured since the last call (device
+        tensors or None); resets the accumulators. Used by the controller."""
+        def mean(t, n):
+            return None if t is None or n == 0 else t / n
+        out = (mean(self._pending_loss, self._pending_loss_n),
+               mean(self._pending_sparsity, self._pending_sparsity_n),
+               mean(self._pending_recall, self._pending_recall_n))
+        self._pending_loss, self._pending_loss_n = None, 0
+        self._pending_sparsity, self._pending_sparsity_n = None, 0
+        self._pending_recall, self._pending_recall_n = None, 0
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, head_dim={self.head_dim}, grid={self.grid}, stage={self.stage}, "
+                f"use_sparse={self.use_sparse}, rank={self.config.rank}, group_size={self.config.group_size}")
+
+
+# ------------------------------------------------------------------------------------------------
+
+class DSVAttention(nn.Module):
+    """Self-attention layer for new models: qkv projection, optional QK RMSNorm, rotary hook,
+    DSV attention core (SparseAttention) and output projection. x: [B, S, dim] -> [B, S, dim]."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: Optional[int] = None, qkv_bias: bool = True,
+                 out_bias: bool = True, qk_norm: bool = False, norm_eps: float = 1e-6,
+                 rotary: Optional[Callable] = None, grid: Optional[Sequence[int]] = None,
+                 config: Optional[DSVConfig] = None):
+        super().__init__()
+        if not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim: expected a positive int, got {dim!r}")
+        if not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
+        if head_dim is None:
+            if dim % num_heads:
+                raise ValueError(f"num_heads: {num_heads} does not divide dim={dim} (pass head_dim)")
+            head_dim = dim // num_heads
+        self.dim, self.num_heads, self.head_dim = dim, num_heads, head_dim
+        inner = num_heads * head_dim
+        self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias)
+        self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else nn.Identity()
+        self.rotary = rotary
+        self.attn_core = SparseAttention(num_heads, head_dim, grid=grid, config=config)
+        self.proj = nn.Linear(inner, dim, bias=out_bias)
+
+    @classmethod
+    def from_modules(cls, qkv: nn.Linear, proj: nn.Linear, num_heads: int, head_dim: int,
+                     q_norm: Optional[nn.Module] = None, k_norm: Optional[nn.Module] = None,
+                     rotary: Optional[Callable] = None, grid: Optional[Sequence[int]] = None,
+                     config: Optional[DSVConfig] = None) -> "DSVAttention":
+        """A DSVAttention that takes over existing layers (no copies: same parameters)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.dim, self.num_heads, self.head_dim = qkv.in_features, num_heads, head_dim
+        if qkv.out_features != 3 * num_heads * head_dim:
+            raise ValueError(f"qkv: expected {3 * num_heads * head_dim} output features, got {qkv.out_features}")
+        self.qkv = qkv
+        self.q_norm = q_norm if q_norm is not None else nn.Identity()
+        self.k_norm = k_norm if k_norm is not None else nn.Identity()
+        self.rotary = rotary
+        self.attn_core = SparseAttention(num_heads, head_dim, grid=grid, config=config)
+        p = qkv.weight
+        self.attn_core.to(device=p.device)
+        self.proj = proj
+        return self
+
+    def forward(self, x: torch.Tensor, grid: Optional[Sequence[int]] = None,
+                rotary: Optional[Callable] = None) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x: expected [B, S, {self.dim}], got shape {tuple(x.shape)}")
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.num_heads, self.head_dim).unbind(2)
+        q, k = self.q_norm(q), self.k_norm(k)
+        rot = rotary if rotary is not None else self.rotary
+        if rot is not None:
+            q, k = rot(q, k)
+        o = self.attn_core(q, k, v, grid=grid)
+        return self.proj(o.reshape(B, S, self.num_heads * self.head_dim))

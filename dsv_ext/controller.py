@@ -1,12 +1,16 @@
 """DSVController: predictor training, profiling, stage switching and op dispatch.
 
-PUBLIC API (stable; implementation in progress below)
+PUBLIC API
 ------------------------------------------------------
 class DSVController:
     DSVController(model: nn.Module, config: DSVConfig | str | dict | None = None,
-                  dispatcher: Dispatcher | None = None)
+                  dispatcher: Dispatcher | None = None, process_group=None)
         Finds every SparseAttention in `model` (after dsv_ext.convert or DSVAttention layers),
         creates an AdamW over their predictors and arms step 0 (predictor training + profile).
+        With torch.distributed initialised, predictor gradients and profiled statistics are
+        averaged over `process_group` (default: the world) so every rank takes the same decisions.
+        Predictor parameters have requires_grad=False: the model's own optimizer, DDP and
+        zero_grad() never touch them (their grads live in SparseAttention until step()).
     step() -> None
         Call once per training step AFTER loss.backward() (before or after your optimizer step):
         steps the predictor optimizer, updates sparsity EMAs, checks the stage switch, arms the
@@ -17,8 +21,334 @@ class DSVController:
     optimizer: torch.optim.AdamW    # over the predictors only
     summary() -> dict               # {"dsv/stage", "dsv/step", "dsv/sparsity", "dsv/loss",
                                     #  "dsv/recall" (if measured), "dsv/sparse_blocks"}
+    block_stats() -> list[dict]     # per block: name, head_sparsity, sparsity, recall, loss,
+                                    #  use_sparse, head_k
+    mean_loss(sync=True) / mean_sparsity() / mean_recall() -> float | None
     state_dict() -> dict; load_state_dict(sd) -> None
         round-trip step, stage, EMAs, predictors and optimizer (a resumed run continues in the
         same stage with identical next steps).
     switch_to_stage2() -> None      # manual switch (also via config.force_stage2_step)
 """
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from .attention import SparseAttention
+from .config import DSVConfig
+from .dispatch import Dispatcher
+
+__all__ = ["DSVController"]
+
+
+def _as_config(config) -> DSVConfig:
+    if config is None:
+        return DSVConfig()
+    if isinstance(config, DSVConfig):
+        return config
+    if isinstance(config, str):
+        return DSVConfig.from_yaml(config)
+    if isinstance(config, dict):
+        return DSVConfig.from_dict(config)
+    raise TypeError(f"config: expected a DSVConfig, a YAML path, a dict or None, got {type(config).__name__}")
+
+
+class DSVController:
+    """Drives every SparseAttention of a model through DSV's two stages (see module docstring).
+
+    Per training step (`step()` arms the *next* step's forward):
+      * stage 1: every `train_every_stage1` steps, each block's forward trains its predictor
+        (sampled rows; loss + backward inside the forward, grads into the predictor only); step()
+        then runs the predictor AdamW. On the profile schedule the forward measures per-head
+        sparsity; step() folds it into the EMAs (one host sync per profile step).
+      * the switch: when the mean over blocks of the (smoothed) predictor loss is below
+        `switch_loss` at a check step (one host sync per check), or at `force_stage2_step`.
+        Blocks without a sparsity estimate are profiled first (the switch waits one step).
+      * stage 2: the dispatcher chooses sparse or dense per block from the EMAs; predictors
+        fine-tune at `finetune_lr` every `train_every_stage2` steps; profiling continues (with
+        recall of the predicted index) and refreshes per-head K.
+    """
+
+    def __init__(self, model: nn.Module, config: Union[DSVConfig, str, dict, None] = None,
+                 dispatcher: Optional[Dispatcher] = None, process_group=None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.process_group = process_group
+        self.modules: List[Tuple[str, SparseAttention]] = [
+            (n, m) for n, m in model.named_modules() if isinstance(m, SparseAttention)]
+        if not self.modules:
+            raise ValueError("model: contains no SparseAttention (use DSVAttention layers or dsv_ext.convert first)")
+        # config None: the one the modules were built with (convert / DSVAttention)
+        self.config = _as_config(config) if config is not None else self.modules[0][1].config
+        for n, m in self.modules:
+            m.config = self.config
+            if m.name is None:
+                m.name = n
+        self.dispatcher = dispatcher if dispatcher is not None else Dispatcher(self.config)
+        params = [p for _, m in self.modules for p in m.predictor.parameters()]
+        self.optimizer = torch.optim.AdamW(params, lr=self.config.predictor_lr, betas=self.config.predictor_betas,
+                                           weight_decay=self.config.predictor_weight_decay)
+        nb = len(self.modules)
+        self.step_count: int = 0
+        self.stage: int = 1
+        self._switch_pending: bool = False
+        self.sparsity_ema: List[Optional[List[float]]] = [None] * nb   # host, per block per head
+        self.recall: List[Optional[List[float]]] = [None] * nb          # latest measured, host
+        self._loss_ema: List[Optional[torch.Tensor]] = [None] * nb      # device [H], no sync
+        self._last_loss_host: Optional[float] = None
+        self._trained_this_step = False
+        self.switch_step: Optional[int] = None
+        self._arm()
+
+    # ---------------------------------------------------------------- per-step flags
+    def _arm(self) -> None:
+        """Set the flags the forwards of the next step (self.step_count) read."""
+        s, cfg = self.step_count, self.config
+        train = cfg.train_due(s, self.stage)
+        profile = cfg.profile_due(s) or (self._switch_pending and any(e is None for e in self.sparsity_ema))
+        # rotate the sampled rows: offset (s * 7) mod stride visits every residue (stride a power of 2)
+        off = (s * 7) % cfg.row_sample_stride
+        for m in (m for _, m in self.modules):
+            m._train_now, m._profile_now, m._row_offset = train, profile, off
+            m.stage = self.stage
+        self._trained_this_step = train
+
+    # ---------------------------------------------------------------- the step
+    @torch.no_grad()
+    def step(self) -> None:
+        """Once per training step, after loss.backward()."""
+        cfg = self.config
+        profiled = False
+        got_loss = []
+        sparsities = []
+        recalls = []
+        for i, (_, m) in enumerate(self.modules):
+            loss, sp, rec = m.pop_pending()
+            if loss is not None:
+                a = cfg.loss_ema_alpha
+                prev = self._loss_ema[i]
+                self._loss_ema[i] = loss.clone() if prev is None else prev.mul(a).add_(loss, alpha=1 - a)
+            got_loss.append(loss is not None)
+            sparsities.append(sp)
+            recalls.append(rec)
+        grads = [(m, m.pop_grads()) for _, m in self.modules]
+        if any(g is not None for _, g in grads):
+            self._sync_grads(grads)
+            for m, g in grads:
+                if g is not None:
+                    m.predictor.wq.grad = g[0].to(m.predictor.wq.dtype)
+                    m.predictor.wk.grad = g[1].to(m.predictor.wk.dtype)
+            self.optimizer.step()
+            for m, _ in grads:
+                m.predictor.wq.grad = None
+                m.predictor.wk.grad = None
+
+        # profile results -> EMAs (one host transfer for all blocks)
+        idx = [i for i, sp in enumerate(sparsities) if sp is not None]
+        if idx:
+            profiled = True
+            host = self._sync_stats(torch.stack([sparsities[i] for i in idx])).cpu().tolist()
+            for i, new in zip(idx, host):
+                old = self.sparsity_ema[i]
+                a = cfg.ema_alpha
+                self.sparsity_ema[i] = list(new) if old is None else [a * o + (1 - a) * n for o, n in zip(old, new)]
+            ridx = [i for i, r in enumerate(recalls) if r is not None]
+            if ridx:
+                rhost = torch.stack([recalls[i] for i in ridx]).cpu().tolist()
+                for i, r in zip(ridx, rhost):
+                    self.recall[i] = list(r)
+
+        s = self.step_count  # the step that just finished
+        # stage switch
+        if self.stage == 1:
+            due = cfg.force_stage2_step is not None and s + 1 >= cfg.force_stage2_step
+            if not due and s + 1 >= cfg.min_stage1_steps and (s + 1) % cfg.switch_check_every == 0:
+                ml = self.mean_loss(sync=True, reduce=True)
+                due = ml is not None and ml < cfg.switch_loss
+            if due or self._switch_pending:
+                if all(e is not None for e in self.sparsity_ema):
+                    self._do_switch(s + 1)
+                else:
+                    self._switch_pending = True
+        if profiled and not (self.stage == 2 and self.switch_step == s + 1):
+            self._update_dispatch()
+        self.step_count = s + 1
+        self._arm()
+
+    def _sync_grads(self, grads) -> None:
+        """Average predictor gradients over the data-parallel group (if torch.distributed is up)."""
+        pg = self.process_group
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        if torch.distributed.get_world_size(pg) <= 1:
+            return
+        ts = [t for _, g in grads if g is not None for t in g]
+        flat = torch.cat([t.reshape(-1).float() for t in ts])
+        torch.distributed.all_reduce(flat, group=pg)
+        flat /= torch.distributed.get_world_size(pg)
+        o = 0
+        for t in ts:
+            t.copy_(flat[o:o + t.numel()].view_as(t))
+            o += t.numel()
+
+    def _sync_stats(self, t: torch.Tensor) -> torch.Tensor:
+        pg = self.process_group
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size(pg) > 1:
+            t = t.clone()
+            torch.distributed.all_reduce(t, group=pg)
+            t /= torch.distributed.get_world_size(pg)
+        return t
+
+    def _do_switch(self, at_step: int) -> None:
+        self.stage = 2
+        self._switch_pending = False
+        self.switch_step = at_step
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.config.finetune_lr
+        self._update_dispatch()
+
+    def switch_to_stage2(self) -> None:
+        """Switch now (blocks without a sparsity estimate are profiled on the next step first)."""
+        if self.stage == 1:
+            if all(e is not None for e in self.sparsity_ema):
+                self._do_switch(self.step_count)
+            else:
+                self._switch_pending = True
+            self._arm()
+
+    def _update_dispatch(self) -> None:
+        """Per-head K of every block from the EMAs and, in stage 2, the sparse/dense choice of the
+        dispatcher (host only). In stage 1 the K's serve the recall measurement."""
+        blocks = []
+        for i, (_, m) in enumerate(self.modules):
+            ema = self.sparsity_ema[i]
+            if ema is None:
+                m.set_density(None)
+                blocks.append(None)
+                continue
+            m.set_density([1.0 - s for s in ema])
+            S = m._seq_len if m._seq_len > 0 else 0
+            dt = m._dtype
+            if m.kv_count.is_cuda and dt not in (torch.bfloat16, torch.float16):
+                dt = torch.bfloat16  # the CUDA kernels run in bf16 (see attention.kernel_dtype)
+            blocks.append(dict(sparsity=ema, seq_len=S, heads=m.num_heads, head_dim=m.head_dim, kmax=m.kmax,
+                               dtype=dt, batch=m._batch, device=m.kv_count.device))
+        if self.stage == 1:
+            for _, m in self.modules:
+                m.use_sparse = False
+            return
+        blocks = [b if b is not None and b["seq_len"] > 0 and m.sparse_supported() else None
+                  for b, (_, m) in zip(blocks, self.modules)]
+        valid = [b for b in blocks if b is not None]
+        choice = iter(self.dispatcher.plan(valid, valid[0]["device"]) if valid else [])
+        for (_, m), b in zip(self.modules, blocks):
+            m.use_sparse = bool(next(choice)) if b is not None else False
+
+    # ---------------------------------------------------------------- reporting
+    def mean_loss(self, sync: bool = True, reduce: bool = False) -> Optional[float]:
+        """Mean over blocks (and heads) of the smoothed predictor loss. sync: read the device value
+        (a host sync; else the last value read). reduce: average over the data-parallel group
+        (a collective: every rank must call it, as step() does)."""
+        ls = [l for l in self._loss_ema if l is not None]
+        if not ls:
+            return None
+        if sync:
+            t = torch.stack([l.mean() for l in ls]).mean()
+            self._last_loss_host = float(self._sync_stats(t) if reduce else t)
+        return self._last_loss_host
+
+    def mean_sparsity(self) -> Optional[float]:
+        es = [sum(e) / len(e) for e in self.sparsity_ema if e is not None]
+        return sum(es) / len(es) if es else None
+
+    def mean_recall(self) -> Optional[float]:
+        rs = [sum(r) / len(r) for r in self.recall if r is not None]
+        return sum(rs) / len(rs) if rs else None
+
+    def block_stats(self) -> List[Dict[str, Any]]:
+        """Per block: name, head_sparsity (EMA list), sparsity (mean), recall (latest, mean),
+        loss (smoothed, mean over heads; one host sync for all blocks), use_sparse, head_k."""
+        ls = [l for l in self._loss_ema if l is not None]
+        host = iter(torch.stack([l.float().mean() for l in ls]).cpu().tolist()) if ls else iter(())
+        out = []
+        for i, (n, m) in enumerate(self.modules):
+            e, r = self.sparsity_ema[i], self.recall[i]
+            out.append({
+                "name": n,
+                "head_sparsity": None if e is None else list(e),
+                "sparsity": None if e is None else sum(e) / len(e),
+                "recall": None if r is None else sum(r) / len(r),
+                "loss": next(host) if self._loss_ema[i] is not None else None,
+                "use_sparse": bool(self.stage == 2 and m.use_sparse),
+                "head_k": m.head_k,
+            })
+        return out
+
+    def summary(self) -> Dict[str, Any]:
+        """Plain-Python dict for logging (one host sync for the loss)."""
+        out: Dict[str, Any] = {
+            "dsv/stage": self.stage,
+            "dsv/step": self.step_count,
+            "dsv/sparsity": self.mean_sparsity(),
+            "dsv/loss": self.mean_loss(sync=True),
+            "dsv/sparse_blocks": sum(1 for _, m in self.modules if self.stage == 2 and m.use_sparse),
+            "dsv/blocks": len(self.modules),
+        }
+        r = self.mean_recall()
+        if r is not None:
+            out["dsv/recall"] = r
+        if self.switch_step is not None:
+            out["dsv/switch_step"] = self.switch_step
+        return out
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "version": 1,
+            "step": self.step_count,
+            "stage": self.stage,
+            "switch_pending": self._switch_pending,
+            "switch_step": self.switch_step,
+            "names": [n for n, _ in self.modules],
+            "sparsity_ema": [None if e is None else list(e) for e in self.sparsity_ema],
+            "recall": [None if r is None else list(r) for r in self.recall],
+            "loss_ema": [None if l is None else l.detach().cpu().clone() for l in self._loss_ema],
+            "blocks": [{"seq_len": m._seq_len, "dtype": str(m._dtype).replace("torch.", ""), "batch": m._batch,
+                        "use_sparse": m.use_sparse} for _, m in self.modules],
+            "predictors": {n: {k: v.detach().cpu().clone() for k, v in m.predictor.state_dict().items()}
+                           for n, m in self.modules},
+            "optimizer": self.optimizer.state_dict(),
+            "config": self.config.to_dict(),
+        }
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        names = [n for n, _ in self.modules]
+        if list(sd.get("names", [])) != names:
+            raise ValueError(f"state_dict: blocks {sd.get('names')} do not match this model's {names}")
+        for n, m in self.modules:
+            m.predictor.load_state_dict(sd["predictors"][n])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.step_count = int(sd["step"])
+        self.stage = int(sd["stage"])
+        self._switch_pending = bool(sd.get("switch_pending", False))
+        self.switch_step = sd.get("switch_step")
+        self.sparsity_ema = [None if e is None else [float(x) for x in e] for e in sd["sparsity_ema"]]
+        self.recall = [None if r is None else [float(x) for x in r] for r in sd.get("recall", [None] * len(names))]
+        self._loss_ema = [None if l is None else l.to(m.kv_count.device) for l, (_, m) in zip(sd["loss_ema"], self.modules)]
+        for b, (_, m) in zip(sd.get("blocks", []), self.modules):
+            m._seq_len = int(b["seq_len"])
+            m._dtype = getattr(torch, b["dtype"])
+            m._batch = int(b["batch"])
+        for _, m in self.modules:
+            m.pop_pending()
+        self._update_dispatch()
+        if self.stage == 2:
+            # keep the exact per-block decisions of the saved run (they depend on free memory)
+            for b, (_, m) in zip(sd.get("blocks", []), self.modules):
+                m.use_sparse = bool(b["use_sparse"]) and m.density is not None
+        self._arm()

@@ -79,9 +79,9 @@ class PatchEncoder:
     """A fixed, random, *linear* 8x8 patch encoder: RGB frames -> ``channels`` latent channels.
 
     Each latent pixel is ``W @ patch`` where ``patch`` is the flattened ``3 x p x p`` block of
-    pixels (values in [0, 1]). The rows of ``W`` are orthonormal: the first three are the
-    per-colour patch averages (so the latents keep the image's low frequencies), the rest are
-    random directions orthogonal to them (from ``seed``), scaled by ``p``. It is not a learned
+    pixels (values in [0, 1]). The rows of ``W`` are orthogonal with norm ``p``: the first three
+    are the per-colour patch sums (``p^2`` times the patch's mean colour, so the latents keep the
+    image's low frequencies), the rest are random directions orthogonal to them (from ``seed``). It is not a learned
     VAE; it only gives realistic shapes (8x spatial compression, ``channels`` channels) and
     preserves structure. ``decode`` is the pseudo-inverse (useful for looking at samples).
     """
@@ -104,7 +104,8 @@ class PatchEncoder:
         if extra:
             basis[:, min(in_channels, channels):] = torch.randn(n, extra, generator=g,
                                                                 dtype=torch.float64)
-        q, _ = torch.linalg.qr(basis)
+        q, r = torch.linalg.qr(basis)
+        q = q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0)  # keep the averages' sign
         self.weight = (q[:, :channels].T * patch).float().contiguous()  # [channels, n]
 
     def encode(self, frames: torch.Tensor) -> torch.Tensor:

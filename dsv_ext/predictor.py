@@ -28,8 +28,13 @@ class LowRankPredictor(nn.Module):
                 raise ValueError(f"{n}: expected a positive int, got {v!r}")
         self.num_heads, self.head_dim, self.rank = num_heads, head_dim, rank
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
-        self.wq = nn.Parameter(torch.empty(num_heads, head_dim, rank, device=device, dtype=dtype))
-        self.wk = nn.Parameter(torch.empty(num_heads, head_dim, rank, device=device, dtype=dtype))
+        # requires_grad=False: the predictors are invisible to the model's optimizer, to DDP and to
+        # the model's backward; their gradients come from the predictor loss only and are kept in a
+        # private accumulator of SparseAttention until DSVController.step() applies them.
+        self.wq = nn.Parameter(torch.empty(num_heads, head_dim, rank, device=device, dtype=dtype),
+                               requires_grad=False)
+        self.wk = nn.Parameter(torch.empty(num_heads, head_dim, rank, device=device, dtype=dtype),
+                               requires_grad=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -46,8 +51,11 @@ class LowRankPredictor(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             return torch.einsum("bshd,hdr->bshr", x, w.to(x.dtype)).contiguous()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        return self.project(q, self.wq), self.project(k, self.wk)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, wq: Optional[torch.Tensor] = None,
+                wk: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(q_lr, k_lr); wq/wk override the weights (e.g. detached copies that require grad)."""
+        return (self.project(q, self.wq if wq is None else wq),
+                self.project(k, self.wk if wk is None else wk))
 
     def extra_repr(self) -> str:
         return f"heads={self.num_heads}, head_dim={self.head_dim}, rank={self.rank}"

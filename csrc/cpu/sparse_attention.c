@@ -11,7 +11,7 @@
  * dk / dv receive contributions from many groups; to stay race-free the kernel either
  * parallelises over (batch, head) pairs (when there are at least as many pairs as threads), or,
  * for few pairs, over groups with one private [S, D] dk/dv buffer per thread that is reduced
- * afterwards.
+ * afterwards (at most 512 MiB of such buffers: fewer threads for very long sequences).
  *
  * This file includes itself twice (DSV_T = float, then double) to instantiate both dtypes.
  */
@@ -86,6 +86,7 @@ int dsv_sparse_attention_bwd_cpu(const dsv_attn_shape* p, dsv_bshd q, dsv_bshd k
 
 static inline DSV_T DSV_FN(sa_dot)(const DSV_T* a, const DSV_T* b, int64_t n) {
   DSV_T s = 0;
+  DSV_OMP(simd reduction(+ : s))
   for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
   return s;
 }
@@ -138,6 +139,7 @@ static void DSV_FN(sa_fwd_group)(const dsv_attn_shape* p, const dsv_bshd* q, con
         const DSV_T pj = DSV_EXP(sc[j] - mnew);
         l[i] += pj;
         const DSV_T* vj = vd + dsv_off(v, b, tidx[j], h);
+        DSV_OMP(simd)
         for (int64_t d = 0; d < D; ++d) ai[d] += pj * vj[d];
       }
     }
@@ -240,6 +242,7 @@ static void DSV_FN(sa_bwd_group)(const dsv_attn_shape* p, const dsv_bshd* q, con
         const DSV_T ds = pij * (dpij - Di[i]) * scale;
         DSV_T* dkj = dkb + tidx[j] * kstride;
         DSV_T* dvj = dvb + tidx[j] * vstride;
+        DSV_OMP(simd)
         for (int64_t d = 0; d < D; ++d) {
           dqi[d] += ds * kj[d];
           dkj[d] += ds * qi[d];
@@ -266,7 +269,13 @@ static int DSV_FN(sa_bwd)(const dsv_attn_shape* p, const dsv_bshd* q, const dsv_
   DSV_T* dvd = (DSV_T*)dv->data;
   int err = 0;
 
-  if (nbh >= nthreads || nthreads == 1) {
+  /* Mode B keeps one private [2, S, D] buffer per thread: cap their total at 512 MiB. */
+  const size_t per_thread = (size_t)(2 * S * D) * sizeof(DSV_T);
+  int team_b = nthreads;
+  if ((size_t)team_b * per_thread > ((size_t)512 << 20))
+    team_b = (int)DSV_MAX((size_t)1, ((size_t)512 << 20) / per_thread);
+
+  if (nbh >= team_b) {
     /* Mode A: one (b, h) pair per task; dk / dv slices are private to the task. */
     DSV_OMP(parallel) {
       DSV_T* dqa = (DSV_T*)malloc((size_t)(G * D) * sizeof(DSV_T));
@@ -303,12 +312,12 @@ static int DSV_FN(sa_bwd)(const dsv_attn_shape* p, const dsv_bshd* q, const dsv_
 
   /* Mode B: few (b, h) pairs. For each pair, groups are spread over threads, each thread adds
    * into its own contiguous [S, D] dk / dv buffer; the buffers are summed at the end. */
-  DSV_T* priv = (DSV_T*)malloc((size_t)nthreads * (size_t)(2 * S * D) * sizeof(DSV_T));
+  DSV_T* priv = (DSV_T*)malloc((size_t)team_b * per_thread);
   if (!priv) return DSV_ERR_NOMEM;
   for (int64_t bh = 0; bh < nbh; ++bh) {
     const int64_t b = bh / H, h = bh % H;
     const int64_t count = dsv_clamp_count(kv_count[bh], KM);
-    DSV_OMP(parallel) {
+    DSV_OMP(parallel num_threads(team_b)) {
       const int tid = dsv_thread_num();
       DSV_T* mk = priv + (size_t)tid * (size_t)(2 * S * D);
       DSV_T* mv = mk + S * D;

@@ -138,19 +138,45 @@ __device__ __forceinline__ void load_b_t(uint32_t* f, const void* tile, int k0, 
   ldsm_x4_t(f, smem_u32(base + ((size_t)k * LD + n) * 2));
 }
 
-/* Copy `rows` rows of D elements (row r from gmem row pointer rowptr(r), or zero when invalid)
- * into a padded tile; all threads of the block take part. */
-template <int D, int NT>
-__device__ __forceinline__ void copy_rows_async(void* tile, const char* gbase, const int64_t* offs,
-                                                int rows) {
+/* Gather `rows` rows of D elements into a padded tile: row r is base + ridx[r] * stride_s
+ * (elements), or zeros when ridx[r] < 0. All NT threads of the block take part. */
+template <typename T, int D, int NT>
+__device__ __forceinline__ void gather_rows_async(T* tile, const T* base, int64_t stride_s,
+                                                  const int* ridx, int rows) {
   constexpr int CH = D / 8; /* 16-byte chunks per row */
   constexpr int LD = D + 8;
   for (int i = threadIdx.x; i < rows * CH; i += NT) {
     int r = i / CH, c = i - r * CH;
-    int64_t off = offs[r];
-    bool valid = off >= 0;
-    const char* src = valid ? gbase + off + c * 16 : gbase;
-    cp_async16((char*)tile + ((size_t)r * LD + c * 8) * 2, src, valid);
+    int idx = ridx[r];
+    bool valid = idx >= 0;
+    const T* src = valid ? base + (int64_t)idx * stride_s + c * 8 : base;
+    cp_async16(tile + r * LD + c * 8, src, valid);
+  }
+}
+
+/* Gather the key (and value) rows of list entries j0 .. j0 + rows - 1 (entries at or past
+ * `count`, and positions outside [0, S), become zero rows) and record each row's position, or
+ * -1, in kidx[r]. vtile may be NULL. */
+template <typename T, int D, int NT>
+__device__ __forceinline__ void gather_keys_async(T* ktile, T* vtile, const T* kbase,
+                                                  int64_t kstride, const T* vbase,
+                                                  int64_t vstride, const int* list, int j0,
+                                                  int count, int S, int* kidx, int rows) {
+  constexpr int CH = D / 8;
+  constexpr int LD = D + 8;
+  for (int i = threadIdx.x; i < rows * CH; i += NT) {
+    int r = i / CH, c = i - r * CH;
+    int j = j0 + r;
+    int idx = j < count ? __ldg(list + j) : -1;
+    if ((unsigned)idx >= (unsigned)S) idx = -1;
+    if (c == 0) kidx[r] = idx;
+    bool valid = idx >= 0;
+    const T* ks = valid ? kbase + (int64_t)idx * kstride + c * 8 : kbase;
+    cp_async16(ktile + r * LD + c * 8, ks, valid);
+    if (vtile) {
+      const T* vs = valid ? vbase + (int64_t)idx * vstride + c * 8 : vbase;
+      cp_async16(vtile + r * LD + c * 8, vs, valid);
+    }
   }
 }
 

@@ -1,0 +1,454 @@
+"""Kernel benchmark of issue 3: our estimate + sparse attention forward / forward+backward
+against cuDNN SDPA (dense), FlashAttention via SDPA (dense) and FlexAttention block-sparse at
+the same density, on one GPU.
+
+Per shape (S, H, D, G, sparsity, index distribution):
+  est        dsv topk_estimate (fused low-rank scores + top-K), rank 16
+  fwd        dsv sparse attention forward
+  fwdbwd     dsv forward + backward (backward: dQ query-major; dK/dV key-major or query-major
+             with vector reductions, chosen per head; see csrc/cuda/sparse_attention_bwd.cu)
+  cudnn / flash: dense SDPA forward and forward+backward (one per S, D)
+  flex       FlexAttention with random 128x128 block masks at density 1 - sparsity (different
+             per head and query block); compiled once per shape, so only with --flex
+speedup_vs_cudnn_fwdbwd = cudnn fwd+bwd / (est + fwd+bwd).
+
+Index distributions: "random" = top-K of random Gaussian low-rank inputs (scattered keys);
+"smooth" = top-K of low-rank inputs that vary smoothly over a (T, H, W) latent grid, tokens
+ordered cube by cube (2x4x4), as the method orders them (coherent keys).
+
+Timing: CUDA events, warm-up, median of --reps runs; peak memory from the caching allocator.
+Writes benchmarks/results/kernels.json (one record per shape), kernels.md (table with date,
+commit and card) and kernels.png (speedup vs sparsity), or under --out.
+
+Usage: python benchmarks/bench_kernels.py [--quick] [--flex] [--out DIR]
+The kernels are reached through dsv_ext (built with CUDA) or, with DSV_ATTN_LIB set, through
+the ctypes wrapper of tests/test_sparse_attention_cuda.py.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+import test_sparse_attention_cuda as T  # noqa: E402  (kernel access, ctypes wrapper)
+
+RANK = 16
+
+# --------------------------------------------------------------------------------------------
+# timing
+
+
+def bench(fn, reps=5, warmup=2):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------------------------
+# estimate (top-K) access
+
+
+class _LrShape(ctypes.Structure):
+    _fields_ = [("batch", ctypes.c_int64), ("seqlen", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("rank", ctypes.c_int64), ("group_size", ctypes.c_int64),
+                ("num_groups", ctypes.c_int64), ("kmax", ctypes.c_int64), ("dtype", ctypes.c_int)]
+
+
+def _topk_ctypes(q_lr, k_lr, kv_count, G, kmax):
+    lib = T._get_lib()
+    if lib is None or not hasattr(lib, "dsv_topk_estimate_cuda"):
+        return None
+    lib.dsv_topk_estimate_workspace_cuda.restype = ctypes.c_size_t
+    lib.dsv_topk_estimate_workspace_cuda.argtypes = [ctypes.POINTER(_LrShape)]
+    lib.dsv_topk_estimate_cuda.restype = ctypes.c_int
+    lib.dsv_topk_estimate_cuda.argtypes = [ctypes.POINTER(_LrShape), T._Bshd, T._Bshd,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_size_t, ctypes.c_void_p]
+    B, S, H, R = q_lr.shape
+    NG = -(-S // G)
+    sh = _LrShape(B, S, H, R, G, NG, kmax, T._DT[q_lr.dtype])
+    ws = lib.dsv_topk_estimate_workspace_cuda(ctypes.byref(sh))
+    work = torch.empty(max(ws, 16), dtype=torch.uint8, device=q_lr.device)
+    out = torch.empty(B, H, NG, kmax, dtype=torch.int32, device=q_lr.device)
+    st = lib.dsv_topk_estimate_cuda(ctypes.byref(sh), T._bshd(q_lr), T._bshd(k_lr),
+                                    kv_count.data_ptr(), out.data_ptr(), work.data_ptr(), ws,
+                                    torch.cuda.current_stream().cuda_stream)
+    if st != 0:
+        raise RuntimeError(f"dsv_topk_estimate_cuda returned {st}")
+    return out
+
+
+def _topk_torch(q_lr, k_lr, kv_count, G, kmax):
+    """Fallback (torch matmul + topk per head), used only when no CUDA estimate is built."""
+    B, S, H, R = q_lr.shape
+    NG = -(-S // G)
+    out = torch.full((B, H, NG, kmax), -1, dtype=torch.int32, device=q_lr.device)
+    pad = NG * G - S
+    for b in range(B):
+        for h in range(H):
+            qh = q_lr[b, :, h].float()
+            if pad:
+                qh = torch.cat([qh, qh.new_zeros(pad, R)])
+            cnts = torch.full((NG, 1), G, device=q_lr.device, dtype=torch.float32)
+            if pad:
+                cnts[-1] = G - pad
+            rep = qh.view(NG, G, R).sum(1) / cnts
+            c = int(kv_count[b, h])
+            sc = rep @ k_lr[b, :, h].float().t()
+            idx = sc.topk(c, dim=-1).indices.sort(dim=-1).values
+            out[b, h, :, :c] = idx.to(torch.int32)
+    return out
+
+
+def estimate_fn():
+    if T.backend() == "ops":
+        import dsv_ext
+        return "dsv_ext.topk_estimate", lambda ql, kl, c, G, km: dsv_ext.topk_estimate(ql, kl, c, G, km)
+    lib = T._get_lib()
+    if lib is not None and hasattr(lib, "dsv_topk_estimate_cuda"):
+        return "dsv_topk_estimate_cuda (ctypes)", _topk_ctypes
+    return "torch fallback (matmul+topk)", _topk_torch
+
+
+# --------------------------------------------------------------------------------------------
+# inputs
+
+
+def grid_of(S):
+    """(T, H, W) latent grid with T*H*W = S (S a power of two >= 4096)."""
+    n = int(round(math.log2(S)))
+    t = 2 ** max(1, n - 12)
+    rest = S // t
+    h = 2 ** (int(math.log2(rest)) // 2)
+    return t, h, rest // h
+
+
+def cube_order(Tg, Hg, Wg, ct=2, ch=4, cw=4):
+    """Token positions (row-major t, h, w) listed cube by cube: sequence index -> (t, h, w)."""
+    t = torch.arange(Tg).view(Tg // ct, ct, 1, 1, 1, 1)
+    h = torch.arange(Hg).view(1, 1, Hg // ch, ch, 1, 1)
+    w = torch.arange(Wg).view(1, 1, 1, 1, Wg // cw, cw)
+    tt, hh, ww = torch.broadcast_tensors(t, h, w)
+    perm = lambda x: x.permute(0, 2, 4, 1, 3, 5).reshape(-1)  # noqa: E731
+    return perm(tt), perm(hh), perm(ww)
+
+
+def lowrank_inputs(dist, B, S, H, gen, device):
+    if dist == "random":
+        ql = torch.randn(B, S, H, RANK, generator=gen).to(device)
+        kl = torch.randn(B, S, H, RANK, generator=gen).to(device)
+        return ql, kl
+    Tg, Hg, Wg = grid_of(S)
+    t, h, w = cube_order(Tg, Hg, Wg)
+    coords = torch.stack([t / Tg, h / Hg, w / Wg], -1).double()  # [S, 3]
+    nf = 24
+    freqs = torch.randn(H, nf, 3, generator=gen, dtype=torch.float64) * 3.0
+    phase = torch.rand(H, nf, generator=gen, dtype=torch.float64) * 2 * math.pi
+    feats = torch.cos(torch.einsum("sc,hfc->shf", coords, freqs) + phase)  # [S, H, nf]
+    proj_q = torch.randn(H, nf, RANK, generator=gen, dtype=torch.float64)
+    proj_k = torch.randn(H, nf, RANK, generator=gen, dtype=torch.float64)
+    ql = torch.einsum("shf,hfr->shr", feats, proj_q)
+    kl = torch.einsum("shf,hfr->shr", feats, proj_k)
+    ql = ql + 0.1 * torch.randn(ql.shape, generator=gen, dtype=torch.float64)
+    kl = kl + 0.1 * torch.randn(kl.shape, generator=gen, dtype=torch.float64)
+    return (ql.unsqueeze(0).expand(B, -1, -1, -1).float().contiguous().to(device),
+            kl.unsqueeze(0).expand(B, -1, -1, -1).float().contiguous().to(device))
+
+
+def keys_for(S, sparsity):
+    k = int(math.ceil((1.0 - sparsity) * S))
+    k = max(k, int(math.ceil(0.02 * S)))
+    return min(S, (k + 63) // 64 * 64)
+
+
+def km_stats(kv_index, kv_count):
+    """Key-major cost ratio per head (64-key block entries x 64 / (groups x K)), as the
+    backward's path choice computes it (lists are sorted top-K output)."""
+    B, H, NG, KM = kv_index.shape
+    idx = kv_index.long()
+    blk = idx // 64
+    run_start = torch.ones_like(blk, dtype=torch.bool)
+    run_start[..., 1:] = blk[..., 1:] != blk[..., :-1]
+    used = torch.arange(KM, device=idx.device).view(1, 1, 1, KM) < kv_count.view(B, H, 1, 1)
+    entries = (run_start & used & (idx >= 0)).sum(dim=(2, 3)).double()
+    ratio = entries * 64 / (NG * kv_count.double().clamp(min=1))
+    return ratio
+
+
+# --------------------------------------------------------------------------------------------
+# baselines
+
+
+def dense_times(B, S, H, D, dtype, reps):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+    res = {}
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn(B, H, S, D, device="cuda", dtype=dtype)
+    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel([be]):
+                f = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
+
+                def fb():
+                    o = F.scaled_dot_product_attention(q, k, v)
+                    o.backward(do)
+                res[f"{name}_fwd_ms"] = bench(lambda: f(), reps, 1)
+                res[f"{name}_fwdbwd_ms"] = bench(fb, reps, 1)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name}: not available ({type(e).__name__}: {str(e)[:100]})")
+            res[f"{name}_fwd_ms"] = res[f"{name}_fwdbwd_ms"] = None
+    del q, k, v, do
+    torch.cuda.empty_cache()
+    return res
+
+
+def flex_times(B, S, H, D, dtype, density, reps, gen):
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    nb = S // 128
+    nkeep = max(1, int(round(density * nb)))
+    scores = torch.rand(B, H, nb, nb, generator=gen)
+    kv_idx = scores.argsort(dim=-1)[..., :nkeep].sort(dim=-1).values.to(torch.int32).cuda()
+    kv_num = torch.full((B, H, nb), nkeep, dtype=torch.int32, device="cuda")
+    full_kv = torch.full((B, H, nb), 0, dtype=torch.int32, device="cuda")
+    bm = BlockMask.from_kv_blocks(full_kv, torch.zeros_like(kv_idx), kv_num, kv_idx,
+                                  BLOCK_SIZE=128)
+    fa = torch.compile(flex_attention)
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn(B, H, S, D, device="cuda", dtype=dtype)
+
+    def fb():
+        o = fa(q, k, v, block_mask=bm)
+        o.backward(do)
+    r = {"flex_fwd_ms": bench(lambda: fa(q, k, v, block_mask=bm), reps, 2),
+         "flex_fwdbwd_ms": bench(fb, reps, 2)}
+    del q, k, v, do
+    torch.cuda.empty_cache()
+    return r
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, cache):
+    K = keys_for(S, sparsity)
+    key = (dist, S, H)
+    if key not in cache:
+        cache.clear()
+        cache[key] = lowrank_inputs(dist, B, S, H, gen, "cuda")
+    ql, kl = cache[key]
+    ql = ql.to(dtype)
+    kl = kl.to(dtype)
+    cnt = torch.full((B, H), K, dtype=torch.int32, device="cuda")
+    try:
+        kv_index = est(ql, kl, cnt, G, K)
+    except Exception as e:  # noqa: BLE001
+        print(f"  estimate failed ({e}); torch fallback")
+        est_name, est = "torch fallback (matmul+topk)", _topk_torch
+        kv_index = est(ql, kl, cnt, G, K)
+    est_ms = bench(lambda: est(ql, kl, cnt, G, K), reps, 1)
+    ratio = km_stats(kv_index, cnt)
+    scale = 1.0 / math.sqrt(D)
+    q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=dtype) for _ in range(4))
+    out, lse = T.attn_fwd(q, k, v, kv_index, cnt, G, scale)
+    torch.cuda.synchronize()
+    fwd_ms = bench(lambda: T.attn_fwd(q, k, v, kv_index, cnt, G, scale), reps)
+    bwd = lambda: T.attn_bwd(do, q, k, v, out, lse, kv_index, cnt, G, scale)  # noqa: E731
+    torch.cuda.reset_peak_memory_stats()
+    base_mem = torch.cuda.memory_allocated()
+    bwd()
+    torch.cuda.synchronize()
+    peak_extra = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
+    bwd_ms = bench(bwd, reps)
+    variants = {}
+    old = os.environ.get("DSV_KM_RATIO")
+    for name, val in (("qmajor", "0"), ("kmajor", "1e9")):
+        os.environ["DSV_KM_RATIO"] = val
+        variants[f"bwd_{name}_ms"] = bench(bwd, max(3, reps // 2), 1)
+    if old is None:
+        os.environ.pop("DSV_KM_RATIO", None)
+    else:
+        os.environ["DSV_KM_RATIO"] = old
+    if PROFILE and not PROFILED.get(dist):
+        PROFILED[dist] = True
+        profile_bwd(fwd=lambda: T.attn_fwd(q, k, v, kv_index, cnt, G, scale), bwd=bwd,
+                    title=f"S={S} D={D} G={G} sparsity={sparsity} {dist}")
+    rec = dict(S=S, H=H, D=D, G=G, B=B, sparsity=sparsity, dist=dist, dtype=str(dtype).split(".")[-1],
+               K=K, estimate=est_name, est_ms=est_ms, fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+               fwdbwd_ms=fwd_ms + bwd_ms, total_ms=est_ms + fwd_ms + bwd_ms,
+               km_ratio_median=float(ratio.median()), km_heads=int((ratio <= 1.5).sum()),
+               peak_extra_bwd_mib=peak_extra, **variants)
+    flops = 4.0 * S * K * H * D * B
+    rec["fwd_tflops"] = flops / fwd_ms / 1e9
+    rec["fwdbwd_tflops"] = 3.5 * flops / (fwd_ms + bwd_ms) / 1e9
+    del q, k, v, do, out, lse, kv_index
+    torch.cuda.empty_cache()
+    return rec
+
+
+PROFILE = False
+PROFILED = {}
+
+
+def profile_bwd(fwd, bwd, title):
+    """Per-kernel CUDA time of one forward and one backward (default path choice), for
+    'where the backward time goes'."""
+    from torch.profiler import ProfilerActivity, profile
+    fwd()
+    bwd()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fwd()
+        bwd()
+        torch.cuda.synchronize()
+    print(f"--- kernels, {title} ---")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+def git_commit():
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                       text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def write_outputs(records, outdir, meta):
+    os.makedirs(outdir, exist_ok=True)
+    with open(os.path.join(outdir, "kernels.json"), "w") as f:
+        json.dump({"meta": meta, "records": records}, f, indent=1)
+    cols = ["S", "D", "G", "sparsity", "dist", "K", "est_ms", "fwd_ms", "bwd_ms", "bwd_qmajor_ms",
+            "bwd_kmajor_ms", "cudnn_fwdbwd_ms", "flex_fwdbwd_ms", "fwdbwd_tflops",
+            "speedup_vs_cudnn_fwdbwd", "speedup_vs_flex_fwdbwd", "peak_extra_bwd_mib"]
+    lines = [f"# Kernel benchmark ({meta['date']}, commit {meta['commit']}, {meta['card']})", "",
+             f"H={meta['H']}, B=1, {meta['dtype']}, estimate: {meta['estimate']}. Times in ms "
+             "(median of CUDA-event timings). speedup = dense fwd+bwd / (est + fwd + bwd). "
+             "bwd_qmajor / bwd_kmajor: backward with every head forced onto one dK/dV path.", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in records:
+        row = []
+        for c in cols:
+            x = r.get(c)
+            row.append("-" if x is None else (f"{x:.2f}" if isinstance(x, float) else str(x)))
+        lines.append("| " + " | ".join(row) + " |")
+    with open(os.path.join(outdir, "kernels.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        series = {}
+        for r in records:
+            series.setdefault((r["S"], r["D"], r["G"], r["dist"]), []).append(
+                (r["sparsity"], r.get("speedup_vs_cudnn_fwdbwd")))
+        for (S, D, G, dist), pts in sorted(series.items()):
+            pts = [(s, y) for s, y in sorted(pts) if y is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        label=f"S={S // 1024}k D={D} G={G} {dist}")
+        ax.axhline(3.0, color="gray", ls="--", lw=1, label="3x bar")
+        ax.set_xlabel("sparsity")
+        ax.set_ylabel("cuDNN dense fwd+bwd / ours (est+fwd+bwd)")
+        ax.set_title(f"dsv-ext sparse attention, {meta['card']}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(outdir, "kernels.png"), dpi=120)
+    except Exception as e:  # noqa: BLE001
+        print(f"plot skipped: {e}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="target shape and a small subset")
+    ap.add_argument("--flex", action="store_true", help="also time FlexAttention (compiles)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="per-kernel times (torch.profiler)")
+    ap.add_argument("--S", type=int, nargs="*")
+    ap.add_argument("--D", type=int, nargs="*")
+    ap.add_argument("--G", type=int, nargs="*")
+    ap.add_argument("--sparsity", type=float, nargs="*")
+    ap.add_argument("--dist", nargs="*")
+    args = ap.parse_args()
+    if T.backend() is None:
+        sys.exit("no CUDA kernels: build dsv_ext with CUDA or set DSV_ATTN_LIB")
+    H, B, dtype = 24, 1, torch.bfloat16
+    if args.quick:
+        Ss, Ds, Gs, sps, dists = [65536], [128], [64], [0.9, 0.95], ["random", "smooth"]
+    else:
+        Ss, Ds, Gs = [16384, 32768, 65536, 131072], [64, 128], [32, 64]
+        sps, dists = [0.8, 0.9, 0.95, 0.98], ["random", "smooth"]
+    Ss = args.S or Ss
+    Ds = args.D or Ds
+    Gs = args.G or Gs
+    sps = args.sparsity or sps
+    dists = args.dist or dists
+    global PROFILE
+    PROFILE = args.profile
+    gen = torch.Generator().manual_seed(0)
+    est_name, est = estimate_fn()
+    print(f"backend={T.backend()} estimate={est_name}")
+    records = []
+    cache = {}
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                commit=git_commit(), card=torch.cuda.get_device_name(), H=H, dtype="bf16",
+                estimate=est_name, torch=torch.__version__)
+    for S in Ss:
+        for D in Ds:
+            dense = dense_times(B, S, H, D, dtype, max(3, args.reps // 2))
+            print(f"S={S} D={D} dense: {dense}", flush=True)
+            flex_cache = {}
+            for dist in dists:
+                for G in Gs:
+                    for sp in sps:
+                        rec = run_shape(B, S, H, D, G, sp, dist, dtype, args.reps, gen, est_name,
+                                        est, cache)
+                        rec.update(dense)
+                        if args.flex:
+                            if sp not in flex_cache:
+                                try:
+                                    flex_cache[sp] = flex_times(B, S, H, D, dtype, 1 - sp, args.reps, gen)
+                                except Exception as e:  # noqa: BLE001
+                                    print(f"  flex failed: {type(e).__name__}: {str(e)[:200]}")
+                                    flex_cache[sp] = {"flex_fwd_ms": None, "flex_fwdbwd_ms": None}
+                            rec.update(flex_cache[sp])
+                        c = rec.get("cudnn_fwdbwd_ms")
+                        rec["speedup_vs_cudnn_fwdbwd"] = c / rec["total_ms"] if c else None
+                        fx = rec.get("flex_fwdbwd_ms")
+                        rec["speedup_vs_flex_fwdbwd"] = fx / rec["total_ms"] if fx else None
+                        records.append(rec)
+                        print(json.dumps(rec), flush=True)
+                        write_outputs(records, args.out, meta)
+    print("\nS D G sparsity dist | est fwd bwd (qmajor kmajor) | cudnn fwdbwd | speedup")
+    for r in records:
+        print(f"{r['S']} {r['D']} {r['G']} {r['sparsity']} {r['dist']} | {r['est_ms']:.2f} "
+              f"{r['fwd_ms']:.2f} {r['bwd_ms']:.2f} ({r['bwd_qmajor_ms']:.2f} {r['bwd_kmajor_ms']:.2f})"
+              f" | {r.get('cudnn_fwdbwd_ms')} | {r.get('speedup_vs_cudnn_fwdbwd')}")
+
+
+if __name__ == "__main__":
+    main()

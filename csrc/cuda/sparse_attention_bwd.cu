@@ -1,0 +1,857 @@
+/*
+ * sparse_attention_bwd.cu - backward of sparse grouped attention on CUDA (sm_90a).
+ *
+ * dQ is computed query-major (one CTA per chunk of a group's queries, keys gathered per tile
+ * as in the forward; S, P, dP, dS recomputed; dQ accumulated in registers, no atomics).
+ *
+ * dK and dV are built one of two ways, chosen per (batch, head) on the device:
+ *
+ *  key-major (path 1): the lists are transposed at the granularity of 64-key blocks with a
+ *    counting sort in the workspace: for every key block, the groups that selected at least
+ *    one of its keys, each with a 64-bit mask of which. A CTA owns one key block (4 warps x 16
+ *    keys), walks its (group, mask) entries, recomputes S^T, P^T, dP^T, dS^T for the group's
+ *    queries against its 64 keys (masked), and accumulates dK, dV in registers; it writes them
+ *    once, with no atomics. Its work is (entries x 64 keys), which equals the gathered work
+ *    when selections are coherent (whole key blocks selected) and grows up to 64 / (selected
+ *    keys per block) when they are scattered.
+ *
+ *  query-major with vector reductions (path 0): the dQ CTA also forms each key tile's
+ *    dV_t = P^T dO and dK_t = dS^T Q (64 keys x D, through shared memory) and adds them to
+ *    fp32 accumulators with 16-byte red.global.add.v4.f32 (one per 4 floats), which a last
+ *    pass converts to the output dtype.
+ *
+ * A head takes path 1 when its lists are strictly ascending and in range (as topk_estimate
+ * writes them), D <= 128, and (key-block entries x 64) <= ratio x (groups x K); ratio defaults
+ * to 1.5 and can be set with the environment variable DSV_KM_RATIO (0 forces path 0, a large
+ * value forces path 1 where allowed).
+ */
+#include <stdlib.h>
+
+#include "attention_common.cuh"
+
+namespace dsv_attn {
+
+int check_attn_args(const dsv_attn_shape* p); /* sparse_attention_fwd.cu */
+
+constexpr int KB = 64; /* key block of the key-major path */
+
+struct BwdLayout {
+  size_t delta, dkacc, dvacc, path, flags, kbcount, kbcursor, kboff, entg, entmask, total;
+  int64_t nkb, cap;
+  int km_enabled;
+};
+
+static size_t align_up(size_t x) { return (x + 255) & ~(size_t)255; }
+
+static BwdLayout bwd_layout(const dsv_attn_shape* p) {
+  BwdLayout L;
+  const int64_t BH = p->batch * p->heads;
+  const int64_t S = p->seqlen, D = p->head_dim;
+  L.nkb = (S + KB - 1) / KB;
+  L.km_enabled = D <= 128;
+  L.cap = L.km_enabled ? p->num_groups * (p->kmax < L.nkb ? p->kmax : L.nkb) : 0;
+  size_t o = 0;
+  L.delta = o; o = align_up(o + (size_t)BH * S * sizeof(float));
+  L.dkacc = o; o = align_up(o + (size_t)BH * S * D * sizeof(float));
+  L.dvacc = o; o = align_up(o + (size_t)BH * S * D * sizeof(float));
+  L.entmask = o; o = align_up(o + (size_t)BH * L.cap * sizeof(unsigned long long));
+  L.entg = o; o = align_up(o + (size_t)BH * L.cap * sizeof(int));
+  L.kboff = o; o = align_up(o + (size_t)BH * L.nkb * sizeof(int));
+  /* zeroed together: */
+  L.path = o; o = align_up(o + (size_t)BH * sizeof(int));
+  L.flags = o; o = align_up(o + (size_t)BH * sizeof(int));
+  L.kbcount = o; o = align_up(o + (size_t)BH * L.nkb * sizeof(int));
+  L.kbcursor = o; o = align_up(o + (size_t)BH * L.nkb * sizeof(int));
+  L.total = o;
+  return L;
+}
+
+template <typename T>
+struct BwdParams {
+  const T* q;
+  const T* k;
+  const T* v;
+  const T* out;
+  const T* dout;
+  const float* lse;
+  T* dq;
+  T* dk;
+  T* dv;
+  int64_t qb, qs, qh, kb, ks, kh, vb, vs, vh, ob, os, oh, gb, gs, gh;
+  int64_t dqb, dqs, dqh, dkb, dks, dkh, dvb, dvs, dvh;
+  const int* kv_index;
+  const int* kv_count;
+  float* delta;   /* [B, H, S] */
+  float* dkacc;   /* [B, H, S, D] */
+  float* dvacc;   /* [B, H, S, D] */
+  int* path;      /* [B, H] */
+  int* flags;     /* [B, H] */
+  int* kbcount;   /* [B, H, nkb] */
+  int* kbcursor;  /* [B, H, nkb] */
+  int* kboff;     /* [B, H, nkb] */
+  int* entg;      /* [B, H, cap] */
+  unsigned long long* entmask;
+  int S, H, G, NG, kmax, chunks, nkb, D;
+  int64_t cap;
+  float scale, scale_log2, km_ratio;
+  int km_enabled;
+};
+
+__device__ __forceinline__ int clamp_count(int c, int kmax) {
+  return c < 0 ? 0 : (c > kmax ? kmax : c);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* delta[b, h, s] = sum_d dout * out (fp32). One warp per (b, s, h) row. */
+template <typename T>
+__global__ void bwd_delta_kernel(const BwdParams<T> p, int B) {
+  const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t nrows = (int64_t)B * p.S * p.H;
+  if (row >= nrows) return;
+  const int h = (int)(row % p.H);
+  const int64_t bs = row / p.H;
+  const int s = (int)(bs % p.S);
+  const int b = (int)(bs / p.S);
+  const T* o = p.out + b * p.ob + (int64_t)s * p.os + h * p.oh;
+  const T* g = p.dout + b * p.gb + (int64_t)s * p.gs + h * p.gh;
+  float acc = 0.f;
+  for (int c = lane; c < p.D / 8; c += 32) {
+    uint4 ov = *reinterpret_cast<const uint4*>(o + c * 8);
+    uint4 gv = *reinterpret_cast<const uint4*>(g + c * 8);
+    const T* oe = reinterpret_cast<const T*>(&ov);
+    const T* ge = reinterpret_cast<const T*>(&gv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc += Elem<T>::to_float(oe[e]) * Elem<T>::to_float(ge[e]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) p.delta[((size_t)b * p.H + h) * p.S + s] = acc;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Transposed index (key-major path). */
+
+/* Pass 1: per (b, h, g) list, count key-block runs and flag lists that are not strictly
+ * ascending / in range. */
+template <typename T>
+__global__ void km_count_kernel(const BwdParams<T> p) {
+  const int g = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const size_t bh = (size_t)b * p.H + h;
+  const int count = clamp_count(__ldg(p.kv_count + bh), p.kmax);
+  const int* list = p.kv_index + (bh * p.NG + g) * p.kmax;
+  int* cnt = p.kbcount + bh * p.nkb;
+  bool bad = false;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) {
+    const int idx = __ldg(list + i);
+    if ((unsigned)idx >= (unsigned)p.S) { bad = true; continue; }
+    int prev = -1;
+    if (i > 0) {
+      prev = __ldg(list + i - 1);
+      if (prev >= idx) bad = true;
+    }
+    const int kb = idx / KB;
+    if (i == 0 || prev < 0 || prev / KB != kb) atomicAdd(cnt + kb, 1);
+  }
+  if (bad) p.flags[bh] = 1;
+}
+
+/* Pass 2: per (b, h), exclusive scan of the block counts, and the path decision. */
+template <typename T>
+__global__ void km_scan_kernel(const BwdParams<T> p) {
+  __shared__ int warp_sums[32];
+  __shared__ int s_carry;
+  const size_t bh = blockIdx.x;
+  const int* cnt = p.kbcount + bh * p.nkb;
+  int* off = p.kboff + bh * p.nkb;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x / 32;
+  if (tid == 0) s_carry = 0;
+  __syncthreads();
+  for (int base = 0; base < p.nkb; base += blockDim.x) {
+    const int i = base + tid;
+    const int x = i < p.nkb ? cnt[i] : 0;
+    int incl = x;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      int y = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += y;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+      int w = lane < nw ? warp_sums[lane] : 0;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        int y = __shfl_up_sync(0xffffffffu, w, d);
+        if (lane >= d) w += y;
+      }
+      if (lane < nw) warp_sums[lane] = w; /* inclusive over warps */
+    }
+    __syncthreads();
+    const int warp_excl = warp > 0 ? warp_sums[warp - 1] : 0;
+    const int carry = s_carry;
+    if (i < p.nkb) off[i] = carry + warp_excl + incl - x;
+    __syncthreads();
+    if (tid == blockDim.x - 1) s_carry = carry + warp_excl + incl;
+    __syncthreads();
+  }
+  if (tid == 0) {
+    const int total = s_carry;
+    const int count = clamp_count(p.kv_count[bh], p.kmax);
+    int path = 0;
+    if (p.km_enabled && p.flags[bh] == 0) {
+      const double km_cost = (double)total * KB;
+      const double qm_cost = (double)p.NG * count;
+      path = (count == 0 || km_cost <= (double)p.km_ratio * qm_cost) ? 1 : 0;
+    }
+    p.path[bh] = path;
+  }
+}
+
+/* Pass 3: fill (group, mask) entries of key-major heads. */
+template <typename T>
+__global__ void km_fill_kernel(const BwdParams<T> p) {
+  const int g = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const size_t bh = (size_t)b * p.H + h;
+  if (p.path[bh] != 1) return;
+  const int count = clamp_count(__ldg(p.kv_count + bh), p.kmax);
+  const int* list = p.kv_index + (bh * p.NG + g) * p.kmax;
+  int* cur = p.kbcursor + bh * p.nkb;
+  const int* off = p.kboff + bh * p.nkb;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) {
+    const int idx = __ldg(list + i);
+    const int kb = idx / KB;
+    if (i > 0 && __ldg(list + i - 1) / KB == kb) continue; /* not a run start */
+    unsigned long long mask = 0ull;
+    for (int j = i; j < count; ++j) {
+      const int x = __ldg(list + j);
+      if (x / KB != kb) break;
+      mask |= 1ull << (x % KB);
+    }
+    const int pos = off[kb] + atomicAdd(cur + kb, 1);
+    p.entg[bh * p.cap + pos] = g;
+    p.entmask[bh * p.cap + pos] = mask;
+  }
+}
+
+/* Zero the fp32 accumulators of query-major heads. grid (chunks, B*H). */
+template <typename T>
+__global__ void zero_acc_kernel(const BwdParams<T> p, int BH) {
+  for (int bh = blockIdx.y; bh < BH; bh += gridDim.y) {
+    if (p.path[bh] != 0) continue;
+    const int64_t n4 = (int64_t)p.S * p.D / 4;
+    float4* a = reinterpret_cast<float4*>(p.dkacc + (size_t)bh * p.S * p.D);
+    float4* c = reinterpret_cast<float4*>(p.dvacc + (size_t)bh * p.S * p.D);
+    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
+         i += (int64_t)gridDim.x * blockDim.x) {
+      a[i] = z;
+      c[i] = z;
+    }
+  }
+}
+
+/* Convert the accumulators of query-major heads into dk (times scale) and dv. */
+template <typename T>
+__global__ void convert_acc_kernel(const BwdParams<T> p, int B) {
+  const int CH = p.D / 8;
+  const int64_t n = (int64_t)B * p.S * p.H * CH;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const int c = (int)(i % CH);
+    int64_t r = i / CH;
+    const int h = (int)(r % p.H);
+    r /= p.H;
+    const int s = (int)(r % p.S);
+    const int b = (int)(r / p.S);
+    const size_t bh = (size_t)b * p.H + h;
+    if (p.path[bh] != 0) continue;
+    const size_t a = (bh * p.S + s) * p.D + c * 8;
+    const float4 k0 = *reinterpret_cast<const float4*>(p.dkacc + a);
+    const float4 k1 = *reinterpret_cast<const float4*>(p.dkacc + a + 4);
+    const float4 v0 = *reinterpret_cast<const float4*>(p.dvacc + a);
+    const float4 v1 = *reinterpret_cast<const float4*>(p.dvacc + a + 4);
+    uint4 ko, vo;
+    const float sc = p.scale;
+    ko.x = Elem<T>::pack(k0.x * sc, k0.y * sc);
+    ko.y = Elem<T>::pack(k0.z * sc, k0.w * sc);
+    ko.z = Elem<T>::pack(k1.x * sc, k1.y * sc);
+    ko.w = Elem<T>::pack(k1.z * sc, k1.w * sc);
+    vo.x = Elem<T>::pack(v0.x, v0.y);
+    vo.y = Elem<T>::pack(v0.z, v0.w);
+    vo.z = Elem<T>::pack(v1.x, v1.y);
+    vo.w = Elem<T>::pack(v1.z, v1.w);
+    *reinterpret_cast<uint4*>(p.dk + b * p.dkb + (int64_t)s * p.dks + h * p.dkh + c * 8) = ko;
+    *reinterpret_cast<uint4*>(p.dv + b * p.dvb + (int64_t)s * p.dvs + h * p.dvh + c * 8) = vo;
+  }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Query-major kernel: dQ for every head of its path; with ATOMIC also dK/dV by reductions. */
+template <typename T, int D, int BM, int BN, bool ATOMIC>
+__global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p) {
+  constexpr int NT = BM * 2, NW = BM / 16;
+  constexpr int LD = D + 8;
+  constexpr int LDP = BN + 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Qs = reinterpret_cast<T*>(smem_raw);
+  T* dOs = Qs + BM * LD;
+  T* Ks = dOs + BM * LD;      /* [2][BN][LD] */
+  T* Vs = Ks + 2 * BN * LD;   /* [2][BN][LD] */
+  T* Ps = Vs + 2 * BN * LD;   /* [BM][LDP], ATOMIC only */
+  T* dSs = Ps + (ATOMIC ? BM * LDP : 0);
+  float* lse2 = reinterpret_cast<float*>(dSs + (ATOMIC ? BM * LDP : 0)); /* [BM] */
+  float* dlt = lse2 + BM;                                                 /* [BM] */
+  int* kidx = reinterpret_cast<int*>(dlt + BM);                           /* [2][BN] */
+  int* qidx = kidx + 2 * BN;                                              /* [BM] */
+
+  const int h = blockIdx.y, b = blockIdx.z;
+  const size_t bh = (size_t)b * p.H + h;
+  if (p.path[bh] != (ATOMIC ? 0 : 1)) return;
+  const int g = blockIdx.x / p.chunks;
+  const int chunk = blockIdx.x - g * p.chunks;
+  const int row0 = g * p.G + chunk * BM;
+  const int row_end = min(g * p.G + p.G, p.S);
+  const int nrows = min(BM, row_end - row0);
+  if (nrows <= 0) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  const int count = clamp_count(__ldg(p.kv_count + bh), p.kmax);
+  const int* list = p.kv_index + (bh * p.NG + g) * p.kmax;
+  const T* kbase = p.k + b * p.kb + h * p.kh;
+  const T* vbase = p.v + b * p.vb + h * p.vh;
+
+  for (int r = tid; r < BM; r += NT) {
+    const bool valid = r < nrows;
+    qidx[r] = valid ? row0 + r : -1;
+    float l = valid ? p.lse[bh * p.S + row0 + r] : INFINITY;
+    lse2[r] = l == -INFINITY ? INFINITY : l * DSV_LOG2E;
+    dlt[r] = valid ? p.delta[bh * p.S + row0 + r] : 0.f;
+  }
+  __syncthreads();
+  gather_rows_async<T, D, NT>(Qs, p.q + b * p.qb + h * p.qh, p.qs, qidx, BM);
+  gather_rows_async<T, D, NT>(dOs, p.dout + b * p.gb + h * p.gh, p.gs, qidx, BM);
+  const int ntiles = (count + BN - 1) / BN;
+  if (ntiles > 0)
+    gather_keys_async<T, D, NT>(Ks, Vs, kbase, p.ks, vbase, p.vs, list, 0, count, p.S, kidx, BN);
+  cp_async_commit();
+
+  float dq[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+  const int lr0 = warp * 16 + (lane >> 2), lr1 = lr0 + 8;
+
+  for (int t = 0; t < ntiles; ++t) {
+    const int buf = t & 1;
+    if (t + 1 < ntiles) {
+      const int nb = buf ^ 1;
+      gather_keys_async<T, D, NT>(Ks + nb * BN * LD, Vs + nb * BN * LD, kbase, p.ks, vbase, p.vs,
+                                  list, (t + 1) * BN, count, p.S, kidx + nb * BN, BN);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* Kt = Ks + buf * BN * LD;
+    const T* Vt = Vs + buf * BN * LD;
+    const int* ki = kidx + buf * BN;
+    const float ls0 = lse2[lr0], ls1 = lse2[lr1];
+    const float dl0 = dlt[lr0], dl1 = dlt[lr1];
+
+    float s[BN / 8][4], dp[BN / 8][4];
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+      s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+      dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t qa[4], ga[4];
+      load_a<LD>(qa, Qs, warp * 16, kk * 16, lane);
+      load_a<LD>(ga, dOs, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t kf[4], vf[4];
+        load_b<LD>(kf, Kt, np * 16, kk * 16, lane);
+        mma16816<T>(s[2 * np], qa, kf);
+        mma16816<T>(s[2 * np + 1], qa, kf + 2);
+        load_b<LD>(vf, Vt, np * 16, kk * 16, lane);
+        mma16816<T>(dp[2 * np], ga, vf);
+        mma16816<T>(dp[2 * np + 1], ga, vf + 2);
+      }
+    }
+    /* P = exp(scale * s - lse), dS = P * (dP - delta) (dS without the scale factor) */
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      const int col = nt * 8 + (lane & 3) * 2;
+      const bool v0 = ki[col] >= 0, v1 = ki[col + 1] >= 0;
+      const float p0 = v0 ? exp2f(s[nt][0] * p.scale_log2 - ls0) : 0.f;
+      const float p1 = v1 ? exp2f(s[nt][1] * p.scale_log2 - ls0) : 0.f;
+      const float p2 = v0 ? exp2f(s[nt][2] * p.scale_log2 - ls1) : 0.f;
+      const float p3 = v1 ? exp2f(s[nt][3] * p.scale_log2 - ls1) : 0.f;
+      s[nt][0] = p0; s[nt][1] = p1; s[nt][2] = p2; s[nt][3] = p3;
+      dp[nt][0] = p0 * (dp[nt][0] - dl0);
+      dp[nt][1] = p1 * (dp[nt][1] - dl0);
+      dp[nt][2] = p2 * (dp[nt][2] - dl1);
+      dp[nt][3] = p3 * (dp[nt][3] - dl1);
+    }
+    /* dQ += dS K */
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t da[4];
+      da[0] = Elem<T>::pack(dp[2 * kk][0], dp[2 * kk][1]);
+      da[1] = Elem<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
+      da[2] = Elem<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+      da[3] = Elem<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+#pragma unroll
+      for (int dd = 0; dd < D / 16; ++dd) {
+        uint32_t kf[4];
+        load_b_t<LD>(kf, Kt, kk * 16, dd * 16, lane);
+        mma16816<T>(dq[2 * dd], da, kf);
+        mma16816<T>(dq[2 * dd + 1], da, kf + 2);
+      }
+    }
+    if (ATOMIC) {
+      /* stage P and dS (rows = queries, cols = keys) */
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        const int col = nt * 8 + (lane & 3) * 2;
+        *reinterpret_cast<uint32_t*>(Ps + lr0 * LDP + col) = Elem<T>::pack(s[nt][0], s[nt][1]);
+        *reinterpret_cast<uint32_t*>(Ps + lr1 * LDP + col) = Elem<T>::pack(s[nt][2], s[nt][3]);
+        *reinterpret_cast<uint32_t*>(dSs + lr0 * LDP + col) = Elem<T>::pack(dp[nt][0], dp[nt][1]);
+        *reinterpret_cast<uint32_t*>(dSs + lr1 * LDP + col) = Elem<T>::pack(dp[nt][2], dp[nt][3]);
+      }
+      __syncthreads();
+      /* units of 16 keys x 32 columns of D: dV_t = P^T dO, dK_t = dS^T Q, reduced to global */
+      constexpr int DC = D / 32, NU = (BN / 16) * DC;
+      float* dva = p.dvacc + bh * (size_t)p.S * D;
+      float* dka = p.dkacc + bh * (size_t)p.S * D;
+      const int tq = lane & 3;
+      for (int u = warp; u < NU; u += NW) {
+        const int mt = u / DC, dc = u - mt * DC;
+        float av[4][4], ak[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) av[j][e] = ak[j][e] = 0.f;
+#pragma unroll
+        for (int kq = 0; kq < BM / 16; ++kq) {
+          uint32_t pa[4], sa[4], bf[4];
+          load_a_t<LDP>(pa, Ps, kq * 16, mt * 16, lane);
+          load_a_t<LDP>(sa, dSs, kq * 16, mt * 16, lane);
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            load_b_t<LD>(bf, dOs, kq * 16, dc * 32 + hh * 16, lane);
+            mma16816<T>(av[2 * hh], pa, bf);
+            mma16816<T>(av[2 * hh + 1], pa, bf + 2);
+            load_b_t<LD>(bf, Qs, kq * 16, dc * 32 + hh * 16, lane);
+            mma16816<T>(ak[2 * hh], sa, bf);
+            mma16816<T>(ak[2 * hh + 1], sa, bf + 2);
+          }
+        }
+        const int krow = mt * 16 + (lane >> 2) + ((tq & 1) ? 8 : 0);
+        const int kid = ki[krow];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const bool even = (tq & 1) == 0;
+          float x0 = __shfl_xor_sync(0xffffffffu, even ? av[j][2] : av[j][0], 1);
+          float x1 = __shfl_xor_sync(0xffffffffu, even ? av[j][3] : av[j][1], 1);
+          float y0 = __shfl_xor_sync(0xffffffffu, even ? ak[j][2] : ak[j][0], 1);
+          float y1 = __shfl_xor_sync(0xffffffffu, even ? ak[j][3] : ak[j][1], 1);
+          const float4 vv = even ? make_float4(av[j][0], av[j][1], x0, x1)
+                                 : make_float4(x0, x1, av[j][2], av[j][3]);
+          const float4 kv = even ? make_float4(ak[j][0], ak[j][1], y0, y1)
+                                 : make_float4(y0, y1, ak[j][2], ak[j][3]);
+          const int col = dc * 32 + j * 8 + (tq >> 1) * 4;
+          if (kid >= 0) {
+            atomicAdd(reinterpret_cast<float4*>(dva + (size_t)kid * D + col), vv);
+            atomicAdd(reinterpret_cast<float4*>(dka + (size_t)kid * D + col), kv);
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  T* dqb = p.dq + b * p.dqb + h * p.dqh;
+  if (lr0 < nrows) {
+    T* r = dqb + (int64_t)(row0 + lr0) * p.dqs + (lane & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      *reinterpret_cast<uint32_t*>(r + i * 8) =
+          Elem<T>::pack(dq[i][0] * p.scale, dq[i][1] * p.scale);
+  }
+  if (lr1 < nrows) {
+    T* r = dqb + (int64_t)(row0 + lr1) * p.dqs + (lane & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      *reinterpret_cast<uint32_t*>(r + i * 8) =
+          Elem<T>::pack(dq[i][2] * p.scale, dq[i][3] * p.scale);
+  }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Key-major kernel: one CTA per 64-key block of a key-major head; dK, dV in registers. */
+template <typename T, int D, int QC>
+__global__ void __launch_bounds__(128) bwd_kmajor_kernel(const BwdParams<T> p) {
+  constexpr int NT = 128;
+  constexpr int LD = D + 8;
+  constexpr int CH = D / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Ks = reinterpret_cast<T*>(smem_raw); /* [KB][LD] */
+  T* Vs = Ks + KB * LD;                   /* [KB][LD] */
+  T* Qs = Vs + KB * LD;                   /* [2][QC][LD] */
+  T* dOs = Qs + 2 * QC * LD;              /* [2][QC][LD] */
+  float* lse2 = reinterpret_cast<float*>(dOs + 2 * QC * LD); /* [2][QC] */
+  float* dlt = lse2 + 2 * QC;                                  /* [2][QC] */
+  int* kidx = reinterpret_cast<int*>(dlt + 2 * QC);            /* [KB] */
+
+  const int kblk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const size_t bh = (size_t)b * p.H + h;
+  if (p.path[bh] != 1) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int key0 = kblk * KB;
+  const int nent = p.kbcount[bh * p.nkb + kblk];
+  const int eoff = p.kboff[bh * p.nkb + kblk];
+  const int* eg = p.entg + bh * p.cap + eoff;
+  const unsigned long long* em = p.entmask + bh * p.cap + eoff;
+  const int cpg = (p.G + QC - 1) / QC;
+  const int nitems = nent * cpg;
+
+  const T* qbase = p.q + b * p.qb + h * p.qh;
+  const T* gbase = p.dout + b * p.gb + h * p.gh;
+  const float* lrow = p.lse + bh * p.S;
+  const float* drow = p.delta + bh * p.S;
+
+  for (int r = tid; r < KB; r += NT) kidx[r] = key0 + r < p.S ? key0 + r : -1;
+  __syncthreads();
+  gather_rows_async<T, D, NT>(Ks, p.k + b * p.kb + h * p.kh, p.ks, kidx, KB);
+  gather_rows_async<T, D, NT>(Vs, p.v + b * p.vb + h * p.vh, p.vs, kidx, KB);
+
+  /* issue the loads of work item `it` (entry it / cpg, query chunk it % cpg) into buffer bf */
+  auto issue = [&](int it, int bf) {
+    const int e = it / cpg, c = it - e * cpg;
+    const int g = __ldg(eg + e);
+    const int q0 = g * p.G + c * QC;
+    const int qend = min(g * p.G + p.G, p.S);
+    T* qt = Qs + bf * QC * LD;
+    T* gt = dOs + bf * QC * LD;
+    for (int i = tid; i < QC * CH; i += NT) {
+      const int r = i / CH, cc = i - r * CH;
+      const int row = q0 + r;
+      const bool valid = row < qend;
+      const T* qs = valid ? qbase + (int64_t)row * p.qs + cc * 8 : qbase;
+      const T* gs = valid ? gbase + (int64_t)row * p.gs + cc * 8 : gbase;
+      cp_async16(qt + r * LD + cc * 8, qs, valid);
+      cp_async16(gt + r * LD + cc * 8, gs, valid);
+    }
+    for (int r = tid; r < QC; r += NT) {
+      const int row = q0 + r;
+      const bool valid = row < qend;
+      const float l = valid ? lrow[row] : INFINITY;
+      lse2[bf * QC + r] = l == -INFINITY ? INFINITY : l * DSV_LOG2E;
+      dlt[bf * QC + r] = valid ? drow[row] : 0.f;
+    }
+  };
+
+  if (nitems > 0) issue(0, 0);
+  cp_async_commit();
+
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+  const int kr0 = warp * 16 + (lane >> 2), kr1 = kr0 + 8;
+
+  for (int it = 0; it < nitems; ++it) {
+    const int bf = it & 1;
+    if (it + 1 < nitems) {
+      issue(it + 1, bf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const unsigned long long mask = __ldg(em + it / cpg);
+    const bool kv0 = (mask >> kr0) & 1ull, kv1 = (mask >> kr1) & 1ull;
+    const T* Qt = Qs + bf * QC * LD;
+    const T* Gt = dOs + bf * QC * LD;
+    const float* ls = lse2 + bf * QC;
+    const float* dl = dlt + bf * QC;
+
+    float st[QC / 8][4], dpt[QC / 8][4];
+#pragma unroll
+    for (int i = 0; i < QC / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t ka[4], va[4];
+      load_a<LD>(ka, Ks, warp * 16, kk * 16, lane);
+      load_a<LD>(va, Vs, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int np = 0; np < QC / 16; ++np) {
+        uint32_t qf[4], gf[4];
+        load_b<LD>(qf, Qt, np * 16, kk * 16, lane);
+        mma16816<T>(st[2 * np], ka, qf);
+        mma16816<T>(st[2 * np + 1], ka, qf + 2);
+        load_b<LD>(gf, Gt, np * 16, kk * 16, lane);
+        mma16816<T>(dpt[2 * np], va, gf);
+        mma16816<T>(dpt[2 * np + 1], va, gf + 2);
+      }
+    }
+    /* P^T (keys x queries), dS^T */
+#pragma unroll
+    for (int nt = 0; nt < QC / 8; ++nt) {
+      const int col = nt * 8 + (lane & 3) * 2;
+      const float l0 = ls[col], l1 = ls[col + 1];
+      const float d0 = dl[col], d1 = dl[col + 1];
+      const float p0 = kv0 ? exp2f(st[nt][0] * p.scale_log2 - l0) : 0.f;
+      const float p1 = kv0 ? exp2f(st[nt][1] * p.scale_log2 - l1) : 0.f;
+      const float p2 = kv1 ? exp2f(st[nt][2] * p.scale_log2 - l0) : 0.f;
+      const float p3 = kv1 ? exp2f(st[nt][3] * p.scale_log2 - l1) : 0.f;
+      st[nt][0] = p0; st[nt][1] = p1; st[nt][2] = p2; st[nt][3] = p3;
+      dpt[nt][0] = p0 * (dpt[nt][0] - d0);
+      dpt[nt][1] = p1 * (dpt[nt][1] - d1);
+      dpt[nt][2] = p2 * (dpt[nt][2] - d0);
+      dpt[nt][3] = p3 * (dpt[nt][3] - d1);
+    }
+    /* dV += P^T dO, dK += dS^T Q */
+#pragma unroll
+    for (int kq = 0; kq < QC / 16; ++kq) {
+      uint32_t pa[4], sa[4];
+      pa[0] = Elem<T>::pack(st[2 * kq][0], st[2 * kq][1]);
+      pa[1] = Elem<T>::pack(st[2 * kq][2], st[2 * kq][3]);
+      pa[2] = Elem<T>::pack(st[2 * kq + 1][0], st[2 * kq + 1][1]);
+      pa[3] = Elem<T>::pack(st[2 * kq + 1][2], st[2 * kq + 1][3]);
+      sa[0] = Elem<T>::pack(dpt[2 * kq][0], dpt[2 * kq][1]);
+      sa[1] = Elem<T>::pack(dpt[2 * kq][2], dpt[2 * kq][3]);
+      sa[2] = Elem<T>::pack(dpt[2 * kq + 1][0], dpt[2 * kq + 1][1]);
+      sa[3] = Elem<T>::pack(dpt[2 * kq + 1][2], dpt[2 * kq + 1][3]);
+#pragma unroll
+      for (int dd = 0; dd < D / 16; ++dd) {
+        uint32_t bf4[4];
+        load_b_t<LD>(bf4, Gt, kq * 16, dd * 16, lane);
+        mma16816<T>(dv[2 * dd], pa, bf4);
+        mma16816<T>(dv[2 * dd + 1], pa, bf4 + 2);
+        load_b_t<LD>(bf4, Qt, kq * 16, dd * 16, lane);
+        mma16816<T>(dk[2 * dd], sa, bf4);
+        mma16816<T>(dk[2 * dd + 1], sa, bf4 + 2);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  const int key_a = key0 + kr0, key_b = key0 + kr1;
+  T* dkb = p.dk + b * p.dkb + h * p.dkh;
+  T* dvb = p.dv + b * p.dvb + h * p.dvh;
+  const int c0 = (lane & 3) * 2;
+  if (key_a < p.S) {
+    T* rk = dkb + (int64_t)key_a * p.dks + c0;
+    T* rv = dvb + (int64_t)key_a * p.dvs + c0;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      *reinterpret_cast<uint32_t*>(rk + i * 8) =
+          Elem<T>::pack(dk[i][0] * p.scale, dk[i][1] * p.scale);
+      *reinterpret_cast<uint32_t*>(rv + i * 8) = Elem<T>::pack(dv[i][0], dv[i][1]);
+    }
+  }
+  if (key_b < p.S) {
+    T* rk = dkb + (int64_t)key_b * p.dks + c0;
+    T* rv = dvb + (int64_t)key_b * p.dvs + c0;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      *reinterpret_cast<uint32_t*>(rk + i * 8) =
+          Elem<T>::pack(dk[i][2] * p.scale, dk[i][3] * p.scale);
+      *reinterpret_cast<uint32_t*>(rv + i * 8) = Elem<T>::pack(dv[i][2], dv[i][3]);
+    }
+  }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* host side */
+
+template <typename T, int D, int BM, int BN, bool ATOMIC>
+static int launch_qmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
+  constexpr int LD = D + 8, LDP = BN + 8;
+  const size_t smem = (size_t)(2 * BM + 4 * BN) * LD * sizeof(T) +
+                      (ATOMIC ? (size_t)2 * BM * LDP * sizeof(T) : 0) +
+                      (size_t)2 * BM * sizeof(float) + (size_t)(2 * BN + BM) * sizeof(int);
+  auto kern = bwd_qmajor_kernel<T, D, BM, BN, ATOMIC>;
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+      cudaSuccess)
+    return DSV_ERR_CUDA;
+  prm.chunks = (prm.G + BM - 1) / BM;
+  dim3 grid((unsigned)(prm.NG * prm.chunks), (unsigned)sh->heads, (unsigned)sh->batch);
+  kern<<<grid, BM * 2, smem, stream>>>(prm);
+  return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
+}
+
+template <typename T, int D, int QC>
+static int launch_kmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
+  constexpr int LD = D + 8;
+  const size_t smem = (size_t)(2 * KB + 4 * QC) * LD * sizeof(T) +
+                      (size_t)4 * QC * sizeof(float) + (size_t)KB * sizeof(int);
+  auto kern = bwd_kmajor_kernel<T, D, QC>;
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+      cudaSuccess)
+    return DSV_ERR_CUDA;
+  dim3 grid((unsigned)prm.nkb, (unsigned)sh->heads, (unsigned)sh->batch);
+  kern<<<grid, 128, smem, stream>>>(prm);
+  return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
+}
+
+template <typename T, int D>
+static int bwd_main(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
+  constexpr int BN = D > 128 ? 32 : 64;
+  int st;
+  /* query-major: dQ of key-major heads (no dK/dV), then dQ + dK/dV reductions of the others */
+  if (prm.G <= 32) {
+    if (D <= 128 && (st = launch_qmajor<T, D, 32, BN, false>(sh, prm, stream)) != DSV_OK) return st;
+    if ((st = launch_qmajor<T, D, 32, BN, true>(sh, prm, stream)) != DSV_OK) return st;
+  } else {
+    if (D <= 128 && (st = launch_qmajor<T, D, 64, BN, false>(sh, prm, stream)) != DSV_OK) return st;
+    if ((st = launch_qmajor<T, D, 64, BN, true>(sh, prm, stream)) != DSV_OK) return st;
+  }
+  if (D <= 128 && prm.km_enabled) {
+    if (prm.G % 64 == 0) {
+      if ((st = launch_kmajor<T, (D <= 128 ? D : 64), 64>(sh, prm, stream)) != DSV_OK) return st;
+    } else {
+      if ((st = launch_kmajor<T, (D <= 128 ? D : 64), 32>(sh, prm, stream)) != DSV_OK) return st;
+    }
+  }
+  return DSV_OK;
+}
+
+template <typename T>
+static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v, dsv_bshd out,
+                   dsv_bshd dout, const void* lse, const int32_t* kv_index,
+                   const int32_t* kv_count, dsv_bshd dq, dsv_bshd dk, dsv_bshd dv,
+                   void* workspace, cudaStream_t stream) {
+  const BwdLayout L = bwd_layout(sh);
+  char* ws = (char*)workspace;
+  BwdParams<T> prm;
+  prm.q = (const T*)q.data;
+  prm.k = (const T*)k.data;
+  prm.v = (const T*)v.data;
+  prm.out = (const T*)out.data;
+  prm.dout = (const T*)dout.data;
+  prm.lse = (const float*)lse;
+  prm.dq = (T*)dq.data;
+  prm.dk = (T*)dk.data;
+  prm.dv = (T*)dv.data;
+  prm.qb = q.stride_b; prm.qs = q.stride_s; prm.qh = q.stride_h;
+  prm.kb = k.stride_b; prm.ks = k.stride_s; prm.kh = k.stride_h;
+  prm.vb = v.stride_b; prm.vs = v.stride_s; prm.vh = v.stride_h;
+  prm.ob = out.stride_b; prm.os = out.stride_s; prm.oh = out.stride_h;
+  prm.gb = dout.stride_b; prm.gs = dout.stride_s; prm.gh = dout.stride_h;
+  prm.dqb = dq.stride_b; prm.dqs = dq.stride_s; prm.dqh = dq.stride_h;
+  prm.dkb = dk.stride_b; prm.dks = dk.stride_s; prm.dkh = dk.stride_h;
+  prm.dvb = dv.stride_b; prm.dvs = dv.stride_s; prm.dvh = dv.stride_h;
+  prm.kv_index = kv_index;
+  prm.kv_count = kv_count;
+  prm.delta = (float*)(ws + L.delta);
+  prm.dkacc = (float*)(ws + L.dkacc);
+  prm.dvacc = (float*)(ws + L.dvacc);
+  prm.path = (int*)(ws + L.path);
+  prm.flags = (int*)(ws + L.flags);
+  prm.kbcount = (int*)(ws + L.kbcount);
+  prm.kbcursor = (int*)(ws + L.kbcursor);
+  prm.kboff = (int*)(ws + L.kboff);
+  prm.entg = (int*)(ws + L.entg);
+  prm.entmask = (unsigned long long*)(ws + L.entmask);
+  prm.S = (int)sh->seqlen;
+  prm.H = (int)sh->heads;
+  prm.G = (int)sh->group_size;
+  prm.NG = (int)sh->num_groups;
+  prm.kmax = (int)sh->kmax;
+  prm.chunks = 1;
+  prm.nkb = (int)L.nkb;
+  prm.D = (int)sh->head_dim;
+  prm.cap = L.cap;
+  prm.scale = (float)sh->scale;
+  prm.scale_log2 = (float)(sh->scale * 1.4426950408889634);
+  float ratio = 1.5f;
+  const char* env = getenv("DSV_KM_RATIO");
+  if (env && *env) ratio = (float)atof(env);
+  prm.km_ratio = ratio;
+  prm.km_enabled = L.km_enabled && ratio > 0.f;
+
+  const int B = (int)sh->batch;
+  const int BH = B * prm.H;
+  if (cudaMemsetAsync(ws + L.path, 0, L.total - L.path, stream) != cudaSuccess)
+    return DSV_ERR_CUDA;
+  {
+    const int64_t rows = (int64_t)B * prm.S * prm.H;
+    const int wpb = 8;
+    bwd_delta_kernel<T><<<(unsigned)((rows + wpb - 1) / wpb), wpb * 32, 0, stream>>>(prm, B);
+    if (cudaGetLastError() != cudaSuccess) return DSV_ERR_CUDA;
+  }
+  if (prm.km_enabled) {
+    dim3 g3((unsigned)prm.NG, (unsigned)prm.H, (unsigned)B);
+    km_count_kernel<T><<<g3, 128, 0, stream>>>(prm);
+    km_scan_kernel<T><<<(unsigned)BH, 1024, 0, stream>>>(prm);
+    km_fill_kernel<T><<<g3, 128, 0, stream>>>(prm);
+    if (cudaGetLastError() != cudaSuccess) return DSV_ERR_CUDA;
+  }
+  {
+    /* path stays 0 (memset) where key-major is disabled */
+    dim3 gz(64, (unsigned)(BH < 65535 ? BH : 65535));
+    zero_acc_kernel<T><<<gz, 256, 0, stream>>>(prm, BH);
+    if (cudaGetLastError() != cudaSuccess) return DSV_ERR_CUDA;
+  }
+  int st;
+  switch (sh->head_dim) {
+    case 64: st = bwd_main<T, 64>(sh, prm, stream); break;
+    case 96: st = bwd_main<T, 96>(sh, prm, stream); break;
+    case 128: st = bwd_main<T, 128>(sh, prm, stream); break;
+    case 256: st = bwd_main<T, 256>(sh, prm, stream); break;
+    default: return DSV_ERR_UNSUPPORTED;
+  }
+  if (st != DSV_OK) return st;
+  {
+    const int64_t n = (int64_t)B * prm.S * prm.H * (prm.D / 8);
+    int64_t blocks = (n + 255) / 256;
+    if (blocks > 132 * 16) blocks = 132 * 16;
+    convert_acc_kernel<T><<<(unsigned)blocks, 256, 0, stream>>>(prm, B);
+    if (cudaGetLastError() != cudaSuccess) return DSV_ERR_CUDA;
+  }
+  return DSV_OK;
+}
+
+}  // namespace dsv_attn
+
+using namespace dsv_attn;
+
+extern "C" size_t dsv_sparse_attention_bwd_workspace_cuda(const dsv_attn_shape* p) {
+  if (check_attn_args(p) != DSV_OK) return 0;
+  return bwd_layout(p).total;
+}
+
+extern "C" int dsv_sparse_attention_bwd_cuda(const dsv_attn_shape* p, dsv_bshd q, dsv_bshd k,
+                                             dsv_bshd v, dsv_bshd out, dsv_bshd dout,
+                                             const void* lse, const int32_t* kv_index,
+                                             const int32_t* kv_count, dsv_bshd dq, dsv_bshd dk,
+                                             dsv_bshd dv, void* workspace,
+                                             size_t workspace_bytes, void* stream) {
+  int st = check_attn_args(p);
+  if (st != DSV_OK) return st;
+  if (p->batch == 0 || p->seqlen == 0 || p->heads == 0) return DSV_OK;
+  if (!check_bshd_aligned(q) || !check_bshd_aligned(k) || !check_bshd_aligned(v) ||
+      !check_bshd_aligned(out) || !check_bshd_aligned(dout) || !check_bshd_aligned(dq) ||
+      !check_bshd_aligned(dk) || !check_bshd_aligned(dv))
+    return DSV_ERR_UNSUPPORTED;
+  if (!kv_count || !lse || (p->kmax > 0 && !kv_index)) return DSV_ERR_INVALID;
+  if (!workspace || workspace_bytes < bwd_layout(p).total) return DSV_ERR_NOMEM;
+  cudaStream_t s = (cudaStream_t)stream;
+  if (p->dtype == DSV_BFLOAT16)
+    return bwd_run<__nv_bfloat16>(p, q, k, v, out, dout, lse, kv_index, kv_count, dq, dk, dv,
+                                  workspace, s);
+  return bwd_run<__half>(p, q, k, v, out, dout, lse, kv_index, kv_count, dq, dk, dv, workspace,
+                         s);
+}

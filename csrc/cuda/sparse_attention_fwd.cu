@@ -1,0 +1,296 @@
+/*
+ * sparse_attention_fwd.cu - forward of sparse grouped attention on CUDA (sm_90a).
+ *
+ * One CTA handles a chunk of BM consecutive queries of one group (all queries of a chunk share
+ * the group's key list). BM / 16 warps each own 16 query rows. The group's keys are gathered
+ * BN at a time with cp.async into a double-buffered shared-memory tile (each gathered row is D
+ * contiguous elements); S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32
+ * accumulation and an online (base-2) softmax. List entries past kv_count and positions
+ * outside [0, S) become masked zero rows, so nothing is read out of bounds.
+ */
+#include "attention_common.cuh"
+
+namespace dsv_attn {
+
+template <typename T>
+struct FwdParams {
+  const T* q;
+  const T* k;
+  const T* v;
+  T* out;
+  float* lse;
+  int64_t qb, qs, qh, kb, ks, kh, vb, vs, vh, ob, os, oh;
+  const int* kv_index;
+  const int* kv_count;
+  int S, H, G, NG, kmax, chunks;
+  float scale_log2;
+};
+
+template <typename T, int D, int BM, int BN>
+__global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams<T> p) {
+  constexpr int NT = BM * 2;
+  constexpr int LD = D + 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Qs = reinterpret_cast<T*>(smem_raw);
+  T* Ks = Qs + BM * LD;        /* [2][BN][LD] */
+  T* Vs = Ks + 2 * BN * LD;    /* [2][BN][LD] */
+  int* kidx = reinterpret_cast<int*>(Vs + 2 * BN * LD); /* [2][BN] */
+  int* qidx = kidx + 2 * BN;                            /* [BM] */
+
+  const int g = blockIdx.x / p.chunks;
+  const int chunk = blockIdx.x - g * p.chunks;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int row0 = g * p.G + chunk * BM;
+  const int row_end = min(g * p.G + p.G, p.S);
+  const int nrows = min(BM, row_end - row0);
+  if (nrows <= 0) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  int count = __ldg(p.kv_count + (size_t)b * p.H + h);
+  count = count < 0 ? 0 : (count > p.kmax ? p.kmax : count);
+  const int* list = p.kv_index + (((size_t)b * p.H + h) * p.NG + g) * p.kmax;
+  const T* qbase = p.q + b * p.qb + h * p.qh;
+  const T* kbase = p.k + b * p.kb + h * p.kh;
+  const T* vbase = p.v + b * p.vb + h * p.vh;
+
+  for (int r = tid; r < BM; r += NT) qidx[r] = r < nrows ? row0 + r : -1;
+  __syncthreads();
+  gather_rows_async<T, D, NT>(Qs, qbase, p.qs, qidx, BM);
+  const int ntiles = (count + BN - 1) / BN;
+  if (ntiles > 0)
+    gather_keys_async<T, D, NT>(Ks, Vs, kbase, p.ks, vbase, p.vs, list, 0, count, p.S, kidx, BN);
+  cp_async_commit();
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+  for (int t = 0; t < ntiles; ++t) {
+    const int buf = t & 1;
+    if (t + 1 < ntiles) {
+      const int nb = buf ^ 1;
+      gather_keys_async<T, D, NT>(Ks + nb * BN * LD, Vs + nb * BN * LD, kbase, p.ks, vbase, p.vs,
+                                  list, (t + 1) * BN, count, p.S, kidx + nb * BN, BN);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* Kt = Ks + buf * BN * LD;
+    const T* Vt = Vs + buf * BN * LD;
+    const int* ki = kidx + buf * BN;
+
+    float s[BN / 8][4];
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t qa[4];
+      load_a<LD>(qa, Qs, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t kf[4];
+        load_b<LD>(kf, Kt, np * 16, kk * 16, lane);
+        mma16816<T>(s[2 * np], qa, kf);
+        mma16816<T>(s[2 * np + 1], qa, kf + 2);
+      }
+    }
+    /* scale, mask, online softmax (rows lane/4 and lane/4 + 8 of this warp's 16) */
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      const int col = nt * 8 + (lane & 3) * 2;
+      const bool v0 = ki[col] >= 0, v1 = ki[col + 1] >= 0;
+      s[nt][0] = v0 ? s[nt][0] * p.scale_log2 : -INFINITY;
+      s[nt][1] = v1 ? s[nt][1] * p.scale_log2 : -INFINITY;
+      s[nt][2] = v0 ? s[nt][2] * p.scale_log2 : -INFINITY;
+      s[nt][3] = v1 ? s[nt][3] * p.scale_log2 : -INFINITY;
+      mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+    }
+    mx0 = quad_max(mx0);
+    mx1 = quad_max(mx1);
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float mu0 = mn0 == -INFINITY ? 0.f : mn0;
+    const float mu1 = mn1 == -INFINITY ? 0.f : mn1;
+    const float a0 = exp2f(m0 - mu0), a1 = exp2f(m1 - mu1);
+    m0 = mn0;
+    m1 = mn1;
+    float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      s[nt][0] = exp2f(s[nt][0] - mu0);
+      s[nt][1] = exp2f(s[nt][1] - mu0);
+      s[nt][2] = exp2f(s[nt][2] - mu1);
+      s[nt][3] = exp2f(s[nt][3] - mu1);
+      rs0 += s[nt][0] + s[nt][1];
+      rs1 += s[nt][2] + s[nt][3];
+    }
+    l0 = l0 * a0 + rs0;
+    l1 = l1 * a1 + rs1;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o[i][0] *= a0;
+      o[i][1] *= a0;
+      o[i][2] *= a1;
+      o[i][3] *= a1;
+    }
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t pa[4];
+      pa[0] = Elem<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+      pa[1] = Elem<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+      pa[2] = Elem<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[3] = Elem<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t vf[4];
+        load_b_t<LD>(vf, Vt, kk * 16, dp * 16, lane);
+        mma16816<T>(o[2 * dp], pa, vf);
+        mma16816<T>(o[2 * dp + 1], pa, vf + 2);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  /* epilogue */
+  l0 = quad_sum(l0);
+  l1 = quad_sum(l1);
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
+  const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  const int lr0 = warp * 16 + (lane >> 2), lr1 = lr0 + 8;
+  T* obase = p.out + b * p.ob + h * p.oh;
+  if (lr0 < nrows) {
+    T* orow = obase + (int64_t)(row0 + lr0) * p.os + (lane & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      *reinterpret_cast<uint32_t*>(orow + i * 8) = Elem<T>::pack(o[i][0] * inv0, o[i][1] * inv0);
+  }
+  if (lr1 < nrows) {
+    T* orow = obase + (int64_t)(row0 + lr1) * p.os + (lane & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      *reinterpret_cast<uint32_t*>(orow + i * 8) = Elem<T>::pack(o[i][2] * inv1, o[i][3] * inv1);
+  }
+  if ((lane & 3) == 0) {
+    float* lrow = p.lse + ((size_t)b * p.H + h) * p.S + row0;
+    if (lr0 < nrows) lrow[lr0] = l0 > 0.f ? (m0 + log2f(l0)) * DSV_LN2 : -INFINITY;
+    if (lr1 < nrows) lrow[lr1] = l1 > 0.f ? (m1 + log2f(l1)) * DSV_LN2 : -INFINITY;
+  }
+}
+
+template <typename T, int D, int BM, int BN>
+static int launch_fwd(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStream_t stream) {
+  constexpr int LD = D + 8;
+  const size_t smem = (size_t)(BM + 4 * BN) * LD * sizeof(T) + (2 * BN + BM) * sizeof(int);
+  auto kern = sparse_attn_fwd_kernel<T, D, BM, BN>;
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+      cudaSuccess)
+    return DSV_ERR_CUDA;
+  dim3 grid((unsigned)(prm.NG * prm.chunks), (unsigned)sh->heads, (unsigned)sh->batch);
+  kern<<<grid, BM * 2, smem, stream>>>(prm);
+  return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
+}
+
+template <typename T, int D>
+static int fwd_dispatch_bm(const dsv_attn_shape* sh, FwdParams<T>& prm, cudaStream_t stream) {
+  constexpr int BN = D > 128 ? 32 : 64;
+  const int G = prm.G;
+  if (G <= 32) {
+    prm.chunks = 1;
+    return launch_fwd<T, D, 32, BN>(sh, prm, stream);
+  }
+  if (D <= 128 && G % 128 == 0) {
+    prm.chunks = G / 128;
+    return launch_fwd<T, D, (D <= 128 ? 128 : 64), BN>(sh, prm, stream);
+  }
+  prm.chunks = (G + 63) / 64;
+  return launch_fwd<T, D, 64, BN>(sh, prm, stream);
+}
+
+template <typename T>
+static int fwd_dispatch(const dsv_attn_shape* sh, FwdParams<T>& prm, cudaStream_t stream) {
+  switch (sh->head_dim) {
+    case 64: return fwd_dispatch_bm<T, 64>(sh, prm, stream);
+    case 96: return fwd_dispatch_bm<T, 96>(sh, prm, stream);
+    case 128: return fwd_dispatch_bm<T, 128>(sh, prm, stream);
+    case 256: return fwd_dispatch_bm<T, 256>(sh, prm, stream);
+    default: return DSV_ERR_UNSUPPORTED;
+  }
+}
+
+template <typename T>
+static int fwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
+                   const int32_t* kv_index, const int32_t* kv_count, dsv_bshd out, void* lse,
+                   cudaStream_t stream) {
+  FwdParams<T> prm;
+  prm.q = (const T*)q.data;
+  prm.k = (const T*)k.data;
+  prm.v = (const T*)v.data;
+  prm.out = (T*)out.data;
+  prm.lse = (float*)lse;
+  prm.qb = q.stride_b; prm.qs = q.stride_s; prm.qh = q.stride_h;
+  prm.kb = k.stride_b; prm.ks = k.stride_s; prm.kh = k.stride_h;
+  prm.vb = v.stride_b; prm.vs = v.stride_s; prm.vh = v.stride_h;
+  prm.ob = out.stride_b; prm.os = out.stride_s; prm.oh = out.stride_h;
+  prm.kv_index = kv_index;
+  prm.kv_count = kv_count;
+  prm.S = (int)sh->seqlen;
+  prm.H = (int)sh->heads;
+  prm.G = (int)sh->group_size;
+  prm.NG = (int)sh->num_groups;
+  prm.kmax = (int)sh->kmax;
+  prm.chunks = 1;
+  prm.scale_log2 = (float)(sh->scale * 1.4426950408889634);
+  return fwd_dispatch<T>(sh, prm, stream);
+}
+
+/* Shared argument checks of forward and backward. Returns DSV_OK or an error. */
+int check_attn_args(const dsv_attn_shape* p) {
+  if (!p) return DSV_ERR_INVALID;
+  if (p->batch < 0 || p->seqlen < 0 || p->heads < 0 || p->head_dim <= 0 || p->group_size <= 0 ||
+      p->kmax < 0)
+    return DSV_ERR_INVALID;
+  if (p->num_groups != (p->seqlen + p->group_size - 1) / p->group_size) return DSV_ERR_INVALID;
+  if (p->dtype != DSV_BFLOAT16 && p->dtype != DSV_FLOAT16) return DSV_ERR_UNSUPPORTED;
+  if (p->head_dim != 64 && p->head_dim != 96 && p->head_dim != 128 && p->head_dim != 256)
+    return DSV_ERR_UNSUPPORTED;
+  if (p->seqlen > (int64_t)INT32_MAX / 2 || p->kmax > (int64_t)INT32_MAX / 2 ||
+      p->heads > 65535 || p->batch > 65535 ||
+      p->num_groups * ((p->group_size + 31) / 32) > (int64_t)INT32_MAX)
+    return DSV_ERR_UNSUPPORTED;
+  if (p->group_size > (int64_t)INT32_MAX / 2) return DSV_ERR_UNSUPPORTED;
+  return DSV_OK;
+}
+
+}  // namespace dsv_attn
+
+using namespace dsv_attn;
+
+extern "C" size_t dsv_sparse_attention_fwd_workspace_cuda(const dsv_attn_shape* p) {
+  (void)p;
+  return 0;
+}
+
+extern "C" int dsv_sparse_attention_fwd_cuda(const dsv_attn_shape* p, dsv_bshd q, dsv_bshd k,
+                                             dsv_bshd v, const int32_t* kv_index,
+                                             const int32_t* kv_count, dsv_bshd out, void* lse,
+                                             void* workspace, size_t workspace_bytes,
+                                             void* stream) {
+  (void)workspace;
+  (void)workspace_bytes;
+  int st = check_attn_args(p);
+  if (st != DSV_OK) return st;
+  if (p->batch == 0 || p->seqlen == 0 || p->heads == 0) return DSV_OK;
+  if (!check_bshd_aligned(q) || !check_bshd_aligned(k) || !check_bshd_aligned(v) ||
+      !check_bshd_aligned(out))
+    return DSV_ERR_UNSUPPORTED;
+  if (!kv_count || !lse || (p->kmax > 0 && !kv_index)) return DSV_ERR_INVALID;
+  cudaStream_t s = (cudaStream_t)stream;
+  if (p->dtype == DSV_BFLOAT16)
+    return fwd_run<__nv_bfloat16>(p, q, k, v, kv_index, kv_count, out, lse, s);
+  return fwd_run<__half>(p, q, k, v, kv_index, kv_count, out, lse, s);
+}

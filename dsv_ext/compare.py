@@ -1,0 +1,198 @@
+"""Full attention vs DSV on the same model, data, seed and steps.
+
+    python -m dsv_ext.compare --config configs/small.yaml [--out DIR] [--steps N] [--device cuda]
+
+Trains the config twice with :func:`dsv_ext.train.train` (``attention=dense``: plain SDPA, and
+``attention=dsv``: DSVAttention under a DSVController), then writes into ``--out`` (default
+``runs/compare-<config name>``):
+
+- ``compare.md``: validation loss of both runs and their relative gap, throughput (tokens/s over
+  the whole run, and over DSV's stage-2 steps against the dense run's steps after the same step),
+  per-block sparsity, predictor loss and predictor recall of the DSV run;
+- ``compare.png``: training loss (and validation points) of both runs, and DSV's per-block
+  sparsity over the steps with the stage-2 switch marked;
+- ``compare.json``: the numbers behind the table; ``dense/`` and ``dsv/``: the two runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+from .train import load_config, train
+
+__all__ = ["compare", "write_table", "write_plot", "main"]
+
+
+def _fmt(v, nd=4):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def _switch_step(history: List[Dict[str, Any]]) -> Optional[int]:
+    for r in history:
+        if r.get("stage", 1) == 2:
+            return r["step"]
+    return None
+
+
+def _tps_after(history: List[Dict[str, Any]], step: Optional[int]) -> Optional[float]:
+    """Mean tokens/s of the logged windows after ``step`` (time-weighted)."""
+    if step is None:
+        return None
+    rows = [r for r in history if r["step"] > step and r.get("tokens_per_s")]
+    if not rows:
+        return None
+    # windows are equal-length, so tokens/time == harmonic mean of the window rates
+    return len(rows) / sum(1.0 / r["tokens_per_s"] for r in rows)
+
+
+def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
+            device: Optional[str] = None, progress: bool = True) -> Dict[str, Any]:
+    os.makedirs(out_dir, exist_ok=True)
+    runs = {}
+    for att in ("dense", "dsv"):
+        runs[att] = train(cfg, out_dir=os.path.join(out_dir, att), steps=steps, attention=att,
+                          device=device, progress=progress)
+    d, s = runs["dense"], runs["dsv"]
+    sw = _switch_step(s["history"])
+    res = {
+        "config": cfg.get("name"),
+        "steps": d["summary"]["steps"],
+        "device": d["summary"]["device"],
+        "tokens_per_sample": d["summary"]["tokens_per_sample"],
+        "dense": d["summary"],
+        "dsv": s["summary"],
+        "switch_step": sw,
+        "val_loss_rel_gap": (None if not d["summary"]["final_val_loss"] else
+                             s["summary"]["final_val_loss"] / d["summary"]["final_val_loss"] - 1),
+        "dense_tokens_per_s_after_switch": _tps_after(d["history"], sw),
+        "dsv_tokens_per_s_after_switch": _tps_after(s["history"], sw),
+        "blocks": (s["history"][-1].get("blocks") if s["history"] else None) or [],
+        "history": {"dense": d["history"], "dsv": s["history"]},
+        "val": {"dense": d["val"], "dsv": s["val"]},
+    }
+    write_table(res, os.path.join(out_dir, "compare.md"))
+    try:
+        write_plot(res, os.path.join(out_dir, "compare.png"))
+    except ImportError as e:  # matplotlib missing: the table is still written
+        print(f"compare: no plot ({e}); pip install matplotlib", file=sys.stderr)
+    with open(os.path.join(out_dir, "compare.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
+def write_table(res: Dict[str, Any], path: str) -> None:
+    d, s = res["dense"], res["dsv"]
+    L = [f"# Full attention vs DSV: `{res['config']}`", "",
+         f"{res['steps']} steps, {res['tokens_per_sample']} tokens per video, "
+         f"batch {d['batch_size']}, device `{res['device']}`; same model init, data, noise "
+         f"and seed. DSV switched to stage 2 at step {_fmt(res['switch_step'])}.", "",
+         "| | full attention | DSV |", "|---|---|---|",
+         f"| validation loss | {_fmt(d['final_val_loss'])} | {_fmt(s['final_val_loss'])} "
+         f"({_fmt(100 * res['val_loss_rel_gap'] if res['val_loss_rel_gap'] is not None else None, 2)}% vs full) |",
+         f"| final training loss (last log window) | {_fmt(d['final_train_loss'])} | {_fmt(s['final_train_loss'])} |",
+         f"| throughput, whole run (tokens/s) | {_fmt(d['tokens_per_s'], 0)} | {_fmt(s['tokens_per_s'], 0)} |",
+         f"| throughput after the switch (tokens/s) | {_fmt(res['dense_tokens_per_s_after_switch'], 0)} "
+         f"| {_fmt(res['dsv_tokens_per_s_after_switch'], 0)} |",
+         f"| speed-up after the switch | 1.00x | "
+         + (f"{res['dsv_tokens_per_s_after_switch'] / res['dense_tokens_per_s_after_switch']:.2f}x |"
+            if res["dsv_tokens_per_s_after_switch"] and res["dense_tokens_per_s_after_switch"] else "- |"),
+         f"| training time (s) | {_fmt(d['train_time_s'], 1)} | {_fmt(s['train_time_s'], 1)} |",
+         f"| mean sparsity (EMA, theta=0.9) | - | {_fmt(_scalar(s.get('dsv_sparsity')), 3)} |",
+         f"| predictor recall | - | {_fmt(_scalar(s.get('dsv_recall')), 3)} |",
+         ""]
+    blocks = res.get("blocks") or []
+    if blocks:
+        L += ["Per block (DSV run, end of training):", "",
+              "| block | sparsity | predictor loss | recall | runs sparse |", "|---|---|---|---|---|"]
+        for i, b in enumerate(blocks):
+            L.append(f"| {i} (`{b.get('name', '')}`) | {_fmt(b.get('sparsity'), 3)} | "
+                     f"{_fmt(b.get('pred_loss'), 4)} | {_fmt(b.get('recall'), 3)} | "
+                     f"{_fmt(b.get('sparse'))} |")
+        L.append("")
+    L += ["Throughput counts forward + backward + optimizer + DSV controller work per step; "
+          "stage 1 of DSV includes predictor training and profiling on top of dense attention.",
+          "Sparsity: fraction of keys outside the critical set (softmax mass 0.9) from the profiler's "
+          "sampled rows; recall: exact attention mass covered by the predicted top-K index.", ""]
+    with open(path, "w") as f:
+        f.write("\n".join(L))
+
+
+def _scalar(v):
+    if isinstance(v, list):
+        xs = [x for x in v if x is not None]
+        return sum(xs) / len(xs) if xs else None
+    return v
+
+
+def write_plot(res: Dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for att, color in (("dense", "tab:blue"), ("dsv", "tab:orange")):
+        h = res["history"][att]
+        a1.plot([r["step"] for r in h], [r["loss"] for r in h], color=color, alpha=0.6,
+                label=f"{'full attention' if att == 'dense' else 'DSV'} (train)")
+        v = res["val"][att]
+        a1.plot([r["step"] for r in v], [r["val_loss"] for r in v], "o--", color=color,
+                label=f"{'full attention' if att == 'dense' else 'DSV'} (validation)")
+    sw = res.get("switch_step")
+    for ax in (a1, a2):
+        if sw is not None:
+            ax.axvline(sw, color="gray", ls=":", label="DSV stage 2")
+    a1.set_xlabel("step")
+    a1.set_ylabel("flow-matching loss")
+    a1.set_yscale("log")
+    a1.legend(fontsize=8)
+    a1.set_title("loss")
+    h = res["history"]["dsv"]
+    nblk = max((len(r.get("blocks") or []) for r in h), default=0)
+    for i in range(nblk):
+        pts = [(r["step"], r["blocks"][i].get("sparsity")) for r in h
+               if len(r.get("blocks") or []) > i and r["blocks"][i].get("sparsity") is not None]
+        if pts:
+            a2.plot(*zip(*pts), label=f"block {i}")
+    if nblk == 0:
+        pts = [(r["step"], _scalar(r.get("sparsity"))) for r in h if _scalar(r.get("sparsity")) is not None]
+        if pts:
+            a2.plot(*zip(*pts), label="mean")
+    a2.set_xlabel("step")
+    a2.set_ylabel("sparsity (theta = 0.9)")
+    a2.set_ylim(0, 1)
+    a2.set_title("DSV per-block sparsity")
+    a2.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dsv_ext.compare",
+                                description="Train with full attention and with DSV; compare.")
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", default=None, help="output folder (default runs/compare-<name>)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SEC.KEY=VALUE")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    cfg = load_config(a.config, a.overrides)
+    out = a.out or os.path.join("runs", f"compare-{cfg.get('name', 'run')}")
+    res = compare(cfg, out, steps=a.steps, device=a.device, progress=not a.no_progress)
+    print(open(os.path.join(out, "compare.md")).read())
+    print(f"outputs in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

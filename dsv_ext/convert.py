@@ -1,0 +1,233 @@
+"""dsv_ext.convert: put DSV attention into an existing model, in place.
+
+    model = dsv_ext.convert(model, grid=(T, H, W))        # after loading pretrained weights
+
+Handled (self-attention only; cross-attention is left alone):
+  1. Any module with an `attn_core` attribute (the hook for new models). If it is already a
+     SparseAttention (e.g. inside DSVAttention) its grid/config are updated; otherwise the core
+     must be a module called as `core(q, k, v, ...)` on [B, S, H, D] tensors (such as
+     dsv_ext.attention.DenseAttention) and must expose `num_heads` and `head_dim` (on the core
+     or on its parent); it is replaced by a SparseAttention.
+  2. The reference video DiT's dense layer (dsv_ext.models.dit.SelfAttention: qkv, q_norm,
+     k_norm, proj): replaced by a DSVAttention that takes over the same submodules, so the
+     state_dict keys of the DiT stay the same (plus `attn_core.predictor.*`).
+  3. diffusers' WanTransformer3DModel (any WanAttention with is_cross_attention False): its
+     processor becomes DSVWanAttnProcessor, which calls a SparseAttention registered on the
+     attention module as `attn.dsv_core`. The token grid is read from each forward's input
+     (latent frames/height/width divided by the patch size) by a forward pre-hook on the
+     transformer, so `grid` is optional there.
+
+The model's forward does not change otherwise. Returns the model. Each SparseAttention gets a
+name (its module path) and the given config (one DSVConfig object shared by all).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .attention import DSVAttention, SparseAttention
+from .config import DSVConfig
+from .grouping import check_grid
+
+__all__ = ["convert", "DSVWanAttnProcessor", "sparse_modules"]
+
+
+def sparse_modules(model: nn.Module) -> List[Tuple[str, SparseAttention]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, SparseAttention)]
+
+
+def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent = model
+    parts = name.split(".")
+    for p in parts[:-1]:
+        parent = getattr(parent, p)
+    setattr(parent, parts[-1], new)
+
+
+def _int_attr(*objs, names=("num_heads", "heads", "head_dim")) -> Optional[int]:
+    for o in objs:
+        for n in names:
+            v = getattr(o, n, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    return None
+
+
+def _like(core: SparseAttention, ref: nn.Module) -> SparseAttention:
+    """Move a fresh SparseAttention to the device of ref's parameters."""
+    p = next(iter(ref.parameters()), None) if ref is not None else None
+    if p is not None:
+        core.to(device=p.device)
+    return core
+
+
+# ------------------------------------------------------------------------------------------------
+# diffusers Wan
+
+def _wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    # same arithmetic as diffusers' WanAttnProcessor (interleaved pairs)
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class DSVWanAttnProcessor:
+    """Attention processor for diffusers' WanAttention (self-attention) calling `attn.dsv_core`.
+
+    Anything this processor does not handle (cross-attention, an attention mask, added image
+    K/V) goes to the processor it replaced."""
+
+    def __init__(self, fallback: Optional[Callable] = None):
+        self.fallback = fallback
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
+                 attention_mask: Optional[torch.Tensor] = None, rotary_emb=None, **kwargs: Any) -> torch.Tensor:
+        core = getattr(attn, "dsv_core", None)
+        if (core is None or encoder_hidden_states is not None or attention_mask is not None
+                or getattr(attn, "add_k_proj", None) is not None or kwargs):
+            if self.fallback is None:
+                raise ValueError("attn: DSVWanAttnProcessor handles plain self-attention only")
+            return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
+        if getattr(attn, "fused_projections", False):
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+        query = query.unflatten(2, (attn.heads, -1))
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query = _wan_rotary(query, *rotary_emb)
+            key = _wan_rotary(key, *rotary_emb)
+        out = core(query, key, value)
+        out = out.flatten(2, 3).type_as(query)
+        out = attn.to_out[0](out)
+        out = attn.to_out[1](out)
+        return out
+
+
+def _wan_grid_hook(module, args, kwargs):
+    x = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(x, torch.Tensor) or x.dim() != 5:
+        return None
+    pt, ph, pw = module.config.patch_size
+    grid = (x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw)
+    for core in module._dsv_cores:
+        if core.grid != grid:
+            core.set_grid(grid)
+    return None
+
+
+def _convert_wan(model: nn.Module, grid, config: DSVConfig) -> int:
+    try:
+        from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel
+    except Exception:  # diffusers not installed, or no Wan in this version
+        return 0
+    n = 0
+    for top in [m for m in model.modules() if isinstance(m, WanTransformer3DModel)]:
+        cores = []
+        for name, attn in top.named_modules():
+            if not isinstance(attn, WanAttention) or attn.is_cross_attention:
+                continue
+            if getattr(attn, "added_kv_proj_dim", None) is not None:
+                continue
+            if isinstance(getattr(attn, "dsv_core", None), SparseAttention):
+                core = attn.dsv_core
+                core.config = config
+                if grid is not None:
+                    core.set_grid(grid)
+            else:
+                head_dim = attn.inner_dim // attn.heads
+                core = _like(SparseAttention(attn.heads, head_dim, grid=grid, config=config, name=name), attn)
+                attn.dsv_core = core
+            old = attn.processor
+            if not isinstance(old, DSVWanAttnProcessor):
+                attn.set_processor(DSVWanAttnProcessor(fallback=old))
+            cores.append(core)
+            n += 1
+        top._dsv_cores = cores
+        if not getattr(top, "_dsv_grid_hook", None):
+            top._dsv_grid_hook = top.register_forward_pre_hook(_wan_grid_hook, with_kwargs=True)
+    return n
+
+
+# ------------------------------------------------------------------------------------------------
+
+def _dit_self_attention_cls():
+    try:
+        from .models.dit import SelfAttention
+        return SelfAttention
+    except Exception:
+        return None
+
+
+def convert(model: nn.Module, grid: Optional[Sequence[int]] = None, config: Optional[DSVConfig] = None,
+            *, verbose: bool = False) -> nn.Module:
+    """Replace the self-attention of `model` by DSV attention in place and return the model.
+
+    grid: (T, H, W) token grid (after patchifying) of the video; default: `model.cfg.grid` when
+    the model has one (the reference DiT), per-forward detection for Wan, else None (no cube
+    reordering until set). config: a DSVConfig (default DSVConfig()) shared by all blocks.
+    Raises ValueError when nothing convertible is found."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    if config is None:
+        config = DSVConfig()
+    elif isinstance(config, (str, dict)):
+        config = DSVConfig.from_yaml(config) if isinstance(config, str) else DSVConfig.from_dict(config)
+    elif not isinstance(config, DSVConfig):
+        raise TypeError(f"config: expected a DSVConfig, got {type(config).__name__}")
+    if grid is None:
+        g = getattr(getattr(model, "cfg", None), "grid", None)
+        grid = tuple(g) if g is not None else None
+    if grid is not None:
+        grid = check_grid(grid)
+
+    n = 0
+    # 2. the reference DiT's dense SelfAttention -> DSVAttention sharing its submodules
+    SA = _dit_self_attention_cls()
+    if SA is not None:
+        for name, m in list(model.named_modules()):
+            if type(m) is SA:
+                new = DSVAttention.from_modules(m.qkv, m.proj, m.heads, m.head_dim, m.q_norm, m.k_norm,
+                                                grid=grid, config=config)
+                new.train(m.training)
+                if name == "":
+                    raise ValueError("model: is itself an attention layer; wrap it in a container module")
+                _set_child(model, name, new)
+                n += 1
+    # 1. the attn_core hook
+    for name, m in list(model.named_modules()):
+        core = getattr(m, "attn_core", None)
+        if core is None or not isinstance(core, nn.Module):
+            continue
+        if isinstance(core, SparseAttention):
+            core.config = config
+            if grid is not None:
+                core.set_grid(grid)
+        else:
+            H = _int_attr(core, m, names=("num_heads", "heads"))
+            D = _int_attr(core, m, names=("head_dim",))
+            if H is None or D is None:
+                raise ValueError(f"model: {name or 'model'}.attn_core ({type(core).__name__}) needs "
+                                 "`num_heads` and `head_dim` attributes (on the core or its parent)")
+            m.attn_core = _like(SparseAttention(H, D, grid=grid, config=config), m)
+        n += 1
+    # 3. diffusers Wan
+    n += _convert_wan(model, grid, config)
+    if n == 0:
+        raise ValueError(f"model: no convertible attention found in {type(model).__name__} "
+                         "(expected `.attn_core` modules, the reference DiT, or a diffusers Wan transformer)")
+    for name, m in sparse_modules(model):
+        m.name = name
+        m.config = config
+    if verbose:
+        print(f"dsv_ext.convert: {n} attention layer(s) converted")
+    return model

@@ -1,0 +1,253 @@
+"""Op dispatcher: per attention block, run sparse only where it pays.
+
+Decision for one block (made on the host by the controller when the sparsity estimates change,
+never inside the forward):
+  1. Cost model. With a calibration table for this device, sparse is chosen when the predicted
+     sparse time (estimation + sparse forward + backward, interpolated at the block's mean
+     density) is below (1 - dispatch_margin) x the dense time at the same sequence length.
+     Without a table (or on devices it was not measured on), sparse is chosen when the block's
+     mean head sparsity >= config.dispatch_threshold (0.8).
+  2. Memory. On CUDA, blocks are kept dense once the extra memory of the sparse path over all
+     sparse blocks (index lists, cube-ordered q, low-rank projections) would exceed
+     config.memory_fraction of the free device memory.
+
+The table is measured once by `calibrate()` on the GPU and cached as JSON (default
+~/.cache/dsv_ext/calibration.json, or config.calibration_path / $DSV_EXT_CACHE):
+
+    {"version": 1, "entries": [{"device": "NVIDIA H200", "dtype": "bfloat16", "heads": 16,
+      "head_dim": 128, "group_size": 32, "seq_len": 32768, "dense_ms": ..,
+      "sparse_ms": {"0.5": .., "0.8": .., "0.9": .., "0.95": ..}}, ...]}
+
+Times are per block forward+backward at batch 1; lookups scale linearly with batch x heads and
+interpolate linearly in log(seq_len) and in density (1 - sparsity).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .config import DSVConfig
+
+__all__ = ["Dispatcher", "default_calibration_path", "calibrate"]
+
+
+def default_calibration_path() -> str:
+    root = os.environ.get("DSV_EXT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dsv_ext")
+    return os.path.join(root, "calibration.json")
+
+
+def _device_name(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear interpolation, linear extrapolation outside (clamped to >= 0)."""
+    if len(xs) == 1:
+        return ys[0]
+    i = 1
+    while i < len(xs) - 1 and xs[i] < x:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y0
+    return max(y, 0.0)
+
+
+class Dispatcher:
+    """Cost model + memory check deciding sparse vs dense per block."""
+
+    def __init__(self, config: Optional[DSVConfig] = None, table: Optional[dict] = None):
+        self.config = config if config is not None else DSVConfig()
+        self.path = self.config.calibration_path or default_calibration_path()
+        self.table = table
+        if self.table is None and self.config.use_calibration:
+            self.table = self.load(self.path)
+
+    # ---------------------------------------------------------------- table io
+    @staticmethod
+    def load(path: str) -> Optional[dict]:
+        try:
+            with open(path) as f:
+                t = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(t, dict) or not isinstance(t.get("entries"), list):
+            return None
+        return t
+
+    def save(self, path: Optional[str] = None) -> str:
+        path = path or self.path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = path + f".tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.table or {"version": 1, "entries": []}, f, indent=1)
+        os.replace(tmp, path)
+        return path
+
+    # ---------------------------------------------------------------- cost model
+    def _entries(self, device, dtype: torch.dtype, head_dim: int) -> List[dict]:
+        if not self.table:
+            return []
+        name, dt = _device_name(device), str(dtype).replace("torch.", "")
+        es = [e for e in self.table["entries"] if e.get("device") == name and e.get("dtype") == dt]
+        if not es:
+            return []
+        hd = min({e["head_dim"] for e in es}, key=lambda d: abs(d - head_dim))
+        return sorted((e for e in es if e["head_dim"] == hd), key=lambda e: e["seq_len"])
+
+    def predict_ms(self, seq_len: int, heads: int, head_dim: int, density: float, device,
+                   dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> Optional[Dict[str, float]]:
+        """{"dense": ms, "sparse": ms} for one block from the table, or None without a table."""
+        es = self._entries(device, dtype, head_dim)
+        if not es:
+            return None
+        dens, spar = [], []
+        for e in es:
+            pts = sorted((1.0 - float(s), float(ms)) for s, ms in e["sparse_ms"].items())
+            spar.append(_interp([p[0] for p in pts], [p[1] for p in pts], density) / e["heads"])
+            dens.append(float(e["dense_ms"]) / e["heads"])
+        if len(es) == 1:  # one length measured: attention time ~ S^2
+            r = (seq_len / es[0]["seq_len"]) ** 2
+            d_ms, s_ms = dens[0] * r, spar[0] * r
+        else:  # piecewise-linear in log(time) vs log(S), extrapolated at the ends
+            xs = [math.log(e["seq_len"]) for e in es]
+            x = math.log(max(seq_len, 1))
+            i = 1
+            while i < len(xs) - 1 and xs[i] < x:
+                i += 1
+
+            def loglin(ys):
+                y0, y1 = math.log(max(ys[i - 1], 1e-9)), math.log(max(ys[i], 1e-9))
+                return math.exp(y0 + (y1 - y0) * (x - xs[i - 1]) / (xs[i] - xs[i - 1]))
+
+            d_ms, s_ms = loglin(dens), loglin(spar)
+        f = batch * heads
+        return {"dense": d_ms * f, "sparse": s_ms * f}
+
+    def sparse_extra_bytes(self, batch: int, seq_len: int, heads: int, head_dim: int, kmax: int,
+                           dtype: torch.dtype = torch.bfloat16) -> int:
+        """Extra memory of one sparse block held for the backward (index, reordered q, q_lr/k_lr)."""
+        es = torch.empty((), dtype=dtype).element_size()
+        G = self.config.group_size
+        ng = -(-seq_len // G)
+        index = batch * heads * ng * kmax * 4
+        qp = batch * seq_len * heads * head_dim * es
+        lowrank = 2 * batch * seq_len * heads * self.config.rank * es
+        return index + qp + lowrank
+
+    def decide(self, sparsity: Sequence[float], seq_len: int, heads: int, head_dim: int, device,
+               dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> bool:
+        """True = run this block sparse (cost model only; memory is checked by `plan`)."""
+        if not sparsity:
+            return False
+        s_mean = float(sum(sparsity)) / len(sparsity)
+        if self.config.use_calibration:
+            dens = sum(self.config.head_k(s, seq_len) for s in sparsity) / (len(sparsity) * seq_len)
+            p = self.predict_ms(seq_len, heads, head_dim, dens, device, dtype, batch)
+            if p is not None:
+                return p["sparse"] < (1.0 - self.config.dispatch_margin) * p["dense"]
+        return s_mean >= self.config.dispatch_threshold
+
+    def plan(self, blocks: Sequence[dict], device) -> List[bool]:
+        """Decide every block. blocks: dicts with sparsity (list), seq_len, heads, head_dim, kmax,
+        dtype, batch. Blocks the cost model picks are kept in order while the memory lasts."""
+        choice = [self.decide(b["sparsity"], b["seq_len"], b["heads"], b["head_dim"], device,
+                              b.get("dtype", torch.bfloat16), b.get("batch", 1)) for b in blocks]
+        dev = torch.device(device)
+        if dev.type == "cuda" and any(choice):
+            try:
+                free, _ = torch.cuda.mem_get_info(dev)
+            except Exception:  # pragma: no cover
+                return choice
+            budget = self.config.memory_fraction * free
+            used = 0
+            for i, b in enumerate(blocks):
+                if not choice[i]:
+                    continue
+                need = self.sparse_extra_bytes(b.get("batch", 1), b["seq_len"], b["heads"], b["head_dim"],
+                                               b["kmax"], b.get("dtype", torch.bfloat16))
+                if used + need > budget:
+                    choice[i] = False
+                else:
+                    used += need
+        return choice
+
+    # ---------------------------------------------------------------- calibration
+    def calibrate(self, device="cuda", seq_lens: Sequence[int] = (4096, 16384, 32768, 65536),
+                  sparsities: Sequence[float] = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98), heads: int = 16,
+                  head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, repeats: int = 3,
+                  save: bool = True, verbose: bool = False) -> dict:
+        """Measure dense (SDPA) vs sparse (estimation + sparse attention) forward+backward time per
+        (seq_len, sparsity) on `device`, store them in the table (replacing entries of the same
+        device/dtype/heads/head_dim/seq_len) and save it as JSON."""
+        from .attention import dense_core, sparse_core
+        from .grouping import cube_permutation
+
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device: CUDA is not available for calibration")
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        G, r = self.config.group_size, self.config.rank
+        name, dt = _device_name(dev), str(dtype).replace("torch.", "")
+        table = self.table or {"version": 1, "entries": []}
+
+        def timed(fn) -> float:
+            fn()
+            sync()
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                best = min(best, time.perf_counter() - t0)
+            return best * 1e3
+
+        for S in seq_lens:
+            q, k, v = (torch.randn(1, S, heads, head_dim, device=dev, dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            do = torch.randn(1, S, heads, head_dim, device=dev, dtype=dtype)
+            wq = torch.randn(heads, head_dim, r, device=dev) / math.sqrt(head_dim)
+            wk = torch.randn(heads, head_dim, r, device=dev) / math.sqrt(head_dim)
+            side = round(S ** (1 / 3))
+            grid = (max(S // (side * side), 1), side, side)
+            perm, inv = cube_permutation(grid, self.config.cube, S, dev) if grid[0] * side * side <= S else (None, None)
+
+            def dense():
+                o = dense_core(q, k, v, None, self.config.dense_backend)
+                torch.autograd.grad(o, (q, k, v), do)
+
+            dense_ms = timed(dense)
+            sp: Dict[str, float] = {}
+            for s in sparsities:
+                K = self.config.head_k(s, S)
+                cnt = torch.full((heads,), K, dtype=torch.int32, device=dev)
+
+                def sparse():
+                    o = sparse_core(q, k, v, wq, wk, perm, inv, cnt, K, G, None)
+                    torch.autograd.grad(o, (q, k, v), do)
+
+                sp[str(s)] = timed(sparse)
+            entry = {"device": name, "dtype": dt, "heads": heads, "head_dim": head_dim, "group_size": G,
+                     "seq_len": S, "dense_ms": dense_ms, "sparse_ms": sp}
+            if verbose:
+                print(json.dumps(entry))
+            table["entries"] = [e for e in table["entries"] if not (
+                e.get("device") == name and e.get("dtype") == dt and e.get("heads") == heads
+                and e.get("head_dim") == head_dim and e.get("seq_len") == S)] + [entry]
+            del q, k, v, do
+        self.table = table
+        if save:
+            self.save()
+        return table
+
+
+def calibrate(config: Optional[DSVConfig] = None, **kw) -> dict:
+    """Measure and cache the calibration table (see Dispatcher.calibrate)."""
+    return Dispatcher(config, table=None).calibrate(**kw)

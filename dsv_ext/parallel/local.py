@@ -1,0 +1,60 @@
+"""Single-rank attention used inside the CP schemes: per-head dense/sparse split, estimation."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+import dsv_ext
+
+__all__ = ["local_attention", "dense_heads"]
+
+
+def dense_heads(kv_count_host: List[List[int]], num_keys: int) -> List[bool]:
+    """A head is run dense when every batch's count covers all keys."""
+    H = len(kv_count_host[0]) if kv_count_host else 0
+    return [all(row[h] >= num_keys for row in kv_count_host) for h in range(H)]
+
+
+def _sdpa(q, k, v, scale):
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+    return o.transpose(1, 2)
+
+
+def local_attention(q, k, v, q_lr, k_lr, kv_count, kv_count_host, group_size: int, scale: Optional[float]):
+    """Attention of all queries against all keys of ``q``'s sequence for the heads given:
+    q, k, v [B, S, a, D]; q_lr, k_lr [B, S, a, r]; kv_count int32 [B, a] (a host copy too).
+    Heads whose count covers S run dense (SDPA); the others select keys with
+    dsv_ext.topk_estimate and run dsv_ext.sparse_attention. Returns [B, S, a, D]."""
+    B, S, a, D = q.shape
+    if a == 0:
+        return q * 0.0  # keeps the (empty) graph connected so every rank runs the backward collectives
+    dense = dense_heads(kv_count_host, S)
+    sp = [h for h in range(a) if not dense[h]]
+    dn = [h for h in range(a) if dense[h]]
+    outs, order = [], []
+    if sp:
+        def pick(t):
+            return t if len(sp) == a else t[:, :, sp]
+        cnt = kv_count if len(sp) == a else kv_count[:, sp].contiguous()
+        kmax = max(row[h] for row in kv_count_host for h in sp)
+        kmax = max(1, min(kmax, S))
+        with torch.no_grad():
+            idx = dsv_ext.topk_estimate(pick(q_lr).detach(), pick(k_lr).detach(), cnt, group_size, kmax=kmax)
+        outs.append(dsv_ext.sparse_attention(pick(q), pick(k), pick(v), idx, cnt, group_size, scale=scale,
+                                             check_index=False))
+        order += sp
+    if dn:
+        def pickd(t):
+            return t if len(dn) == a else t[:, :, dn]
+        outs.append(_sdpa(pickd(q), pickd(k), pickd(v), scale))
+        order += dn
+    if len(outs) == 1:
+        return outs[0]
+    out = torch.cat(outs, 2)
+    inv = [0] * a
+    for i, h in enumerate(order):
+        inv[h] = i
+    return out[:, :, inv]

@@ -1,0 +1,623 @@
+"""Train the reference video DiT with flow matching, with DSV sparse attention or full attention.
+
+    python -m dsv_ext.train --config configs/tiny.yaml [--out DIR] [--steps N] [--resume CKPT]
+                            [--attention dense|dsv] [--device cpu|cuda] [--set train.lr=1e-4 ...]
+
+The config file has four sections: ``model`` (dsv_ext.models.DiTConfig), ``data``
+(dsv_ext.data.make_dataset), ``train`` (:class:`TrainConfig` below) and ``dsv``
+(dsv_ext.config.DSVConfig, used with ``--attention dsv``).
+
+Objective (rectified flow / flow matching): for clean latents x0, noise e ~ N(0, I) and a time
+t in (0, 1) (logit-normal by default), x_t = (1 - t) x0 + t e and the model predicts the velocity
+e - x0; loss = mean squared error. Everything random in a step (the batch indices, noise and t)
+is a pure function of (seed, step), so a resumed run continues exactly like an uninterrupted one.
+
+The validation loss is the same objective on ``train.val_videos`` held-out procedural videos (or
+the held-out files of a folder), at the fixed times ``train.val_timesteps``, with fixed noise:
+deterministic, comparable across runs and across attention kinds.
+
+Outputs in ``--out`` (default ``runs/<config name>-<attention>``): ``config.yaml`` (resolved),
+``metrics.jsonl`` (one JSON object per logged step, ``"kind": "train"`` or ``"val"``),
+``ckpt_last.pt`` (model, optimizer, DSV controller, step; also every ``train.ckpt_every`` steps
+as ``ckpt_<step>.pt``) and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .data import ProceduralVideos, _generator, make_dataset
+from .models.dit import DiTConfig, VideoDiT
+
+__all__ = ["TrainConfig", "load_config", "train", "build_model", "validation_loss", "main"]
+
+
+@dataclass
+class TrainConfig:
+    """``train`` section of a config file."""
+
+    steps: int = 500
+    batch_size: int = 4
+    lr: float = 3e-4
+    betas: Sequence[float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    """Linear learning-rate warm-up, then constant."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = off)."""
+    seed: int = 0
+    """Seeds the model init, the data stream, the noise and the timesteps."""
+    timestep_sampling: str = "logit_normal"
+    """``logit_normal`` (t = sigmoid(N(0, 1)), as SD3) or ``uniform``."""
+    log_every: int = 10
+    """Write a ``train`` metrics line every this many steps."""
+    val_every: int = 100
+    """Validation loss every this many steps (and at the end; 0 = only at the end)."""
+    val_videos: int = 8
+    val_timesteps: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    val_batch_size: int = 8
+    ckpt_every: int = 0
+    """Also keep ``ckpt_<step>.pt`` every this many steps (0 = only ``ckpt_last.pt``, written at
+    the end and at every validation)."""
+    precision: str = "auto"
+    """``auto`` (bf16 autocast on CUDA, fp32 on CPU), ``bf16`` or ``fp32``."""
+    grad_checkpointing: bool = False
+    """Recompute each block in the backward (CUDA only; ignored on the CPU)."""
+    threads: int = 0
+    """torch.set_num_threads on the CPU (0 = leave torch's default)."""
+    compile: bool = False
+    """torch.compile the model (CUDA only)."""
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(d) - names)
+        if bad:
+            raise ValueError(f"train: unknown keys {bad}; known: {sorted(names)}")
+        return cls(**d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+def _parse_value(s: str):
+    import yaml
+
+    return yaml.safe_load(s)
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
+                base: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Read a YAML config (sections model / data / train / dsv) and apply ``section.key=value``
+    overrides. Returns a plain dict."""
+    import yaml
+
+    if base is not None:
+        cfg = copy.deepcopy(base)
+    else:
+        if path is None:
+            raise ValueError("config: a path or a base dict is required")
+        with open(path) as f:
+            cfg = yaml.safe_load(f) or {}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config: {path}: expected a mapping at top level")
+    bad = sorted(set(cfg) - {"model", "data", "train", "dsv", "name"})
+    if bad:
+        raise ValueError(f"config: unknown sections {bad} (expected model, data, train, dsv)")
+    for sec in ("model", "data", "train", "dsv"):
+        cfg[sec] = dict(cfg.get(sec) or {})
+    cfg.setdefault("name", os.path.splitext(os.path.basename(path))[0] if path else "run")
+    for ov in overrides:
+        if "=" not in ov or "." not in ov.split("=", 1)[0]:
+            raise ValueError(f"--set: expected section.key=value, got {ov!r}")
+        key, val = ov.split("=", 1)
+        sec, name = key.split(".", 1)
+        if sec not in ("model", "data", "train", "dsv"):
+            raise ValueError(f"--set: unknown section {sec!r} in {ov!r}")
+        cfg[sec][name] = _parse_value(val)
+    return cfg
+
+
+def _dsv_config(cfg: Dict[str, Any]):
+    from .config import DSVConfig
+
+    return DSVConfig.from_dict(dict(cfg.get("dsv") or {}))
+
+
+def build_model(cfg: Dict[str, Any], attention: Optional[str] = None, device="cpu"):
+    """The model of a config (``attention`` overrides ``model.attention``); weights depend only on
+    ``train.seed``."""
+    mcfg = dict(cfg["model"])
+    if attention is not None:
+        mcfg["attention"] = attention
+    if "in_channels" not in mcfg:
+        mcfg["in_channels"] = int(cfg["data"].get("channels", 4))
+    if "latent_size" not in mcfg:
+        d = cfg["data"]
+        mcfg["latent_size"] = (int(d["frames"]), int(d["height"]), int(d["width"]))
+    dit_cfg = DiTConfig.from_dict(mcfg)
+    seed = int(cfg["train"].get("seed", 0))
+    dsv_cfg = _dsv_config(cfg) if dit_cfg.attention == "dsv" else None
+    model = VideoDiT(dit_cfg, seed=seed, dsv_config=dsv_cfg)
+    return model.to(device), dsv_cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Flow matching
+# ---------------------------------------------------------------------------------------------
+
+def sample_timesteps(n: int, g: torch.Generator, kind: str) -> torch.Tensor:
+    if kind == "logit_normal":
+        return torch.sigmoid(torch.randn(n, generator=g))
+    if kind == "uniform":
+        return torch.rand(n, generator=g).clamp(1e-4, 1 - 1e-4)
+    raise ValueError(f"train.timestep_sampling: must be 'logit_normal' or 'uniform', got {kind!r}")
+
+
+def flow_matching_loss(model, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+                       reduce: bool = True) -> torch.Tensor:
+    tb = t.view(-1, 1, 1, 1, 1).to(x0.dtype)
+    xt = (1 - tb) * x0 + tb * noise
+    pred = model(xt, t)
+    err = (pred.float() - (noise - x0).float()).pow(2)
+    return err.mean() if reduce else err.flatten(1).mean(1)
+
+
+def _autocast(device: torch.device, precision: str):
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    raise ValueError(f"train.precision: must be auto, bf16 or fp32, got {precision!r}")
+
+
+class _ValSet:
+    """Fixed held-out latents, times and noise (built once)."""
+
+    def __init__(self, cfg: Dict[str, Any], tcfg: TrainConfig):
+        dcfg = dict(cfg["data"])
+        if dcfg.get("source", "procedural") == "procedural":
+            dcfg["num_val"] = int(tcfg.val_videos)
+        ds = make_dataset(dcfg, "val", seed=tcfg.seed)
+        n = min(len(ds), int(tcfg.val_videos)) if tcfg.val_videos > 0 else len(ds)
+        xs, ts, ns = [], [], []
+        for j in range(n):
+            x = ds[j]
+            g = _generator(tcfg.seed + 7919, j)
+            for tv in tcfg.val_timesteps:
+                xs.append(x)
+                ts.append(float(tv))
+                ns.append(torch.randn(x.shape, generator=g))
+        self.x = torch.stack(xs)
+        self.t = torch.tensor(ts, dtype=torch.float32)
+        self.noise = torch.stack(ns)
+
+
+@torch.no_grad()
+def validation_loss(model, valset: _ValSet, device, precision: str, batch_size: int = 8) -> float:
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for i in range(0, valset.x.shape[0], batch_size):
+            x = valset.x[i:i + batch_size].to(device)
+            n = valset.noise[i:i + batch_size].to(device)
+            t = valset.t[i:i + batch_size].to(device)
+            with _autocast(device, precision):
+                per = flow_matching_loss(model, x, n, t, reduce=False)
+            total += float(per.sum())
+            count += per.numel()
+    finally:
+        model.train(was_training)
+    return total / max(count, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data stream
+# ---------------------------------------------------------------------------------------------
+
+class _Stream:
+    """Batch of step i: dataset items at positions i*B .. i*B+B-1 of a per-epoch permutation
+    (deterministic from the seed; procedural data is already random per index)."""
+
+    def __init__(self, ds, batch_size: int, seed: int):
+        self.ds, self.b, self.seed = ds, batch_size, seed
+        self.n = len(ds)
+        self.shuffle = not isinstance(ds, ProceduralVideos) and self.n <= 10**7
+        self._perm_epoch, self._perm = -1, None
+
+    def indices(self, step: int) -> List[int]:
+        out = []
+        for j in range(self.b):
+            pos = step * self.b + j
+            epoch, k = divmod(pos, self.n)
+            if self.shuffle:
+                if epoch != self._perm_epoch:
+                    g = _generator(self.seed + 104729, epoch)
+                    self._perm, self._perm_epoch = torch.randperm(self.n, generator=g).tolist(), epoch
+                out.append(self._perm[k])
+            else:
+                out.append(k)
+        return out
+
+    def batch(self, step: int, timestep_kind: str):
+        x0 = torch.stack([self.ds[i] for i in self.indices(step)])
+        g = _generator(self.seed + 31337, step)
+        noise = torch.randn(x0.shape, generator=g)
+        t = sample_timesteps(x0.shape[0], g, timestep_kind)
+        return x0, noise, t
+
+
+# ---------------------------------------------------------------------------------------------
+# Controller helpers (tolerant of the controller's optional fields)
+# ---------------------------------------------------------------------------------------------
+
+def _controller_stats(controller) -> Dict[str, Any]:
+    if controller is None:
+        return {"stage": 1}
+    out: Dict[str, Any] = {"stage": int(getattr(controller, "stage", 1))}
+    try:
+        summ = controller.summary()
+    except Exception:
+        summ = {}
+    for k, v in summ.items():
+        key = k.split("/", 1)[-1]
+        key = {"loss": "pred_loss", "step": "controller_step"}.get(key, key)
+        if isinstance(v, torch.Tensor):
+            v = v.tolist() if v.numel() > 1 else float(v)
+        if isinstance(v, float) and not math.isfinite(v):
+            v = None
+        out[key] = v
+    out["stage"] = int(getattr(controller, "stage", out.get("stage", 1)))
+    blocks = _per_block(controller)
+    if blocks:
+        out["blocks"] = blocks
+    return out
+
+
+def _to_float_list(v) -> Optional[List[Optional[float]]]:
+    if v is None:
+        return None
+    if isinstance(v, torch.Tensor):
+        v = v.detach().float().flatten().cpu().tolist()
+    elif isinstance(v, (int, float)):
+        v = [float(v)]
+    else:
+        try:
+            v = [float(x) for x in v]
+        except Exception:
+            return None
+    return [x if math.isfinite(x) else None for x in v]
+
+
+def _mean(xs):
+    xs = [x for x in (xs or []) if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _per_block(controller) -> List[Dict[str, Any]]:
+    """Per-block sparsity (EMA, mean over heads), smoothed predictor loss, latest recall and
+    whether the block runs sparse, from the controller's state."""
+    rows = []
+    mods = getattr(controller, "modules", []) or []
+    emas = getattr(controller, "sparsity_ema", None) or [None] * len(mods)
+    recs = getattr(controller, "recall", None) or [None] * len(mods)
+    losses = getattr(controller, "_loss_ema", None) or [None] * len(mods)
+    if losses and any(l is not None for l in losses):
+        host = [None if l is None else _mean(_to_float_list(l)) for l in losses]
+    else:
+        host = [None] * len(mods)
+    for (name, mod), ema, rec, lo in zip(mods, emas, recs, host):
+        rows.append({
+            "name": name,
+            "sparsity": _mean(_to_float_list(ema)),
+            "head_sparsity": _to_float_list(ema),
+            "recall": _mean(_to_float_list(rec)),
+            "pred_loss": lo,
+            "sparse": bool(getattr(mod, "use_sparse", False)) and int(getattr(controller, "stage", 1)) == 2,
+            "head_k": list(getattr(mod, "head_k", []) or []),
+        })
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+
+def _lr_at(step: int, tcfg: TrainConfig) -> float:
+    if tcfg.warmup_steps > 0 and step < tcfg.warmup_steps:
+        return tcfg.lr * (step + 1) / tcfg.warmup_steps
+    return tcfg.lr
+
+
+def _save_checkpoint(path, step, model, opt, controller, cfg, attention, history_tail):
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "controller": controller.state_dict() if controller is not None else None,
+        "config": cfg,
+        "attention": attention,
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "history_tail": history_tail,
+    }
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _resolve_device(device: Optional[str]) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda requested but torch.cuda.is_available() is False")
+    return dev
+
+
+def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[int] = None,
+          resume: Optional[str] = None, attention: Optional[str] = None,
+          device: Optional[str] = None, progress: bool = True,
+          log: Callable[[str], None] = None) -> Dict[str, Any]:
+    """Run (or resume) a training run. Returns ``{"history": [...], "val": [...], "summary": {...}}``.
+
+    ``cfg`` is a dict from :func:`load_config`; ``steps`` overrides ``train.steps`` (the total
+    step count, also when resuming); ``attention`` overrides ``model.attention``.
+    """
+    log = log or (lambda s: print(s, file=sys.stderr))
+    cfg = copy.deepcopy(cfg)
+    tcfg = TrainConfig.from_dict(cfg["train"])
+    if steps is not None:
+        tcfg.steps = int(steps)
+        cfg["train"]["steps"] = int(steps)
+    dev = _resolve_device(device)
+    if dev.type == "cpu" and tcfg.threads > 0:
+        torch.set_num_threads(tcfg.threads)
+    attention = attention or cfg["model"].get("attention", "dsv")
+    cfg["model"]["attention"] = attention
+    name = cfg.get("name", "run")
+    out_dir = out_dir or os.path.join("runs", f"{name}-{attention}")
+    os.makedirs(out_dir, exist_ok=True)
+
+    # The DiT weights come from a private generator (VideoDiT.initialize_weights); the global RNG
+    # seeds everything else created here (DSV predictor projections).
+    torch.manual_seed(tcfg.seed)
+    model, dsv_cfg = build_model(cfg, attention, dev)
+    if tcfg.grad_checkpointing and dev.type == "cuda":
+        model.grad_checkpointing = True
+    params = model.dit_parameters()
+    opt = torch.optim.AdamW(params, lr=tcfg.lr, betas=tuple(tcfg.betas),
+                            weight_decay=tcfg.weight_decay,
+                            fused=(dev.type == "cuda") or None)
+    controller = None
+    if attention == "dsv":
+        from .controller import DSVController
+
+        controller = DSVController(model, dsv_cfg)
+        if not getattr(controller, "modules", None):
+            log("warning: DSVController found no SparseAttention modules (dense fallback in use)")
+    fwd_model = model
+    if tcfg.compile and dev.type == "cuda":
+        fwd_model = torch.compile(model)
+
+    start = 0
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    history: List[Dict[str, Any]] = []
+    vals: List[Dict[str, Any]] = []
+    if resume:
+        ck = torch.load(resume, map_location=dev, weights_only=False)
+        if controller is not None and ck.get("controller") is None:
+            raise ValueError(f"resume: {resume} has no DSV controller state "
+                             f"(it was trained with attention={ck.get('attention')})")
+        if controller is None and ck.get("controller") is not None:
+            raise ValueError(f"resume: {resume} was trained with attention=dsv; "
+                             "resume it with --attention dsv")
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        if controller is not None:
+            controller.load_state_dict(ck["controller"])
+        torch.set_rng_state(ck["torch_rng"])
+        if ck.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(ck["cuda_rng"])
+        start = int(ck["step"])
+        # Drop metric lines past the checkpoint (a crashed run may have logged further).
+        if os.path.exists(metrics_path):
+            kept = []
+            with open(metrics_path) as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if rec.get("step", 0) <= start:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+            with open(metrics_path, "w") as f:
+                f.writelines(kept)
+    else:
+        open(metrics_path, "w").close()
+    import yaml
+
+    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(cfg, f, sort_keys=False)
+
+    ds = make_dataset(cfg["data"], "train", seed=tcfg.seed)
+    stream = _Stream(ds, tcfg.batch_size, tcfg.seed)
+    valset = _ValSet(cfg, tcfg)
+    tokens_per_sample = model.cfg.num_tokens
+    mf = open(metrics_path, "a")
+
+    def write(rec):
+        mf.write(json.dumps(rec) + "\n")
+        mf.flush()
+
+    def run_val(step):
+        t0 = time.perf_counter()
+        v = validation_loss(fwd_model, valset, dev, tcfg.precision, tcfg.val_batch_size)
+        rec = {"kind": "val", "step": step, "val_loss": v,
+               "val_time_s": time.perf_counter() - t0, **_controller_stats(controller)}
+        vals.append(rec)
+        write(rec)
+        return v
+
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=tcfg.steps, initial=start, desc=f"{name}/{attention}",
+                       dynamic_ncols=True, file=sys.stderr)
+        except ImportError:
+            bar = None
+    pool = ThreadPoolExecutor(max_workers=1)
+    fut = pool.submit(stream.batch, start, tcfg.timestep_sampling) if start < tcfg.steps else None
+    last_val = None
+    win_tokens, win_time, win_loss, win_n = 0, 0.0, 0.0, 0
+    train_time = 0.0
+    stage2_tokens, stage2_time = 0, 0.0
+    wall0 = time.perf_counter()
+    model.train()
+    step = start
+    try:
+        for step in range(start, tcfg.steps):
+            x0, noise, t = fut.result()
+            fut = (pool.submit(stream.batch, step + 1, tcfg.timestep_sampling)
+                   if step + 1 < tcfg.steps else None)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            x0, noise, t = (x0.to(dev, non_blocking=True), noise.to(dev, non_blocking=True),
+                            t.to(dev, non_blocking=True))
+            lr = _lr_at(step, tcfg)
+            for gr in opt.param_groups:
+                gr["lr"] = lr
+            stage_before = int(getattr(controller, "stage", 1)) if controller is not None else 1
+            with _autocast(dev, tcfg.precision):
+                loss = flow_matching_loss(fwd_model, x0, noise, t)
+            loss.backward()
+            gnorm = None
+            if tcfg.grad_clip > 0:
+                gnorm = torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if controller is not None:
+                controller.step()
+            loss_v = float(loss.detach())  # host sync: step time below includes the whole step
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            train_time += dt
+            ntok = x0.shape[0] * tokens_per_sample
+            win_tokens += ntok
+            win_time += dt
+            win_loss += loss_v
+            win_n += 1
+            if stage_before == 2:
+                stage2_tokens += ntok
+                stage2_time += dt
+            if not math.isfinite(loss_v):
+                raise FloatingPointError(f"loss is {loss_v} at step {step}")
+            done = step + 1
+            if done % tcfg.log_every == 0 or done == tcfg.steps:
+                st = _controller_stats(controller)
+                rec = {"kind": "train", "step": done, "loss": win_loss / win_n, "last_loss": loss_v,
+                       "lr": lr, "grad_norm": float(gnorm) if gnorm is not None else None,
+                       "tokens_per_s": win_tokens / max(win_time, 1e-9),
+                       "step_time_ms": 1000 * win_time / win_n, **st}
+                history.append(rec)
+                write(rec)
+                if bar is not None:
+                    post = {"loss": f"{rec['loss']:.4f}", "stage": st.get("stage", 1)}
+                    sp = st.get("sparsity")
+                    if isinstance(sp, list):
+                        sp = _mean(sp)
+                    if sp is not None:
+                        post["sparsity"] = f"{sp:.3f}"
+                    post["tok/s"] = f"{rec['tokens_per_s']:.0f}"
+                    bar.set_postfix(post, refresh=False)
+                win_tokens, win_time, win_loss, win_n = 0, 0.0, 0.0, 0
+            if bar is not None:
+                bar.update(1)
+            if tcfg.val_every > 0 and done % tcfg.val_every == 0 and done < tcfg.steps:
+                last_val = run_val(done)
+                _save_checkpoint(os.path.join(out_dir, "ckpt_last.pt"), done, model, opt,
+                                 controller, cfg, attention, history[-3:])
+            if tcfg.ckpt_every > 0 and done % tcfg.ckpt_every == 0 and done < tcfg.steps:
+                _save_checkpoint(os.path.join(out_dir, f"ckpt_{done}.pt"), done, model, opt,
+                                 controller, cfg, attention, history[-3:])
+        final_step = max(start, tcfg.steps)
+        if start < tcfg.steps or not vals:
+            last_val = run_val(final_step)
+        _save_checkpoint(os.path.join(out_dir, "ckpt_last.pt"), final_step, model, opt,
+                         controller, cfg, attention, history[-3:])
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        if bar is not None:
+            bar.close()
+        mf.close()
+
+    st = _controller_stats(controller)
+    n_trained = max(tcfg.steps - start, 0)
+    summary = {
+        "name": name, "attention": attention, "device": str(dev), "steps": tcfg.steps,
+        "resumed_from": start if resume else None,
+        "tokens_per_sample": tokens_per_sample, "batch_size": tcfg.batch_size,
+        "final_val_loss": last_val,
+        "final_train_loss": history[-1]["loss"] if history else None,
+        "train_time_s": train_time, "wall_time_s": time.perf_counter() - wall0,
+        "tokens_per_s": (n_trained * tcfg.batch_size * tokens_per_sample / train_time
+                         if train_time > 0 else None),
+        "stage2_tokens_per_s": stage2_tokens / stage2_time if stage2_time > 0 else None,
+        "stage2_steps": round(stage2_tokens / (tcfg.batch_size * tokens_per_sample)),
+        "parameters": sum(p.numel() for p in params),
+        **{f"dsv_{k}": v for k, v in st.items()},
+    }
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return {"history": history, "val": vals, "summary": summary, "out_dir": out_dir}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dsv_ext.train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="YAML config (sections model/data/train/dsv)")
+    p.add_argument("--out", default=None, help="output folder (default runs/<name>-<attention>)")
+    p.add_argument("--steps", type=int, default=None, help="total training steps (overrides train.steps)")
+    p.add_argument("--resume", default=None, help="checkpoint to resume from (e.g. OUT/ckpt_last.pt)")
+    p.add_argument("--attention", choices=("dense", "dsv"), default=None,
+                   help="attention kind (overrides model.attention; default dsv)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SEC.KEY=VALUE",
+                   help="override a config value, e.g. --set train.lr=1e-4 (repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    a = p.parse_args(argv)
+    cfg = load_config(a.config, a.overrides)
+    res = train(cfg, out_dir=a.out, steps=a.steps, resume=a.resume, attention=a.attention,
+                device=a.device, progress=not a.no_progress)
+    s = res["summary"]
+    keys = ("final_val_loss", "final_train_loss", "tokens_per_s", "stage2_tokens_per_s",
+            "wall_time_s", "dsv_stage", "dsv_sparsity", "dsv_recall")
+    print(json.dumps({k: s.get(k) for k in keys if k in s}))
+    print(f"outputs in {res['out_dir']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""dsv_ext.convert on diffusers' Wan transformer, the reference video DiT and `.attn_core` models."""
+import pytest
+import torch
+
+from dsv_ext.attention import DenseAttention, DSVAttention, SparseAttention
+from dsv_ext.config import DSVConfig
+from dsv_ext.controller import DSVController
+from dsv_ext.convert import DSVWanAttnProcessor, convert, sparse_modules
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def _tiny_wan(seed=0):
+    from diffusers import WanTransformer3DModel
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+                                 in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64,
+                                 num_layers=2, rope_max_seq_len=64)
+
+
+def _wan_inputs(T=3, Hl=8, Wl=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, 4, T, Hl, Wl, generator=g), torch.tensor([500]), torch.randn(1, 7, 32, generator=g))
+
+
+def test_wan_stage1_outputs_and_grads_unchanged():
+    model = _tiny_wan()
+    x, t, enc = _wan_inputs()
+    ref = model(x, t, enc, return_dict=False)[0]
+    ref.square().mean().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    keys_before = set(model.state_dict())
+
+    assert convert(model) is model
+    mods = sparse_modules(model)
+    assert [n for n, _ in mods] == ["blocks.0.attn1.dsv_core", "blocks.1.attn1.dsv_core"]
+    assert all(isinstance(b.attn1.processor, DSVWanAttnProcessor) for b in model.blocks)
+    assert all(not isinstance(b.attn2.processor, DSVWanAttnProcessor) for b in model.blocks)  # cross-attn
+    assert keys_before < set(model.state_dict())
+    out = model(x, t, enc, return_dict=False)[0]
+    assert torch.equal(out, ref)
+    out.square().mean().backward()
+    for n, p in model.named_parameters():
+        if n in ref_grads:
+            assert torch.equal(p.grad, ref_grads[n]), n
+    # the token grid is taken from each forward's latent shape / patch size
+    assert all(m.grid == (3, 4, 6) for _, m in mods)
+    x2, t2, enc2 = _wan_inputs(T=2, Hl=6, Wl=10, seed=1)
+    model(x2, t2, enc2)
+    assert all(m.grid == (2, 3, 5) for _, m in mods)
+
+
+def test_wan_trains_with_controller_and_goes_sparse():
+    cfg = DSVConfig(group_size=8, k_multiple=8, row_sample_stride=4, force_stage2_step=2, dispatch_threshold=0.0,
+                    use_calibration=False)
+    model = convert(_tiny_wan(), config=cfg)
+    ctl = DSVController(model)
+    assert len(ctl.modules) == 2 and ctl.config is cfg
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    x, t, enc = _wan_inputs()
+    for _ in range(3):
+        out = model(x, t, enc, return_dict=False)[0]
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ctl.step()
+    assert ctl.stage == 2 and all(m.use_sparse for _, m in ctl.modules)
+    s = ctl.summary()
+    assert s["dsv/sparse_blocks"] == 2 and 0 <= s["dsv/sparsity"] <= 1 and s["dsv/loss"] > 0
+    assert torch.isfinite(model(x, t, enc, return_dict=False)[0]).all()
+
+
+def test_reference_dit_dense_layers_converted_in_place():
+    from dsv_ext.models.dit import DiTConfig, SelfAttention, VideoDiT
+    cfg = DiTConfig(latent_size=(2, 6, 10), patch=(1, 2, 2), hidden=32, depth=2, heads=2, attention="dense")
+    model = VideoDiT(cfg, seed=0)
+    x = torch.randn(2, 4, 2, 6, 10)
+    tt = torch.rand(2)
+    with torch.no_grad():
+        for p in model.parameters():  # adaLN-zero starts at zero: make the blocks matter
+            p.add_(0.02 * torch.randn_like(p))
+    ref = model(x, tt)
+    keys = set(model.state_dict())
+    qkv0 = model.blocks[0].attn.qkv
+    convert(model, config=DSVConfig(group_size=8))
+    assert not any(isinstance(m, SelfAttention) for m in model.modules())
+    attn = model.blocks[0].attn
+    assert isinstance(attn, DSVAttention) and attn.qkv is qkv0  # same parameters, no copies
+    assert attn.attn_core.grid == (2, 3, 5)  # model.cfg.grid
+    assert keys < set(model.state_dict())
+    assert torch.equal(model(x, tt), ref)
+
+
+def test_attn_core_hook_and_existing_sparse_attention():
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads, self.head_dim = 2, 8
+            self.qkv = torch.nn.Linear(16, 48)
+            self.attn_core = DenseAttention(2, 8)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 8).unbind(2)
+            return self.attn_core(q, k, v).flatten(2)
+
+    model = torch.nn.Sequential(Layer(), DSVAttention(16, 2))
+    x = torch.randn(2, 30, 16)
+    ref = model(x)
+    cfg = DSVConfig(rank=4)
+    convert(model, grid=(2, 3, 5), config=cfg)
+    assert isinstance(model[0].attn_core, SparseAttention)
+    assert all(m.grid == (2, 3, 5) and m.config is cfg for _, m in sparse_modules(model))
+    assert model[0].attn_core.predictor.rank == 4
+    assert torch.equal(model(x), ref)
+
+
+def test_convert_errors():
+    with pytest.raises(ValueError, match="^model"):
+        convert(torch.nn.Linear(3, 3))
+    with pytest.raises(TypeError, match="^model"):
+        convert("nope")
+    with pytest.raises(ValueError, match="^grid"):
+        convert(torch.nn.Sequential(DSVAttention(16, 2)), grid=(2, 0, 2))
+
+    class NoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn_core = torch.nn.Identity()
+
+    with pytest.raises(ValueError, match="num_heads"):
+        convert(torch.nn.Sequential(NoHeads()))

@@ -1,0 +1,371 @@
+"""GPU tests of the CUDA sparse grouped attention kernels (forward and backward).
+
+Skipped without a GPU. The kernels are reached through torch.ops.dsv (the built extension) or,
+when the environment variable DSV_ATTN_LIB names a shared library built from
+csrc/cuda/sparse_attention_{fwd,bwd}.cu alone (benchmarks/device_run.sh builds one), through
+ctypes, so the kernels can be checked before the whole extension builds.
+
+Reference: dense masked softmax in float64 (dsv_ext/reference.py, loaded by path), with key
+multiplicity, out-of-range entries skipped and counts clamped exactly as csrc/dsv.h specifies.
+
+Tolerances (elementwise |x - ref| <= atol * rms(ref) + rtol * |ref|, plus a relative Frobenius
+norm bound): the kernels round P (and dS) to the input dtype before the tensor-core products
+and round the outputs once, so the error is a few units of the dtype's epsilon (bf16 2^-8,
+fp16 2^-11) of O(rms) values; gradients add one more rounded product (dS) and sums over many
+groups (dK, dV), hence twice the allowance. lse is computed from exact products with fp32
+accumulation: 1e-3 absolute.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import math
+import os
+import random
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _load_reference():
+    spec = importlib.util.spec_from_file_location(
+        "dsv_reference_by_path", os.path.join(ROOT, "dsv_ext", "reference.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ref = _load_reference()
+
+# --------------------------------------------------------------------------------------------
+# access to the kernels: ctypes library (DSV_ATTN_LIB) or torch.ops.dsv
+
+
+class _Bshd(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("stride_b", ctypes.c_int64),
+                ("stride_s", ctypes.c_int64), ("stride_h", ctypes.c_int64)]
+
+
+class _AttnShape(ctypes.Structure):
+    _fields_ = [("batch", ctypes.c_int64), ("seqlen", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("group_size", ctypes.c_int64),
+                ("num_groups", ctypes.c_int64), ("kmax", ctypes.c_int64),
+                ("scale", ctypes.c_double), ("dtype", ctypes.c_int)]
+
+
+_DT = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+_lib = None
+
+
+def _get_lib():
+    global _lib
+    if _lib is None:
+        path = os.environ.get("DSV_ATTN_LIB")
+        if not path:
+            return None
+        lib = ctypes.CDLL(path)
+        for name in ("dsv_sparse_attention_fwd_workspace_cuda",
+                     "dsv_sparse_attention_bwd_workspace_cuda"):
+            getattr(lib, name).restype = ctypes.c_size_t
+            getattr(lib, name).argtypes = [ctypes.POINTER(_AttnShape)]
+        lib.dsv_sparse_attention_fwd_cuda.restype = ctypes.c_int
+        lib.dsv_sparse_attention_fwd_cuda.argtypes = [
+            ctypes.POINTER(_AttnShape), _Bshd, _Bshd, _Bshd, ctypes.c_void_p, ctypes.c_void_p,
+            _Bshd, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        lib.dsv_sparse_attention_bwd_cuda.restype = ctypes.c_int
+        lib.dsv_sparse_attention_bwd_cuda.argtypes = [
+            ctypes.POINTER(_AttnShape), _Bshd, _Bshd, _Bshd, _Bshd, _Bshd, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_void_p, _Bshd, _Bshd, _Bshd, ctypes.c_void_p,
+            ctypes.c_size_t, ctypes.c_void_p]
+        _lib = lib
+    return _lib
+
+
+def _have_ops():
+    try:
+        import dsv_ext  # noqa: F401
+        return dsv_ext.has_cuda_kernels()
+    except Exception:
+        return False
+
+
+def backend():
+    if _get_lib() is not None:
+        return "ctypes"
+    if _have_ops():
+        return "ops"
+    return None
+
+
+def _bshd(t):
+    assert t.stride(3) == 1
+    return _Bshd(t.data_ptr(), t.stride(0), t.stride(1), t.stride(2))
+
+
+def _shape(q, kv_index, G, scale):
+    B, S, H, D = q.shape
+    return _AttnShape(B, S, H, D, G, kv_index.shape[2], kv_index.shape[3], scale, _DT[q.dtype])
+
+
+def _nan_like_fill(shape, dtype, device):
+    """Poison the caching allocator: a freed NaN block of this size is what the next
+    allocation of the same size most likely gets."""
+    t = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    del t
+
+
+class KernelError(RuntimeError):
+    pass
+
+
+def attn_fwd(q, k, v, kv_index, kv_count, G, scale):
+    """(out, lse) from the CUDA kernel; outputs poisoned with NaN before the call."""
+    B, S, H, D = q.shape
+    lib = _get_lib()
+    if lib is None:
+        _nan_like_fill((B, S, H, D), q.dtype, q.device)
+        _nan_like_fill((B, H, S), torch.float32, q.device)
+        return torch.ops.dsv.sparse_attention_fwd(q, k, v, kv_index, kv_count, G, scale)
+    out = torch.full((B, S, H, D), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((B, H, S), float("nan"), dtype=torch.float32, device=q.device)
+    sh = _shape(q, kv_index, G, scale)
+    ws = lib.dsv_sparse_attention_fwd_workspace_cuda(ctypes.byref(sh))
+    work = torch.empty(max(ws, 1), dtype=torch.uint8, device=q.device)
+    st = lib.dsv_sparse_attention_fwd_cuda(
+        ctypes.byref(sh), _bshd(q), _bshd(k), _bshd(v), kv_index.data_ptr(), kv_count.data_ptr(),
+        _bshd(out), lse.data_ptr(), work.data_ptr(), ws, torch.cuda.current_stream().cuda_stream)
+    if st != 0:
+        raise KernelError(f"dsv_sparse_attention_fwd_cuda returned {st}")
+    return out, lse
+
+
+def attn_bwd(dout, q, k, v, out, lse, kv_index, kv_count, G, scale):
+    B, S, H, D = q.shape
+    lib = _get_lib()
+    if lib is None:
+        for _ in range(3):
+            _nan_like_fill((B, S, H, D), q.dtype, q.device)
+        return torch.ops.dsv.sparse_attention_bwd(dout, q, k, v, out, lse, kv_index, kv_count, G,
+                                                  scale)
+    dq, dk, dv = (torch.full((B, S, H, D), float("nan"), dtype=q.dtype, device=q.device)
+                  for _ in range(3))
+    sh = _shape(q, kv_index, G, scale)
+    ws = lib.dsv_sparse_attention_bwd_workspace_cuda(ctypes.byref(sh))
+    work = torch.full((max(ws, 16) // 4,), float("nan"), dtype=torch.float32, device=q.device)
+    st = lib.dsv_sparse_attention_bwd_cuda(
+        ctypes.byref(sh), _bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.data_ptr(),
+        kv_index.data_ptr(), kv_count.data_ptr(), _bshd(dq), _bshd(dk), _bshd(dv),
+        work.data_ptr(), ws, torch.cuda.current_stream().cuda_stream)
+    if st != 0:
+        raise KernelError(f"dsv_sparse_attention_bwd_cuda returned {st}")
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+TOL = {torch.bfloat16: (1.6e-2, 2e-2, 1e-2), torch.float16: (2e-3, 3e-3, 1.5e-3)}
+GTOL = {torch.bfloat16: (3.2e-2, 4e-2, 2e-2), torch.float16: (4e-3, 6e-3, 3e-3)}
+
+
+@pytest.fixture
+def gen(request):
+    seed = int(os.environ.get("DSV_TEST_SEED", random.randrange(2**31)))
+    print(f"[{request.node.name}] DSV_TEST_SEED={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def check_close(name, x, r, tol):
+    """Every element: |x - r| <= atol * rms(r) + rtol * |r|; and ||x - r|| / ||r|| <= nrm."""
+    atol, rtol, nrm = tol
+    x = x.double().cpu()
+    r = r.double().cpu()
+    assert torch.isfinite(x).all(), f"{name}: {int((~torch.isfinite(x)).sum())} non-finite elements"
+    rms = r.pow(2).mean().sqrt().item() if r.numel() else 0.0
+    err = (x - r).abs()
+    bound = atol * max(rms, 1e-6) + rtol * r.abs()
+    bad = err > bound
+    assert not bad.any(), (f"{name}: {int(bad.sum())}/{x.numel()} elements out of tolerance, "
+                           f"max err {err.max().item():.3e}, rms(ref) {rms:.3e}")
+    denom = r.norm().item()
+    if denom > 0:
+        rel = (x - r).norm().item() / denom
+        assert rel <= nrm, f"{name}: relative error {rel:.3e} > {nrm}"
+
+
+def check_lse(lse, lse_ref):
+    lse = lse.double().cpu()
+    lse_ref = lse_ref.double().cpu()
+    inf_ref = torch.isinf(lse_ref)
+    assert torch.equal(torch.isinf(lse) & (lse < 0), inf_ref), "lse: -inf pattern differs"
+    fin = ~inf_ref
+    assert torch.isfinite(lse[fin]).all(), "lse: non-finite values"
+    if fin.any():
+        err = (lse[fin] - lse_ref[fin]).abs().max().item()
+        assert err <= 1e-3, f"lse: max error {err:.3e}"
+
+
+def make_inputs(B, S, H, D, dtype, gen, layout="contiguous"):
+    q, k, v = ref.make_qkv(B, S, H, D, dtype=dtype, layout=layout, generator=gen, device="cuda")
+    return q, k, v
+
+
+def run_and_check(q, k, v, kv_index, kv_count, G, scale, gen, grads=True):
+    dtype = q.dtype
+    kv_index = kv_index.cuda()
+    kv_count = kv_count.cuda()
+    out, lse = attn_fwd(q, k, v, kv_index, kv_count, G, scale)
+    torch.cuda.synchronize()
+    qr, kr, vr = (t.detach().double().cpu().requires_grad_(grads) for t in (q, k, v))
+    out_ref, lse_ref = ref.sparse_attention_lse_ref(qr, kr, vr, kv_index.cpu(), kv_count.cpu(), G,
+                                                    scale)
+    check_close("out", out, out_ref.detach(), TOL[dtype])
+    check_lse(lse, lse_ref.detach())
+    if not grads:
+        return
+    dout = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(dtype)
+    out_ref.backward(dout.double())
+    dq, dk, dv = attn_bwd(dout.cuda(), q, k, v, out, lse, kv_index, kv_count, G, scale)
+    torch.cuda.synchronize()
+    check_close("dq", dq, qr.grad, GTOL[dtype])
+    check_close("dk", dk, kr.grad, GTOL[dtype])
+    check_close("dv", dv, vr.grad, GTOL[dtype])
+
+
+def need_backend():
+    if backend() is None:
+        pytest.skip("no CUDA kernels: build the extension with CUDA or set DSV_ATTN_LIB")
+
+
+@pytest.fixture(params=["qmajor", "kmajor"])
+def path(request, monkeypatch):
+    """The dK/dV path of the backward: 'qmajor' forces the query-major reductions, 'kmajor'
+    lets every eligible head take the key-major pass."""
+    monkeypatch.setenv("DSV_KM_RATIO", "0" if request.param == "qmajor" else "1e9")
+    return request.param
+
+
+# --------------------------------------------------------------------------------------------
+# tests
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
+@pytest.mark.parametrize("G", [32, 64, 128])
+def test_matches_reference(dtype, D, G, gen, path):
+    need_backend()
+    B, H = 2, 3
+    S = 3 * G + 17  # partial last group
+    kmax = min(S, 150)  # several key tiles, the last one partial
+    counts = [[kmax, 0, 77], [1, 64, int(torch.randint(1, kmax + 1, (1,), generator=gen))]]
+    kv_index, kv_count = ref.random_index(B, H, S, G, kmax, counts=counts, generator=gen,
+                                          pad="random")
+    q, k, v = make_inputs(B, S, H, D, dtype, gen)
+    run_and_check(q, k, v, kv_index, kv_count, G, 1.0 / math.sqrt(D), gen)
+
+
+@pytest.mark.parametrize("layout", ["packed", "packed_d", "bhsd"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_strided_inputs(layout, D, gen, path):
+    need_backend()
+    B, S, H, G, kmax = 2, 300, 2, 64, 96
+    kv_index, kv_count = ref.random_index(B, H, S, G, kmax, generator=gen)
+    q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen, layout=layout)
+    run_and_check(q, k, v, kv_index, kv_count, G, 0.7 / math.sqrt(D), gen)
+
+
+@pytest.mark.parametrize("G", [32, 64, 100])
+def test_coherent_blocks(G, gen, path):
+    """Lists made of whole runs of neighbouring keys (what smooth video features give): the
+    key-major path sees full 64-key masks."""
+    need_backend()
+    B, S, H, D = 1, 777, 2, 128
+    NG = -(-S // G)
+    runs = 3
+    kmax = runs * 64
+    idx = torch.full((B, H, NG, kmax), -1, dtype=torch.int32)
+    for h in range(H):
+        for g in range(NG):
+            # non-overlapping runs of 64 keys: aligned to the 64-key blocks for even heads,
+            # shifted by a random offset for odd heads
+            off = int(torch.randint(1, 64, (1,), generator=gen)) if h % 2 else 0
+            starts = torch.randperm((S - 64 - off) // 64, generator=gen)[:runs].sort().values
+            lst = torch.cat([torch.arange(s * 64 + off, s * 64 + off + 64) for s in starts.tolist()])
+            idx[0, h, g] = lst.to(torch.int32)
+    cnt = torch.full((B, H), kmax, dtype=torch.int32)
+    q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
+    run_and_check(q, k, v, idx, cnt, G, 1.0 / math.sqrt(D), gen)
+
+
+def test_bad_entries_are_skipped(gen, path):
+    """Unsorted lists, duplicates, entries outside [0, S), counts outside [0, Kmax]."""
+    need_backend()
+    B, S, H, D, G, kmax = 1, 200, 4, 64, 32, 80
+    NG = -(-S // G)
+    idx = torch.randint(-20, S + 20, (B, H, NG, kmax), generator=gen, dtype=torch.int64)
+    idx[0, 1, :, 5] = idx[0, 1, :, 4]  # duplicates count twice
+    kv_index = idx.to(torch.int32)
+    kv_count = torch.tensor([[-3, kmax + 50, 40, 0]], dtype=torch.int32)
+    q, k, v = make_inputs(B, S, H, D, torch.float16, gen)
+    run_and_check(q, k, v, kv_index, kv_count, G, 1.0 / math.sqrt(D), gen)
+
+
+def test_large_group_sizes_and_tiny_seq(gen, path):
+    need_backend()
+    for (S, G, kmax) in [(5, 32, 5), (130, 128, 130), (70, 17, 33)]:
+        kv_index, kv_count = ref.random_index(1, 2, S, G, kmax, generator=gen)
+        q, k, v = make_inputs(1, S, 2, 64, torch.bfloat16, gen)
+        run_and_check(q, k, v, kv_index, kv_count, G, 0.125, gen)
+
+
+def test_paths_agree(gen):
+    """Key-major and query-major dK/dV agree with each other on the same inputs."""
+    need_backend()
+    B, S, H, D, G, kmax = 1, 1000, 2, 128, 64, 256
+    kv_index, kv_count = ref.random_index(B, H, S, G, kmax, counts=kmax, generator=gen)
+    q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
+    kv_index, kv_count = kv_index.cuda(), kv_count.cuda()
+    out, lse = attn_fwd(q, k, v, kv_index, kv_count, G, 0.1)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype).cuda()
+    res = {}
+    for r in ("0", "1e9"):
+        os.environ["DSV_KM_RATIO"] = r
+        try:
+            res[r] = attn_bwd(dout, q, k, v, out, lse, kv_index, kv_count, G, 0.1)
+        finally:
+            del os.environ["DSV_KM_RATIO"]
+    for a, b, name in zip(res["0"], res["1e9"], ("dq", "dk", "dv")):
+        check_close(name, a, b.double(), GTOL[torch.bfloat16])
+
+
+def test_float32_unsupported():
+    need_backend()
+    q = torch.randn(1, 64, 1, 64, device="cuda")
+    idx = torch.zeros(1, 1, 1, 4, dtype=torch.int32, device="cuda")
+    cnt = torch.full((1, 1), 4, dtype=torch.int32, device="cuda")
+    if backend() == "ctypes":
+        with pytest.raises(KernelError, match="-2"):
+            attn_fwd(q, q, q, idx, cnt, 64, 0.125)
+    else:
+        try:
+            out, _ = attn_fwd(q, q, q, idx, cnt, 64, 0.125)  # the registration may upcast/route
+        except RuntimeError as e:
+            assert "unsupported" in str(e).lower() or "dtype" in str(e).lower()
+
+
+def test_agrees_with_cpu_kernels(gen):
+    need_backend()
+    if not _have_ops():
+        pytest.skip("needs the built extension for the CPU kernels")
+    B, S, H, D, G, kmax = 1, 260, 2, 64, 64, 100
+    kv_index, kv_count = ref.random_index(B, H, S, G, kmax, generator=gen)
+    q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
+    out, lse = attn_fwd(q, k, v, kv_index.cuda(), kv_count.cuda(), G, 0.125)
+    out_c, lse_c = torch.ops.dsv.sparse_attention_fwd(q.cpu(), k.cpu(), v.cpu(), kv_index,
+                                                      kv_count, G, 0.125)
+    check_close("out vs cpu", out, out_c.double(), TOL[torch.bfloat16])
+    check_lse(lse, lse_c)

@@ -1,0 +1,138 @@
+"""CPU tests of the training loop (dsv_ext.train) and the comparison (dsv_ext.compare)."""
+import json
+import os
+
+import pytest
+import torch
+import yaml
+
+from dsv_ext.models import dsv_attention_available
+from dsv_ext.train import load_config, main, train
+
+needs_dsv = pytest.mark.skipif(not dsv_attention_available(), reason="DSVAttention not importable")
+
+
+def micro_config(**train_kw):
+    """64 tokens (latents 4 x 4 x 8 x 8, patch 1x2x2), 2 blocks of width 32: milliseconds a step."""
+    cfg = {
+        "name": "micro",
+        "model": {"hidden": 32, "depth": 2, "heads": 2, "patch": [1, 2, 2]},
+        "data": {"source": "procedural", "frames": 4, "height": 8, "width": 8, "channels": 4},
+        "train": {"steps": 6, "batch_size": 2, "lr": 1e-3, "warmup_steps": 2, "log_every": 1,
+                  "val_every": 0, "val_videos": 2, "val_timesteps": [0.25, 0.75],
+                  "precision": "fp32", "seed": 0},
+        "dsv": {"rank": 4, "group_size": 32, "cube": [2, 4, 4], "k_multiple": 16,
+                "min_density": 0.25, "profile_every": 1, "switch_check_every": 1,
+                "force_stage2_step": 3, "dispatch_threshold": 0.0, "predictor_lr": 1e-3},
+    }
+    cfg["train"].update(train_kw)
+    return load_config(base=cfg)
+
+
+def _read(path):
+    with open(path) as f:
+        return [json.loads(l) for l in f]
+
+
+def test_short_dense_run(tmp_path):
+    res = train(micro_config(), out_dir=str(tmp_path), attention="dense", device="cpu",
+                progress=False)
+    s = res["summary"]
+    assert s["steps"] == 6 and s["attention"] == "dense"
+    recs = _read(tmp_path / "metrics.jsonl")
+    train_recs = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in train_recs] == [1, 2, 3, 4, 5, 6]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in train_recs)
+    assert 0.5 < train_recs[0]["loss"] < 4  # velocity target e - x0 has variance ~2
+    assert train_recs[0]["tokens_per_s"] > 0
+    vals = [r for r in recs if r["kind"] == "val"]
+    assert len(vals) == 1 and vals[0]["val_loss"] == s["final_val_loss"]
+    for f in ("config.yaml", "ckpt_last.pt", "summary.json"):
+        assert os.path.exists(tmp_path / f)
+    # The validation loss is deterministic: the same weights give the same number.
+    res2 = train(micro_config(steps=6), out_dir=str(tmp_path / "again"), attention="dense",
+                 device="cpu", progress=False)
+    assert res2["summary"]["final_val_loss"] == s["final_val_loss"]
+
+
+def test_training_reduces_loss(tmp_path):
+    res = train(micro_config(steps=80, log_every=20, lr=3e-3, batch_size=4, warmup_steps=5),
+                out_dir=str(tmp_path), attention="dense", device="cpu", progress=False)
+    h = res["history"]
+    # The zero-initialised model scores E|e - x0|^2 = 2; 80 steps learn part of the structure.
+    assert h[-1]["loss"] < 0.96 * h[0]["loss"], [r["loss"] for r in h]
+    assert res["summary"]["final_val_loss"] < 1.9
+
+
+@pytest.mark.parametrize("attention", ["dense", pytest.param("dsv", marks=needs_dsv)])
+def test_resume_continues_identically(tmp_path, attention):
+    full = train(micro_config(), out_dir=str(tmp_path / "full"), attention=attention,
+                 device="cpu", progress=False)
+    train(micro_config(steps=3), out_dir=str(tmp_path / "part"), attention=attention,
+          device="cpu", progress=False)
+    res = train(micro_config(), out_dir=str(tmp_path / "part"), attention=attention,
+                device="cpu", progress=False, resume=str(tmp_path / "part" / "ckpt_last.pt"))
+    assert res["summary"]["resumed_from"] == 3
+    a = [r for r in _read(tmp_path / "full" / "metrics.jsonl") if r["kind"] == "train"]
+    b = [r for r in _read(tmp_path / "part" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]  # the resumed run appends to the log
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    if attention == "dsv":
+        assert [r["stage"] for r in b] == [1, 1, 2, 2, 2, 2]
+        assert [r["sparsity"] for r in a] == [r["sparsity"] for r in b]
+        assert all(blk["sparse"] for blk in b[-1]["blocks"])
+    ca = torch.load(tmp_path / "full" / "ckpt_last.pt", weights_only=False)
+    cb = torch.load(tmp_path / "part" / "ckpt_last.pt", weights_only=False)
+    assert ca["step"] == cb["step"] == 6
+    for k, v in ca["model"].items():
+        assert torch.equal(v, cb["model"][k]), k
+    assert res["summary"]["final_val_loss"] == full["summary"]["final_val_loss"]
+
+
+@needs_dsv
+def test_dsv_run_reaches_stage2_and_reports(tmp_path):
+    res = train(micro_config(), out_dir=str(tmp_path), attention="dsv", device="cpu",
+                progress=False)
+    s = res["summary"]
+    assert s["dsv_stage"] == 2 and s["dsv_switch_step"] == 3 and s["stage2_steps"] == 3
+    last = res["history"][-1]
+    assert 0.0 <= last["sparsity"] <= 1.0 and last["pred_loss"] > 0
+    assert len(last["blocks"]) == 2 and all(b["sparse"] for b in last["blocks"])
+    assert all(0.0 < b["recall"] <= 1.0 + 1e-6 for b in last["blocks"])
+    with pytest.raises(ValueError, match="^resume"):  # a dense checkpoint has no controller
+        train(micro_config(steps=1), out_dir=str(tmp_path / "d"), attention="dense",
+              device="cpu", progress=False)
+        train(micro_config(steps=2), out_dir=str(tmp_path / "d"), attention="dsv", device="cpu",
+              progress=False, resume=str(tmp_path / "d" / "ckpt_last.pt"))
+
+
+def test_cli_and_overrides(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    cfg = micro_config()
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    rc = main(["--config", str(path), "--steps", "2", "--out", str(tmp_path / "o"),
+               "--attention", "dense", "--device", "cpu", "--no-progress",
+               "--set", "train.batch_size=1", "--set", "data.mode=pixels"])
+    assert rc == 0
+    s = json.load(open(tmp_path / "o" / "summary.json"))
+    assert s["batch_size"] == 1 and s["steps"] == 2
+    assert "final_val_loss" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="^--set"):
+        load_config(str(path), ["train.lr"])
+    with pytest.raises(ValueError, match="^train: unknown keys"):
+        train(load_config(str(path), ["train.lrr=1"]), out_dir=str(tmp_path / "x"),
+              progress=False)
+
+
+@needs_dsv
+def test_compare_writes_table_and_plot(tmp_path):
+    from dsv_ext.compare import compare
+
+    res = compare(micro_config(steps=4, log_every=1), str(tmp_path), device="cpu", progress=False)
+    md = open(tmp_path / "compare.md").read()
+    assert "| validation loss |" in md and "predictor recall" in md and "| block |" in md
+    assert os.path.getsize(tmp_path / "compare.png") > 1000
+    assert res["switch_step"] == 3
+    assert res["dense"]["final_val_loss"] > 0 and res["dsv"]["final_val_loss"] > 0
+    assert json.load(open(tmp_path / "compare.json"))["steps"] == 4
