@@ -42,7 +42,6 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -67,6 +66,9 @@ def parse():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--calibrate", type=int, default=None,
+                    help="1: calibrate the plan solver's cost model on this machine first (rank 0 measures, all use "
+                         "it; default 1 on cuda, 0 on cpu)")
     return ap.parse_args()
 
 
@@ -212,7 +214,8 @@ def main():
     if dev_kind == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10))
+        # a rank that fails mid-step leaves the others in a collective: fail after 3 minutes, not 30
+        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=3))
         device = torch.device("cuda", local)
         dtype = torch.bfloat16
         sync = lambda: torch.cuda.synchronize(device)
@@ -230,6 +233,15 @@ def main():
     methods = [m for m in args.methods.split(",") if m and (m != "hybrid" or n >= 4)]
     e = torch.empty((), dtype=dtype).element_size()
     records = []
+    cost = P.CostModel(bytes_per_elem=e)
+    if args.calibrate if args.calibrate is not None else dev_kind == "cuda":
+        t0 = time.time()
+        cost.calibrate(device=device, head_dim=D, group_size=G, rank=r, dtype=dtype, group=dist.group.WORLD)
+        obj = [cost.to_dict()]
+        dist.broadcast_object_list(obj, src=0)  # one model for all ranks: the plans must agree
+        cost = P.CostModel.from_dict(obj[0])
+        if me == 0:
+            print(f"[bench_cp] calibrated cost model in {time.time() - t0:.1f} s: {cost.to_dict()}", flush=True)
 
     def log(*a):
         if me == 0:
@@ -250,6 +262,7 @@ def main():
             for idx_kind in args.index.split(","):
                 q0, k0, v0, ql, kl = make_inputs(S, n, me, H, D, r, idx_kind, dtype, device)
                 grad = torch.randn_like(q0)
+                union = None  # measured per-head SCP union fractions (from the scp run), fed to the plan
                 for method in methods:
                     plan = None
                     stats = {}
@@ -265,7 +278,7 @@ def main():
                     elif method == "hybrid":
                         fn = lambda q, k, v, **kw: P.hybrid_attention(q, k, v, ql, kl, kv_count, G, g_h=n // 2, **kw)
                     elif method == "plan":
-                        plan = P.solve_plan(real_sp, n, S, D, group_size=G, rank=r)
+                        plan = P.solve_plan(real_sp, n, S, D, cost=cost, group_size=G, rank=r, union=union)
                         fn = lambda q, k, v, plan=plan, **kw: P.cp_attention(q, k, v, ql, kl, kv_count, G, plan, **kw)
                     else:
                         raise SystemExit(f"unknown method {method}")
@@ -325,6 +338,10 @@ def main():
                     dist.all_gather(allv, vec)
                     allv = torch.stack(allv).cpu()
                     comps = allv[:, 1].tolist()
+                    if method == "scp" and "scp_union_per_head" in stats:
+                        u = torch.tensor(stats["scp_union_per_head"], dtype=torch.float64, device=device)
+                        dist.all_reduce(u, op=dist.ReduceOp.MAX)
+                        union = u.tolist()
                     mean_c = sum(comps) / n
                     rec_d = dict(S=S, profile=profile, index=idx_kind, method=method, ok=True, world=n,
                                  sparsity=real_sp, counts=counts,
@@ -339,7 +356,9 @@ def main():
                         rec_d["scp_query_pad"] = allv[:, 7].tolist()
                     if plan is not None:
                         rec_d["plan"] = dict(g_h=plan.g_h, g_s=plan.g_s, assignment=[list(x) for x in plan.assignment],
-                                             model_ms=plan.max_time * 1e3, mode=plan.mode)
+                                             model_ms=plan.max_time * 1e3, mode=plan.mode,
+                                             union_measured=union is not None,
+                                             candidates=[list(c) for c in plan.candidates])
                     if "hcp_assignment" in stats:
                         rec_d["assignment"] = [list(x) for x in stats["hcp_assignment"]]
                     records.append(rec_d)
@@ -360,7 +379,7 @@ def main():
     if me == 0:
         os.makedirs(args.out, exist_ok=True)
         name = f"bench_cp_{n}gpu{args.tag}" if dev_kind == "cuda" else f"bench_cp_cpu_{n}rank{args.tag}"
-        meta = dict(world=n, device=torch.cuda.get_device_name(device) if dev_kind == "cuda" else platform.processor(),
+        meta = dict(cost_model=cost.to_dict(), world=n, device=torch.cuda.get_device_name(device) if dev_kind == "cuda" else platform.processor(),
                     torch=torch.__version__, dtype=str(dtype), heads=H, head_dim=D, group_size=G, rank=r,
                     sparsity=args.sparsity, iters=args.iters, warmup=args.warmup,
                     date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",

@@ -3,11 +3,12 @@
 For each sequence length S and per-group key count K, times the C reference kernel
 (torch.ops.dsv.sparse_attention_fwd, and with --backward the backward too) on random sorted
 key lists, next to dense attention (torch's scaled_dot_product_attention, same dtype) at the
-same S. Prints a table, the time per (query, key) pair (flat when the cost is linear in K), and
+same S, on one thread by default (--threads). Prints a table, the time per (query, key) pair (flat when the cost is linear in K), and
 log-log slopes of time against S (about 1 for sparse at fixed K, about 2 for dense) and against
-K (about 1). Defaults run in about a minute on 2 cores.
+K (about 1). Defaults run in well under a minute.
 
     python benchmarks/cpu_scaling.py                 # table
+    python benchmarks/cpu_scaling.py --backward --threads 0   # + backward, all threads
     python benchmarks/cpu_scaling.py --json out.json # also write the rows as JSON ("-": stdout)
 """
 from __future__ import annotations
@@ -157,9 +158,10 @@ def main(argv=None) -> int:
     ap.add_argument("--backward", action="store_true", help="also time the sparse backward")
     ap.add_argument("--no-dense", action="store_true", help="skip the dense SDPA baseline")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': stdout)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch / OpenMP threads (default: torch's); 1 gives the steadiest "
-                         "numbers on a busy shared machine")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch / OpenMP threads for both the sparse kernel and dense SDPA "
+                         "(default 1: this shows scaling, not parallel speed, and one thread "
+                         "gives steady numbers on a busy shared machine; 0 = torch's default)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:

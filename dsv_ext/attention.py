@@ -172,8 +172,9 @@ class SparseAttention(nn.Module):
 
     Stage 1 (default; also what you get without a DSVController): dense SDPA. When the controller
     arms a step, the forward additionally trains the predictors on sampled query rows (loss and
-    its backward run here on detached q, k; only predictor .grad is touched) and/or profiles the
-    per-head sparsity. Stage 2: cube-ordered query groups, top-K keys per group estimated from the
+    its backward run here on detached q, k; the gradients go to a private accumulator that the
+    controller applies, the model's graph and .grad are untouched) and/or profiles the per-head
+    sparsity. Stage 2: cube-ordered query groups, top-K keys per group estimated from the
     low-rank predictors with per-head K from the profiled sparsity, sparse attention; blocks the
     dispatcher keeps dense stay on SDPA.
 

@@ -25,8 +25,9 @@ TOL = {
     torch.bfloat16: (3e-2, 3e-2),
 }
 
-# Gradients of attention are sums over more products (dS, dP) than the forward: double the
-# float32 / half allowance; float64 stays at round-off level.
+# Gradients are sums over more products (dS, dP) than the forward, and for half inputs the
+# backward also reuses the half-rounded forward output in D_i = dout . out: double the float32 /
+# half allowance; float64 stays at round-off level.
 GRAD_TOL = {
     torch.float64: (1e-9, 1e-9),
     torch.float32: (5e-5, 5e-5),

@@ -49,6 +49,53 @@ def run_sparse_attention():
     print("sparse_attention: ok")
 
 
+# ---- BEGIN ops kernels: topk / predictor loss / profile / rows (owner: ops helper) ----------
+def run_ops_kernels():
+    """Small shapes of topk_estimate, predictor_loss fwd/bwd, profile_attention, gather /
+    scatter-add (via torch.ops.dsv, or ctypes when DSV_OPS_LIB is set)."""
+    import test_topk_estimate_cuda as KB
+    if KB.backend() is None:
+        print("ops kernels: no kernels, skipped")
+        return
+    raw = KB.backend() == "ctypes"
+    gen = torch.Generator().manual_seed(2)
+    dev = "cuda"
+    for (S, H, r, G, counts, kmax, dt) in [(300, 2, 16, 64, [40, 300], 300, torch.bfloat16),
+                                            (130, 1, 40, 32, [7], 64, torch.float16)]:
+        q = torch.randn(1, S, H, r, generator=gen).to(dt).to(dev)
+        k = torch.randn(1, S, H + 1, r, generator=gen).to(dt).to(dev)[:, :, :H]
+        cnt = torch.tensor([counts], dtype=torch.int32, device=dev)
+        KB.topk_estimate(q, k, cnt, G, kmax)
+        if raw:  # counts outside [0, kmax]
+            KB.topk_estimate(q, k, torch.tensor([[-3, 999][:H]], dtype=torch.int32, device=dev),
+                             G, kmax)
+    for (S, H, D, r, R, dt) in [(150, 2, 64, 16, 9, torch.bfloat16),
+                                (70, 1, 96, 24, 5, torch.float16)]:
+        q, k, ql, kl = (torch.randn(1, S, H, d, generator=gen).to(dt).to(dev)
+                        for d in (D, D, r, r))
+        rows = torch.randint(0, S, (R,), generator=gen, dtype=torch.int32)
+        if raw:
+            rows[1] = S + 4
+        rows = rows.to(dev)
+        loss, st = KB.predictor_loss_fwd(q, k, ql, kl, rows, D ** -0.5, 0.95, 0.05)
+        KB.predictor_loss_bwd(torch.ones_like(loss), q, k, ql, kl, rows, st.contiguous(),
+                              D ** -0.5, 0.95, 0.05)
+        idx = torch.randint(-5 if raw else 0, S + (5 if raw else 0), (1, H, -(-S // 32), 40),
+                            generator=gen).to(torch.int32).to(dev)
+        cnt = torch.tensor([[40] * H], dtype=torch.int32, device=dev)
+        KB.profile_attention(q, k, rows, 0.9, D ** -0.5, idx, cnt, 32)
+        KB.profile_attention(q, k, rows, 0.5, D ** -0.5)
+    for dt in (torch.float32, torch.bfloat16, torch.float64):
+        src = torch.randn(40, 19, generator=gen).to(dt).to(dev)
+        ix = torch.randint(-3 if raw else 0, 43 if raw else 40, (60,), generator=gen).to(dev)
+        KB.gather_rows(src, ix)
+        ix2 = torch.randint(-3 if raw else 0, 13 if raw else 10, (40,), generator=gen).to(dev)
+        KB.scatter_add_rows(src, ix2, 10)
+    torch.cuda.synchronize()
+    print("ops kernels: ok")
+# ---- END ops kernels -------------------------------------------------------------------------
+
+
 def main():
     if not torch.cuda.is_available():
         print("no GPU")

@@ -190,6 +190,18 @@ def test_core_functions_have_no_graph_breaks():
     assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons
     ex = torch._dynamo.explain(dense_core)(q, k, v, None, "auto")
     assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons
+    # a whole DSVAttention layer in stage 2 (steps without predictor work) is one graph too;
+    # an armed step breaks only around the eager predictor/profiler call
+    model = _tiny_model(DSVConfig(group_size=8, k_multiple=8))
+    core = _stage2(model[0].attn_core, [0.4, 0.7])
+    x = torch.randn(2, S, 32)
+    ex = torch._dynamo.explain(model)(x)
+    assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons
+    torch._dynamo.reset()
+    core._train_now = True
+    ex = torch._dynamo.explain(model)(x)
+    assert ex.break_reasons and all("_side_tasks" in str(r.reason) for r in ex.break_reasons)
+    core.pop_grads(), core.pop_pending()
 
 
 def _tiny_model(cfg):

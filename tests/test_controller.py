@@ -65,7 +65,7 @@ def test_controller_trains_predictors_loss_falls():
     assert [n for n, _ in ctl.modules] == ["blocks.0.attn_core", "blocks.1.attn_core"]
     x = _x()
     losses = []  # the model's weights stay fixed: only the predictors learn
-    for _ in range(25):
+    for _ in range(10):
         model(x)
         ctl.step()
         losses.append(ctl.mean_loss())

@@ -197,7 +197,6 @@ def _sc_errors(rank, world):
 
     # 4. one rank runs another plan
     def plan():
-        S = world * L
         asg = P.lpt_assign([1.0] * H, world if rank != bad else 1)
         P.hcp_attention(*args, x["cnt"], G, assignment=asg)
     res["plan_mismatch"] = _expect_error(plan, "assignment(checksum) differs")
@@ -205,6 +204,10 @@ def _sc_errors(rank, world):
     # 5. one rank asks for another scale
     res["scale_mismatch"] = _expect_error(
         lambda: P.scp_attention(*args, x["cnt"], G, scale=0.5 if rank == 0 else None), "scale differs")
+
+    # 6. one rank asks for another hybrid factorisation
+    res["g_h_mismatch"] = _expect_error(
+        lambda: P.hybrid_attention(*args, x["cnt"], G, g_h=1 if rank == bad else min(world, H)), "g_h(checksum) differs")
 
     # the group still works after all of that
     t = torch.tensor([rank], dtype=torch.int64)

@@ -104,6 +104,12 @@ class DiTConfig:
         return d
 
 
+try:  # the SDPA call of DSV's stage 1 (cuDNN first on CUDA); plain SDPA without the pack
+    from dsv_ext.attention import dense_core as _dense_core
+except Exception:  # pragma: no cover
+    _dense_core = None
+
+
 def dsv_attention_available() -> bool:
     try:
         from dsv_ext.attention import DSVAttention  # noqa: F401
@@ -166,7 +172,9 @@ class SelfAttention(nn.Module):
     """Plain full self-attention (``F.scaled_dot_product_attention``): the dense baseline.
 
     ``[B, S, hidden] -> [B, S, hidden]``; the same ``qkv`` / ``proj`` layers (and optional
-    per-head RMS QK-norm) as DSVAttention so the two start from identical weights.
+    per-head RMS QK-norm) as DSVAttention so the two start from identical weights. On CUDA it
+    calls SDPA exactly as DSV's stage 1 does (``dsv_ext.attention.dense_core``: cuDNN first in
+    the backend priority), so the baseline is the fastest dense kernel available.
     """
 
     def __init__(self, hidden: int, heads: int, qk_norm: bool = True, grid=None, **_: Any):
@@ -181,8 +189,12 @@ class SelfAttention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).unbind(2)
         q, k = self.q_norm(q), self.k_norm(k)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.proj(o.transpose(1, 2).reshape(b, s, self.hidden))
+        if q.is_cuda and _dense_core is not None:
+            o = _dense_core(q, k, v, None, "auto")  # [B, S, H, D]
+        else:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2)).transpose(1, 2)
+        return self.proj(o.reshape(b, s, self.hidden))
 
 
 def _make_attention(cfg: DiTConfig, dsv_config=None) -> nn.Module:

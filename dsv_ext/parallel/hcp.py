@@ -14,9 +14,7 @@ attention time; see :mod:`dsv_ext.parallel.plan`.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
-
-import torch
+from typing import Callable, Optional
 
 from .comm import group_size_rank, head_to_seq, seq_to_head
 from .local import local_attention

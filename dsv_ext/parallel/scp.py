@@ -175,6 +175,8 @@ def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None,
         dense = B * L * H * 2 * D * e * (n - 1)  # K/V a dense sequence-parallel rank sends (all-gather)
         stats["scp_dense_kv_bytes"] = stats.get("scp_dense_kv_bytes", 0) + dense
         stats["scp_union_fraction"] = nrows / max(1, B * H * (n - 1) * L)
+        per_head = torch.bincount(hh, minlength=H).double() / max(1, B * (n - 1) * L)
+        stats["scp_union_per_head"] = per_head.tolist()
         stats["scp_table_len"] = S_pad
         stats["scp_query_pad"] = S_pad / L - 1.0
     return out
