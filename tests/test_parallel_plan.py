@@ -125,11 +125,21 @@ def test_plan_memory_limit_respected():
 
 def test_plan_prefers_scp_when_heads_do_not_split_and_comm_is_free():
     # 3 equal heads on 2 ranks: HCP must put 2 heads on one rank, SCP splits the queries evenly
-    free = CostModel(a2a_bandwidth=1e30, a2a_latency=0.0)
+    # (and the remote keys needed are few, so SCP's key table fits in the shard: no query padding)
+    free = CostModel(a2a_bandwidth=1e30, a2a_latency=0.0, union_factor=2.0)
     p = solve_plan([0.9] * 3, 2, 65536, cost=free)
     assert p.mode == "scp" and p.imbalance == pytest.approx(0.0)
     hcp = solve_plan([0.9] * 3, 2, 65536, cost=free, modes=("hcp",))
     assert hcp.max_time > p.max_time and hcp.imbalance == pytest.approx(2 / 1.5 - 1)
+
+
+def test_scp_query_padding_is_modelled():
+    # union 1 on 2 ranks: the SCP key table is twice the shard, the padded queries double compute
+    c = CostModel(union_factor=100.0)
+    scp = solve_plan([0.9] * 16, 2, 131072, cost=c, modes=("scp",))
+    c2 = CostModel(union_factor=100.0, scp_query_padding=False)
+    scp2 = solve_plan([0.9] * 16, 2, 131072, cost=c2, modes=("scp",))
+    assert scp.rank_compute[0] > 1.8 * scp2.rank_compute[0]
 
 
 def test_plan_prefers_hcp_when_remote_keys_are_not_sparse():

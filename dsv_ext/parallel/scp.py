@@ -143,7 +143,6 @@ def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None,
     rows = dsv_ext.gather_rows(kv_loc, req_in, check_index=False)
     recv = all_to_all_rows(rows, give_host, want_host, group)
     bl = torch.arange(B, device=dev).view(B, 1, 1)
-    sl = torch.arange(L, device=dev).view(1, L, 1)
     hl = torch.arange(H, device=dev).view(1, 1, H)
     ext_local = ext[:, :, p * L:(p + 1) * L].permute(0, 2, 1)  # [B, L, H]
     need_local = needed[:, :, p * L:(p + 1) * L].permute(0, 2, 1)
