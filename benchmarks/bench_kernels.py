@@ -295,6 +295,9 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
         os.environ.pop("DSV_KM_RATIO", None)
     else:
         os.environ["DSV_KM_RATIO"] = old
+    if TILE_SWEEP and not SWEPT.get(dist):
+        SWEPT[dist] = True
+        tile_sweep(q, k, v, do, kv_index, cnt, G, scale, out, lse, bwd)
     if PROFILE and not PROFILED.get(dist):
         PROFILED[dist] = True
         profile_bwd(fwd=lambda: T.attn_fwd(q, k, v, kv_index, cnt, G, scale), bwd=bwd,
@@ -314,6 +317,34 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
 
 PROFILE = False
 PROFILED = {}
+TILE_SWEEP = False
+SWEPT = {}
+
+
+def tile_sweep(q, k, v, do, kv_index, cnt, G, scale, out_ref, lse_ref, bwd):
+    """Time each compiled key-tile configuration (BN keys x NS stages) of the forward and of the
+    query-major backward kernels, and check it against the default configuration."""
+    grads_ref = bwd()
+    for var, cfgs, kind in (("DSV_ATTN_FWD_TILE", ("64x2", "32x4", "32x5"), "fwd"),
+                            ("DSV_ATTN_BWD_TILE", ("64x2", "32x3", "32x4"), "bwd")):
+        for cfg in cfgs:
+            os.environ[var] = cfg
+            try:
+                if kind == "fwd":
+                    o, l = T.attn_fwd(q, k, v, kv_index, cnt, G, scale)
+                    diff = max((o.float() - out_ref.float()).abs().max().item(),
+                               (l - lse_ref).abs().nan_to_num(0.0).max().item())
+                    ms = bench(lambda: T.attn_fwd(q, k, v, kv_index, cnt, G, scale), 3, 1)
+                else:
+                    gs = bwd()
+                    diff = max((a.float() - b.float()).abs().max().item()
+                               for a, b in zip(gs, grads_ref))
+                    ms = bench(bwd, 3, 1)
+                print(f"  tile {kind} {cfg}: {ms:.2f} ms, max |diff| vs default {diff:.3e}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"  tile {kind} {cfg}: failed {e}")
+            finally:
+                os.environ.pop(var, None)
 
 
 def profile_bwd(fwd, bwd, title):
@@ -391,6 +422,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dense", nargs="*", default=["cudnn", "flash"], help="dense baselines")
+    ap.add_argument("--tile-sweep", action="store_true", help="time the key-tile configurations")
     ap.add_argument("--profile", action="store_true", help="per-kernel times (torch.profiler)")
     ap.add_argument("--S", type=int, nargs="*")
     ap.add_argument("--D", type=int, nargs="*")
@@ -411,8 +443,9 @@ def main():
     Gs = args.G or Gs
     sps = args.sparsity or sps
     dists = args.dist or dists
-    global PROFILE
+    global PROFILE, TILE_SWEEP
     PROFILE = args.profile
+    TILE_SWEEP = args.tile_sweep
     gen = torch.Generator().manual_seed(0)
     est_name, est = estimate_fn()
     print(f"backend={T.backend()} estimate={est_name}")

@@ -91,6 +91,9 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--torch-baseline", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--other-ops", default=None,
+                    help="also time predictor_loss fwd/bwd and profile_attention at S:R:D "
+                         "(e.g. 65536:4096:128), H = --heads")
     args = ap.parse_args()
     if KB.backend() is None:
         print("bench_topk: no CUDA kernels (set DSV_OPS_LIB or build dsv_ext with CUDA)")
@@ -134,6 +137,31 @@ def main():
                  else ""), flush=True)
         del q, k, out
         torch.cuda.empty_cache()
+    if args.other_ops:
+        S, R, D = (int(x) for x in args.other_ops.split(":"))
+        H, r = args.heads, args.rank
+        mk = lambda d: torch.randn(1, S, H, d, generator=g, device="cuda").to(dt)  # noqa: E731
+        q, k, ql, kl = mk(D), mk(D), mk(r), mk(r)
+        rows = torch.randperm(S, device="cuda")[:R].to(torch.int32)
+        sc = D ** -0.5
+        st = {}
+
+        def fwd():
+            st["f"] = KB.predictor_loss_fwd(q, k, ql, kl, rows, sc, 0.95, 0.05)
+
+        tf, _, _ = time_ms(fwd, warmup=1, reps=5)
+        loss, stats = st["f"]
+        dl = torch.ones_like(loss)
+        tb, _, _ = time_ms(lambda: KB.predictor_loss_bwd(dl, q, k, ql, kl, rows,
+                                                         stats.contiguous(), sc, 0.95, 0.05),
+                           warmup=1, reps=5)
+        tp, _, _ = time_ms(lambda: KB.profile_attention(q, k, rows, 0.9, sc), warmup=1, reps=3)
+        rec = dict(op="others", S=S, H=H, D=D, r=r, R=R, predictor_fwd_ms=tf,
+                   predictor_bwd_ms=tb, profile_ms=tp)
+        recs.append(rec)
+        print(f"predictor_loss S={S} H={H} D={D} r={r} R={R}: fwd {tf:.2f} ms, bwd {tb:.2f} ms; "
+              f"profile_attention (theta 0.9, no index): {tp:.2f} ms (these timings include the "
+              f"test wrappers' allocation, poisoning and a synchronisation)", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(card=torch.cuda.get_device_name(), records=recs), fh, indent=1)

@@ -57,6 +57,19 @@ DEFAULT_GRIDS = {32768: (32, 32, 32), 65536: (16, 64, 64), 16384: (16, 32, 32),
 # 3D window attention (FlexAttention)
 # ---------------------------------------------------------------------------------------------
 
+_FLEX = None
+
+
+def _compiled_flex():
+    """One compiled flex_attention shared by every layer (compiled once per shape)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
 class WindowAttention(nn.Module):
     """Self-attention restricted to a 3D window of the token grid, through FlexAttention.
 
@@ -68,7 +81,7 @@ class WindowAttention(nn.Module):
     def __init__(self, hidden: int, heads: int, grid: Tuple[int, int, int], frac: float = 2 / 3,
                  qk_norm: bool = True, block_size: int = 128):
         super().__init__()
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask
 
         self.hidden, self.heads, self.head_dim = hidden, heads, hidden // heads
         self.qkv = nn.Linear(hidden, 3 * hidden)
@@ -96,7 +109,7 @@ class WindowAttention(nn.Module):
         self._S = S
         self._block_size = block_size
         self._create = create_block_mask
-        self._flex = torch.compile(flex_attention, dynamic=False)
+        self._flex = _compiled_flex()
 
     def build_mask(self, device):
         self.block_mask = self._create(self._mask_mod, None, None, self._S, self._S,
@@ -113,8 +126,8 @@ class WindowAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         if self.block_mask is None:
             self.build_mask(x.device)
-        dt = q.dtype
-        o = self._flex(q.transpose(1, 2), k.transpose(1, 2).to(dt), v.transpose(1, 2).to(dt),
+        dt = v.dtype  # the qkv output: bf16 under autocast (the norms may return fp32)
+        o = self._flex(q.transpose(1, 2).to(dt), k.transpose(1, 2).to(dt), v.transpose(1, 2),
                        block_mask=self.block_mask)
         return self.proj(o.transpose(1, 2).reshape(b, s, self.hidden))
 
@@ -126,20 +139,20 @@ class WindowAttention(nn.Module):
 class BlockStack(nn.Module):
     """``layers`` DiT blocks on pre-embedded tokens ([B, S, hidden]) with a conditioning vector."""
 
-    def __init__(self, cfg: DiTConfig, layers: int, dsv_config=None, window: bool = False):
+    def __init__(self, cfg: DiTConfig, layers: int, dsv_config=None, window: bool = False,
+                 device="cpu"):
         super().__init__()
-        self.blocks = nn.ModuleList([DiTBlock(cfg, dsv_config) for _ in range(layers)])
-        if window:
-            for blk in self.blocks:
-                blk.attn = WindowAttention(cfg.hidden, cfg.heads, cfg.grid, qk_norm=cfg.qk_norm)
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():  # non-zero adaLN so every path carries signal and gradient
+        with torch.device(device):  # allocate (and default-initialise) on the device: fast
+            self.blocks = nn.ModuleList([DiTBlock(cfg, dsv_config) for _ in range(layers)])
+            if window:
+                for blk in self.blocks:
+                    blk.attn = WindowAttention(cfg.hidden, cfg.heads, cfg.grid, qk_norm=cfg.qk_norm)
+        g = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():  # same weights in every mode; non-zero adaLN so every path matters
             for blk in self.blocks:
                 for m in blk.modules():
                     if isinstance(m, nn.Linear):
-                        w = torch.empty(m.weight.shape)
-                        nn.init.xavier_uniform_(w, generator=g)
-                        m.weight.copy_(w)
+                        nn.init.xavier_uniform_(m.weight, generator=g)
                         if m.bias is not None:
                             m.bias.zero_()
                 blk.ada[-1].weight.mul_(0.1)
@@ -231,7 +244,7 @@ def run_mode(mode: str, S: int, grid, layers: int, args, profiled: Optional[List
     if cfg.attention == "dsv":
         dsv_cfg = _dsv_config(group_size=args.group_size, rank=args.rank)
     torch.manual_seed(0)
-    model = BlockStack(cfg, layers, dsv_cfg, window=(mode == "window")).to(dev)
+    model = BlockStack(cfg, layers, dsv_cfg, window=(mode == "window"), device=dev)
     model.grad_checkpointing = args.grad_ckpt
     x = _structured_input(S, grid, hidden, dev)
     c = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1)).to(dev)

@@ -42,11 +42,19 @@ case "$STEPS" in *tests*)
 esac
 case "$STEPS" in *bench*)
   timeout 150 python3 benchmarks/bench_topk.py --shapes 65536:0.1,131072:0.2,32768:0.1,65536:0.05 \
-    --heads 24 --group 64 --json "$OUT/bench_topk.json" ;;
+    --heads 24 --group 64 --other-ops 65536:4096:128 --json "$OUT/bench_topk.json" ;;
 esac
+# alternative build of the top-K histogram update (branchy atomics), if carried
+if [ -f .dsvops/libdsvops_branchy.so ] && [ -n "${VARIANT:-}" ]; then
+  export DSV_OPS_LIB=$(readlink -f .dsvops/libdsvops_branchy.so)
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_topk_estimate_cuda.py > "$OUT/t_topk_branchy.log" 2>&1
+  echo "branchy variant: test_topk_estimate_cuda rc=$? $(tail -1 $OUT/t_topk_branchy.log)"
+  timeout 60 python3 benchmarks/bench_topk.py --shapes 65536:0.1,131072:0.2 --heads 24 --group 64
+  export DSV_OPS_LIB=$(readlink -f $LIB)
+fi
 case "$STEPS" in *sanitizer*)
   for tool in memcheck racecheck; do
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool $tool --error-exitcode 99 \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 100 compute-sanitizer --tool $tool --kernel-name kns=dsv_ --error-exitcode 99 \
       python3 -c "import sys; sys.path.insert(0, 'tests'); import sanitizer_driver as d; d.run_ops_kernels()" \
       > "$OUT/san_$tool.log" 2>&1
     echo "sanitizer $tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $OUT/san_$tool.log | tail -1)"

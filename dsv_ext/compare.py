@@ -10,7 +10,7 @@ Trains the config twice with :func:`dsv_ext.train.train` (``attention=dense``: p
   the whole run, and over DSV's stage-2 steps against the dense run's steps after the same step),
   per-block sparsity, predictor loss and predictor recall of the DSV run;
 - ``compare.png``: training loss (and validation points) of both runs, and DSV's per-block
-  sparsity over the steps with the stage-2 switch marked;
+  sparsity and predictor recall over the steps, with the stage-2 switch marked;
 - ``compare.json``: the numbers behind the table; ``dense/`` and ``dsv/``: the two runs.
 """
 
@@ -138,7 +138,7 @@ def write_plot(res: Dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 4.2))
     for att, color in (("dense", "tab:blue"), ("dsv", "tab:orange")):
         h = res["history"][att]
         a1.plot([r["step"] for r in h], [r["loss"] for r in h], color=color, alpha=0.6,
@@ -147,12 +147,11 @@ def write_plot(res: Dict[str, Any], path: str) -> None:
         a1.plot([r["step"] for r in v], [r["val_loss"] for r in v], "o--", color=color,
                 label=f"{'full attention' if att == 'dense' else 'DSV'} (validation)")
     sw = res.get("switch_step")
-    for ax in (a1, a2):
+    for ax in (a1, a2, a3):
         if sw is not None:
             ax.axvline(sw, color="gray", ls=":", label="DSV stage 2")
     a1.set_xlabel("step")
     a1.set_ylabel("flow-matching loss")
-    a1.set_yscale("log")
     a1.legend(fontsize=8)
     a1.set_title("loss")
     h = res["history"]["dsv"]
@@ -171,6 +170,17 @@ def write_plot(res: Dict[str, Any], path: str) -> None:
     a2.set_ylim(0, 1)
     a2.set_title("DSV per-block sparsity")
     a2.legend(fontsize=8, ncol=2)
+    for i in range(nblk):
+        pts = [(r["step"], r["blocks"][i].get("recall")) for r in h
+               if len(r.get("blocks") or []) > i and r["blocks"][i].get("recall") is not None]
+        if pts:
+            a3.plot(*zip(*pts), label=f"block {i}")
+    a3.axhline(0.9, color="black", lw=0.8, ls="--", label="target 0.9")
+    a3.set_xlabel("step")
+    a3.set_ylabel("attention mass covered by the predicted index")
+    a3.set_ylim(0, 1.02)
+    a3.set_title("DSV predictor recall")
+    a3.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -93,6 +93,10 @@ class DSVConfig:
     """JSON calibration table of dense vs sparse time; None = ~/.cache/dsv_ext/calibration.json."""
     use_calibration: bool = True
     """Use the calibration table when one exists for this device (else the threshold rule)."""
+    auto_calibrate: bool = False
+    """At the switch to stage 2, measure (and cache) the calibration table for this device, dtype,
+    head count, head dim and sequence length when it has no entry for them yet (CUDA only; takes
+    seconds to a minute of the training run once)."""
     dispatch_margin: float = 0.05
     """With a table, sparse must be at least this fraction faster than dense to be chosen."""
     memory_fraction: float = 0.5

@@ -28,6 +28,7 @@ class DSVController:
         round-trip step, stage, EMAs, predictors and optimizer (a resumed run continues in the
         same stage with identical next steps).
     switch_to_stage2() -> None      # manual switch (also via config.force_stage2_step)
+    set_sparsity(per_block_per_head, force_sparse=None) -> None   # override EMAs (benchmarks)
 """
 from __future__ import annotations
 
@@ -179,6 +180,18 @@ class DSVController:
         self.step_count = s + 1
         self._arm()
 
+    def _auto_calibrate(self, blocks) -> None:
+        """Measure the calibration table once for each new (device, dtype, H, D, S) of the model."""
+        done = set()
+        for b in blocks:
+            key = (str(b["device"]), b["dtype"], b["heads"], b["head_dim"], b["seq_len"])
+            if key in done or torch.device(b["device"]).type != "cuda":
+                continue
+            done.add(key)
+            if not self.dispatcher.has_entry(b["device"], b["dtype"], b["heads"], b["head_dim"], b["seq_len"]):
+                self.dispatcher.calibrate(b["device"], seq_lens=(b["seq_len"],), heads=b["heads"],
+                                          head_dim=b["head_dim"], dtype=b["dtype"], repeats=2)
+
     def _sync_grads(self, grads) -> None:
         """Average predictor gradients over the data-parallel group (if torch.distributed is up)."""
         pg = self.process_group
@@ -211,6 +224,25 @@ class DSVController:
         for g in self.optimizer.param_groups:
             g["lr"] = self.config.finetune_lr
         self._update_dispatch()
+
+    def set_sparsity(self, sparsity, force_sparse: Optional[bool] = None) -> None:
+        """Override the per-block, per-head sparsity EMAs (e.g. from a profiled run, for benchmarks):
+        sparsity is a list over blocks of per-head lists (or one float per block). Per-head K and,
+        in stage 2, the dispatcher's choice are recomputed; force_sparse=True/False then overrides
+        the choice for every block that supports the sparse path."""
+        if len(sparsity) != len(self.modules):
+            raise ValueError(f"sparsity: expected {len(self.modules)} blocks, got {len(sparsity)}")
+        new = []
+        for s, (_, m) in zip(sparsity, self.modules):
+            s = [float(s)] * m.num_heads if isinstance(s, (int, float)) else [float(x) for x in s]
+            if len(s) != m.num_heads or not all(0.0 <= x <= 1.0 for x in s):
+                raise ValueError(f"sparsity: expected {m.num_heads} values in [0, 1] per block, got {s}")
+            new.append(s)
+        self.sparsity_ema = new
+        self._update_dispatch()
+        if force_sparse is not None and self.stage == 2:
+            for _, m in self.modules:
+                m.use_sparse = bool(force_sparse) and m.sparse_supported() and m.density is not None
 
     def switch_to_stage2(self) -> None:
         """Switch now (blocks without a sparsity estimate are profiled on the next step first)."""
@@ -245,6 +277,8 @@ class DSVController:
         blocks = [b if b is not None and b["seq_len"] > 0 and m.sparse_supported() else None
                   for b, (_, m) in zip(blocks, self.modules)]
         valid = [b for b in blocks if b is not None]
+        if self.config.auto_calibrate and self.config.use_calibration:
+            self._auto_calibrate(valid)
         choice = iter(self.dispatcher.plan(valid, valid[0]["device"]) if valid else [])
         for (_, m), b in zip(self.modules, blocks):
             m.use_sparse = bool(next(choice)) if b is not None else False

@@ -231,3 +231,15 @@ def convert(model: nn.Module, grid: Optional[Sequence[int]] = None, config: Opti
     if verbose:
         print(f"dsv_ext.convert: {n} attention layer(s) converted")
     return model
+
+
+class _CallableModule(type(__import__("sys"))):
+    """`import dsv_ext.convert` binds the name `convert` of the package to this module (shadowing
+    the function the package exports lazily); making the module callable keeps
+    `dsv_ext.convert(model, ...)` working in either import order."""
+
+    def __call__(self, *args, **kwargs):
+        return convert(*args, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule

@@ -102,6 +102,13 @@ class Dispatcher:
         hd = min({e["head_dim"] for e in es}, key=lambda d: abs(d - head_dim))
         return sorted((e for e in es if e["head_dim"] == hd), key=lambda e: e["seq_len"])
 
+    def has_entry(self, device, dtype: torch.dtype, heads: int, head_dim: int, seq_len: int) -> bool:
+        """Whether the table holds a measurement for exactly this device/dtype/shape."""
+        name, dt = _device_name(device), str(dtype).replace("torch.", "")
+        return any(e.get("device") == name and e.get("dtype") == dt and e.get("heads") == heads
+                   and e.get("head_dim") == head_dim and e.get("seq_len") == seq_len
+                   for e in (self.table or {}).get("entries", []))
+
     def predict_ms(self, seq_len: int, heads: int, head_dim: int, density: float, device,
                    dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> Optional[Dict[str, float]]:
         """{"dense": ms, "sparse": ms} for one block from the table, or None without a table."""

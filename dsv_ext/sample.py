@@ -5,7 +5,7 @@ attention.
         [--num-samples 4] [--seed 0] [--full-attention] [--device cpu|cuda] [--solver euler|heun]
         [--batch-size 4] [--shift 1.0] [--precision auto|bf16|fp32] [--fps 8] [--scale N]
         [--view first3|pca] [--normalize auto|channel|joint] [--show-data N]
-        [--set dsv.KEY=VALUE ...] [--no-progress]
+        [--set dsv.KEY=VALUE ...] [--threads N] [--no-progress]
 
 Flow matching, the convention of ``dsv_ext.train``: ``x_t = (1 - t) x0 + t e`` and the model
 predicts the velocity ``v = e - x0``. Sampling integrates ``dx/dt = v(x, t)`` from pure noise at
@@ -59,7 +59,6 @@ Python API: :func:`load_for_sampling` (model + controller from a checkpoint),
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import math
@@ -140,8 +139,9 @@ def load_for_sampling(checkpoint: str, device: Optional[str] = None, full_attent
     notes: List[str] = []
     if dsv_overrides:
         cfg["dsv"].update(dsv_overrides)
-    torch.manual_seed(int(cfg["train"].get("seed", 0)))
-    model, dsv_cfg = build_model(cfg, attention, dev)
+    with torch.random.fork_rng(devices=[]):  # the predictors' init draws (overwritten below)
+        torch.manual_seed(int(cfg["train"].get("seed", 0)))  # must not move the caller's RNG
+        model, dsv_cfg = build_model(cfg, attention, dev)
     model.load_state_dict(ck["model"], strict=True)
     controller = None
     if attention == "dsv":
@@ -157,9 +157,15 @@ def load_for_sampling(checkpoint: str, device: Optional[str] = None, full_attent
     model.eval()
     mode = "dense"
     if controller is not None:
-        if full_attention:
-            for _, m in controller.modules:
+        unsupported = [n for n, m in controller.modules if m.use_sparse and not m.sparse_supported()]
+        if unsupported and not full_attention:
+            notes.append(f"no dsv sparse kernels for {dev.type} with this shape: {len(unsupported)} "
+                         "sparse block(s) run dense")
+        for n, m in controller.modules:
+            if full_attention or n in unsupported:
                 m.use_sparse = False
+        if full_attention:
+            pass  # mode stays "dense"
         elif controller.stage == 2 and any(m.use_sparse for _, m in controller.modules):
             mode = "dsv"
         elif controller.stage == 2:
@@ -339,13 +345,17 @@ def sample(checkpoint: str, out_dir: str, steps: int = 30, num_samples: int = 4,
            batch_size: int = 4, shift: float = 1.0, precision: str = "auto", fps: float = 8.0,
            scale: Optional[int] = None, view: str = "first3", normalize: str = "auto",
            show_data: int = 0, dsv_overrides: Optional[Dict[str, Any]] = None,
-           progress: bool = True, log: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
+           threads: Optional[int] = None, progress: bool = True,
+           log: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
     """Sample ``num_samples`` clips and write them to ``out_dir`` (see the module docstring).
     Returns the ``sampling.json`` record (with ``"latents"``: the float32 ``[K, C, T, H, W]``
     tensor added, not written to the JSON).
 
     Sample i's starting noise is the i-th draw of a CPU generator seeded with ``seed``, so it
-    does not depend on ``num_samples`` or ``batch_size``."""
+    does not depend on ``num_samples`` or ``batch_size``.
+
+    ``threads``: torch CPU threads while sampling (None: the checkpoint's ``train.threads`` when
+    > 0, else torch's default); the previous setting is restored on return."""
     log = log or (lambda s: print(s, file=sys.stderr))
     if not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples: expected an integer >= 1, got {num_samples!r}")
@@ -361,6 +371,24 @@ def sample(checkpoint: str, out_dir: str, steps: int = 30, num_samples: int = 4,
     sm = load_for_sampling(checkpoint, device, full_attention, dsv_overrides)
     for n in sm.notes:
         log(f"note: {n}")
+    if threads is None:
+        threads = int(sm.config["train"].get("threads", 0) or 0) or None
+    old_threads = torch.get_num_threads()
+    if threads is not None and sm.device.type == "cpu":
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads: expected an integer >= 1, got {threads!r}")
+        torch.set_num_threads(threads)
+    try:
+        return _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch_size,
+                       shift, precision, fps, scale, view, normalize, show_data, dsv_overrides,
+                       progress, checkpoint)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch_size, shift,
+            precision, fps, scale, view, normalize, show_data, dsv_overrides, progress,
+            checkpoint) -> Dict[str, Any]:
     model, dev, cfg = sm.model, sm.device, sm.config
     mcfg = model.cfg
     shape = (mcfg.in_channels, *mcfg.latent_size)
@@ -439,7 +467,8 @@ def sample(checkpoint: str, out_dir: str, steps: int = 30, num_samples: int = 4,
         "trained_attention": sm.attention, "mode": sm.mode, "full_attention_flag": bool(full_attention),
         "dsv_stage": None if sm.controller is None else int(sm.controller.stage),
         "dsv_overrides": dsv_overrides or {}, "notes": sm.notes,
-        "device": str(dev), "precision": precision, "solver": solver, "steps": steps, "shift": shift,
+        "device": str(dev), "threads": torch.get_num_threads() if dev.type == "cpu" else None,
+        "precision": precision, "solver": solver, "steps": steps, "shift": shift,
         "model_evaluations_per_sample": nfe_per, "seed": seed, "num_samples": num_samples,
         "batch_size": batch_size, "latent_shape": list(shape), "tokens": mcfg.num_tokens,
         "view": view, "normalize": normalize, "fps": fps,
@@ -486,13 +515,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="also render N held-out training clips as data_NNN.gif/png")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="dsv.KEY=VALUE",
                    help="override a DSV setting for sampling, e.g. --set dsv.k_margin=0.1")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: the checkpoint's train.threads, else torch's)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     a = p.parse_args(argv)
     rec = sample(a.checkpoint, a.out, steps=a.steps, num_samples=a.num_samples, seed=a.seed,
                  full_attention=a.full_attention, device=a.device, solver=a.solver,
                  batch_size=a.batch_size, shift=a.shift, precision=a.precision, fps=a.fps,
                  scale=a.scale, view=a.view, normalize=a.normalize, show_data=a.show_data,
-                 dsv_overrides=_parse_overrides(a.overrides), progress=not a.no_progress)
+                 dsv_overrides=_parse_overrides(a.overrides), threads=a.threads,
+                 progress=not a.no_progress)
     print(json.dumps({k: rec[k] for k in ("mode", "dsv_stage", "sparse_blocks", "solver", "steps",
                                           "num_samples", "sampling_time_s", "seconds_per_sample")}))
     print(f"wrote {len(rec['files'])} files to {a.out}")

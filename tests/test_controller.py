@@ -1,7 +1,7 @@
 """DSVController (training, profiling, switching, checkpoints), the op dispatcher and DSVConfig."""
-import copy
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -41,8 +41,8 @@ def _cfg(**kw):
     return DSVConfig(**base)
 
 
-def _x(seed=1):
-    return torch.randn(2, S, DIM, generator=torch.Generator().manual_seed(seed))
+def _x(seed=1, batch=2):
+    return torch.randn(batch, S, DIM, generator=torch.Generator().manual_seed(seed))
 
 
 def _train(model, ctl, opt, steps, x):
@@ -126,6 +126,11 @@ def test_switch_forced_by_config_and_sparse_dispatch():
     core.use_sparse = True
     s = ctl.summary()
     assert s["dsv/stage"] == 2 and s["dsv/sparse_blocks"] == 2
+    ctl.set_sparsity([0.5, [0.9, 0.95]], force_sparse=True)
+    assert ctl.modules[0][1].head_k == [24] * 2 and ctl.modules[1][1].head_k == [8, 8]
+    assert all(m.use_sparse for _, m in ctl.modules)
+    with pytest.raises(ValueError, match="^sparsity"):
+        ctl.set_sparsity([0.5])
     bs = ctl.block_stats()
     assert [b["name"] for b in bs] == [n for n, _ in ctl.modules]
     assert all(b["use_sparse"] and b["head_k"] == m.head_k and b["loss"] > 0 for b, (_, m) in zip(bs, ctl.modules))
@@ -191,7 +196,10 @@ def test_checkpointed_model_trains_predictor_once_per_forward():
 @pytest.mark.parametrize("checkpoint_stage", [1, 2])
 def test_checkpoint_round_trip_resumes_identically(tmp_path, checkpoint_stage):
     cfg = _cfg(force_stage2_step=4, dispatch_threshold=0.0, train_every_stage2=2, profile_every=3)
-    x = _x()
+    # B*H >= CPU threads: the CPU sparse backward then splits work by (batch, head), which is
+    # deterministic (with fewer pairs than threads it spreads groups over threads dynamically and
+    # sums per-thread dK/dV buffers, so the last bits vary from run to run)
+    x = _x(batch=max(2, -(-(os.cpu_count() or 1) // H)))
 
     def make(seed):
         model = Tiny(cfg, seed=seed)
@@ -255,6 +263,7 @@ def test_dispatcher_cost_model_and_threshold(tmp_path):
     dense = 2048 ** 2 / 1e6 * 2  # per-head time x 4 heads
     assert math.isclose(p["dense"], dense, rel_tol=1e-9)
     assert math.isclose(p["sparse"], dense * 0.4, rel_tol=1e-9)
+    assert d.has_entry("cpu", torch.float32, 2, 16, 1024) and not d.has_entry("cpu", torch.float32, 2, 16, 2048)
     assert d.decide([0.9, 0.9], 2048, 2, 16, "cpu", torch.float32)          # 0.4 x dense
     assert not d.decide([0.2, 0.2], 2048, 2, 16, "cpu", torch.float32)      # 1.1 x dense
     # save / load through JSON
@@ -318,7 +327,7 @@ needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and dsv_ext.has_c
 
 @needs_cuda
 def test_cuda_controller_trains_switches_and_dispatches():
-    cfg = DSVConfig(force_stage2_step=6, dispatch_threshold=0.0, use_calibration=False, predictor_lr=1e-2,
+    cfg = DSVConfig(force_stage2_step=6, dispatch_threshold=0.0, use_calibration=False, predictor_lr=3e-3,
                     profile_every=2)
     torch.manual_seed(0)
     grid = (4, 8, 8)
@@ -335,7 +344,7 @@ def test_cuda_controller_trains_switches_and_dispatches():
         opt.zero_grad()
         ctl.step()
         losses.append(ctl.mean_loss())
-    assert losses[5] < losses[0]
+    assert losses[5] < 0.95 * losses[0]
     assert ctl.stage == 2 and all(m.use_sparse for _, m in ctl.modules)
     s = ctl.summary()
     assert 0 < s["dsv/sparsity"] < 1 and 0 < s["dsv/recall"] <= 1.0 + 1e-6

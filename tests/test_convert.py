@@ -130,3 +130,10 @@ def test_convert_errors():
 
     with pytest.raises(ValueError, match="num_heads"):
         convert(torch.nn.Sequential(NoHeads()))
+
+
+def test_package_level_convert_is_callable_after_submodule_import():
+    import dsv_ext
+    import dsv_ext.convert  # binds the package attribute to the submodule
+    model = dsv_ext.convert(torch.nn.Sequential(DSVAttention(16, 2)), grid=(2, 3, 5))
+    assert model[0].attn_core.grid == (2, 3, 5)

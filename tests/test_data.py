@@ -119,3 +119,19 @@ def test_video_folder_errors(tmp_path, monkeypatch):
         ds[0]
     with pytest.raises(ValueError, match="^data.source"):
         make_dataset({"source": "web", "frames": 4, "height": 8, "width": 8})
+
+
+def test_video_folder_mp4_with_pyav(tmp_path):
+    av = pytest.importorskip("av")
+    frames = (np.random.default_rng(0).random((6, 32, 48, 3)) * 255).astype(np.uint8)
+    path = str(tmp_path / "clip.mp4")
+    with av.open(path, mode="w") as out:
+        st = out.add_stream("mpeg4", rate=8)
+        st.width, st.height, st.pix_fmt = 48, 32, "yuv420p"
+        for f in frames:
+            for pkt in st.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                out.mux(pkt)
+        for pkt in st.encode():
+            out.mux(pkt)
+    z = VideoFolder(str(tmp_path), frames=4, height=4, width=6)[0]
+    assert z.shape == (4, 4, 4, 6) and torch.isfinite(z).all()

@@ -189,8 +189,13 @@ def check_close(name, x, r, tol):
     err = (x - r).abs()
     bound = atol * max(rms, 1e-6) + rtol * r.abs()
     bad = err > bound
-    assert not bad.any(), (f"{name}: {int(bad.sum())}/{x.numel()} elements out of tolerance, "
-                           f"max err {err.max().item():.3e}, rms(ref) {rms:.3e}")
+    if bad.any():
+        w = int(torch.argmax(torch.where(bad, err, torch.zeros_like(err))))
+        pos = tuple(int(i) for i in torch.unravel_index(torch.tensor(w), x.shape))
+        raise AssertionError(
+            f"{name}: {int(bad.sum())}/{x.numel()} elements out of tolerance, max err "
+            f"{err.max().item():.3e}, rms(ref) {rms:.3e}; worst at {pos}: got "
+            f"{x.reshape(-1)[w].item():.6g}, expected {r.reshape(-1)[w].item():.6g}")
     denom = r.norm().item()
     if denom > 0:
         rel = (x - r).norm().item() / denom
@@ -241,11 +246,13 @@ def need_backend():
         pytest.skip("no CUDA kernels: build the extension with CUDA or set DSV_ATTN_LIB")
 
 
-@pytest.fixture(params=["qmajor", "kmajor"])
+@pytest.fixture(params=["qmajor", "qmajor3", "kmajor"])
 def path(request, monkeypatch):
-    """The dK/dV path of the backward: 'qmajor' forces the query-major reductions, 'kmajor'
-    lets every eligible head take the key-major pass."""
-    monkeypatch.setenv("DSV_KM_RATIO", "0" if request.param == "qmajor" else "1e9")
+    """The dK/dV path of the backward: 'qmajor' forces the query-major reductions, 'qmajor3'
+    the same split into 3 key ranges (what long sequences use), 'kmajor' lets every eligible
+    head take the key-major pass."""
+    monkeypatch.setenv("DSV_KM_RATIO", "1e9" if request.param == "kmajor" else "0")
+    monkeypatch.setenv("DSV_ATTN_RANGES", "3" if request.param == "qmajor3" else "1")
     return request.param
 
 

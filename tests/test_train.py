@@ -125,6 +125,21 @@ def test_cli_and_overrides(tmp_path, capsys):
               progress=False)
 
 
+def test_train_on_npy_folder(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    os.makedirs(tmp_path / "videos")
+    for i in range(3):
+        np.save(tmp_path / "videos" / f"v{i}.npy", rng.integers(0, 256, (5, 40, 40, 3), dtype=np.uint8))
+    cfg = micro_config(steps=3)
+    cfg["data"] = {"source": "folder", "path": str(tmp_path / "videos"), "frames": 4,
+                   "height": 8, "width": 8, "channels": 4, "val_fraction": 0.34}
+    res = train(cfg, out_dir=str(tmp_path / "run"), attention="dense", device="cpu",
+                progress=False)
+    assert res["summary"]["final_val_loss"] > 0 and len(res["history"]) == 3
+
+
 @needs_dsv
 def test_compare_writes_table_and_plot(tmp_path):
     from dsv_ext.compare import compare

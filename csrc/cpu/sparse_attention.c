@@ -330,7 +330,8 @@ static int DSV_FN(sa_bwd)(const dsv_attn_shape* p, const dsv_bshd* q, const dsv_
         DSV_OMP(atomic write)
         err = 1;
       }
-      DSV_OMP(for schedule(dynamic, 1))
+      /* static schedule: a fixed thread count gives bitwise-reproducible dk / dv */
+      DSV_OMP(for schedule(static))
       for (int64_t g = 0; g < NG; ++g) {
         if (!ok) continue;
         const int32_t* list = count > 0 ? kv_index + (bh * NG + g) * KM : NULL;

@@ -155,20 +155,21 @@ __device__ __forceinline__ void gather_rows_async(T* tile, const T* base, int64_
 }
 
 /* Gather the key (and value) rows of list entries j0 .. j0 + rows - 1 (entries at or past
- * `count`, and positions outside [0, S), become zero rows) and record each row's position, or
- * -1, in kidx[r]. vtile may be NULL. */
+ * `count`, and positions outside [lo, hi), become zero rows) and record each row's position,
+ * or -1, in kidx[r]. vtile may be NULL. */
 template <typename T, int D, int NT>
 __device__ __forceinline__ void gather_keys_async(T* ktile, T* vtile, const T* kbase,
                                                   int64_t kstride, const T* vbase,
                                                   int64_t vstride, const int* list, int j0,
-                                                  int count, int S, int* kidx, int rows) {
+                                                  int count, int lo, int hi, int* kidx,
+                                                  int rows) {
   constexpr int CH = D / 8;
   constexpr int LD = D + 8;
   for (int i = threadIdx.x; i < rows * CH; i += NT) {
     int r = i / CH, c = i - r * CH;
     int j = j0 + r;
     int idx = j < count ? __ldg(list + j) : -1;
-    if ((unsigned)idx >= (unsigned)S) idx = -1;
+    if (idx < lo || idx >= hi) idx = -1;
     if (c == 0) kidx[r] = idx;
     bool valid = idx >= 0;
     const T* ks = valid ? kbase + (int64_t)idx * kstride + c * 8 : kbase;

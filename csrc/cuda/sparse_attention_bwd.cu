@@ -22,10 +22,12 @@
  *
  * A head takes path 1 when its lists are strictly ascending and in range (as topk_estimate
  * writes them), D <= 128, and (key-block entries x 64) <= ratio x (groups x K); ratio defaults
- * to 1.5 and can be set with the environment variable DSV_KM_RATIO (0 forces path 0, a large
+ * to 2.5 and can be set with the environment variable DSV_KM_RATIO (0 forces path 0, a large
  * value forces path 1 where allowed).
  */
+#include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "attention_common.cuh"
 
@@ -36,7 +38,7 @@ int check_attn_args(const dsv_attn_shape* p); /* sparse_attention_fwd.cu */
 constexpr int KB = 64; /* key block of the key-major path */
 
 struct BwdLayout {
-  size_t delta, dkacc, dvacc, path, flags, kbcount, kbcursor, kboff, entg, entmask, total;
+  size_t delta, dkacc, dvacc, dqacc, path, flags, kbcount, kbcursor, kboff, entg, entmask, total;
   int64_t nkb, cap;
   int km_enabled;
 };
@@ -54,6 +56,7 @@ static BwdLayout bwd_layout(const dsv_attn_shape* p) {
   L.delta = o; o = align_up(o + (size_t)BH * S * sizeof(float));
   L.dkacc = o; o = align_up(o + (size_t)BH * S * D * sizeof(float));
   L.dvacc = o; o = align_up(o + (size_t)BH * S * D * sizeof(float));
+  L.dqacc = o; o = align_up(o + (size_t)BH * S * D * sizeof(float));
   L.entmask = o; o = align_up(o + (size_t)BH * L.cap * sizeof(unsigned long long));
   L.entg = o; o = align_up(o + (size_t)BH * L.cap * sizeof(int));
   L.kboff = o; o = align_up(o + (size_t)BH * L.nkb * sizeof(int));
@@ -84,6 +87,7 @@ struct BwdParams {
   float* delta;   /* [B, H, S] */
   float* dkacc;   /* [B, H, S, D] */
   float* dvacc;   /* [B, H, S, D] */
+  float* dqacc;   /* [B, H, S, D], used when nranges > 1 */
   int* path;      /* [B, H] */
   int* flags;     /* [B, H] */
   int* kbcount;   /* [B, H, nkb] */
@@ -92,6 +96,7 @@ struct BwdParams {
   int* entg;      /* [B, H, cap] */
   unsigned long long* entmask;
   int S, H, G, NG, kmax, chunks, nkb, D;
+  int nranges; /* key ranges of the query-major reduction path (see bwd_qmajor_kernel) */
   int64_t cap;
   float scale, scale_log2, km_ratio;
   int km_enabled;
@@ -242,11 +247,13 @@ __global__ void zero_acc_kernel(const BwdParams<T> p, int BH) {
     const int64_t n4 = (int64_t)p.S * p.D / 4;
     float4* a = reinterpret_cast<float4*>(p.dkacc + (size_t)bh * p.S * p.D);
     float4* c = reinterpret_cast<float4*>(p.dvacc + (size_t)bh * p.S * p.D);
+    float4* e = reinterpret_cast<float4*>(p.dqacc + (size_t)bh * p.S * p.D);
     const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
          i += (int64_t)gridDim.x * blockDim.x) {
       a[i] = z;
       c[i] = z;
+      if (p.nranges > 1) e[i] = z;
     }
   }
 }
@@ -283,12 +290,22 @@ __global__ void convert_acc_kernel(const BwdParams<T> p, int B) {
     vo.w = Elem<T>::pack(v1.z, v1.w);
     *reinterpret_cast<uint4*>(p.dk + b * p.dkb + (int64_t)s * p.dks + h * p.dkh + c * 8) = ko;
     *reinterpret_cast<uint4*>(p.dv + b * p.dvb + (int64_t)s * p.dvs + h * p.dvh + c * 8) = vo;
+    if (p.nranges > 1) {
+      const float4 q0 = *reinterpret_cast<const float4*>(p.dqacc + a);
+      const float4 q1 = *reinterpret_cast<const float4*>(p.dqacc + a + 4);
+      uint4 qo;
+      qo.x = Elem<T>::pack(q0.x * sc, q0.y * sc);
+      qo.y = Elem<T>::pack(q0.z * sc, q0.w * sc);
+      qo.z = Elem<T>::pack(q1.x * sc, q1.y * sc);
+      qo.w = Elem<T>::pack(q1.z * sc, q1.w * sc);
+      *reinterpret_cast<uint4*>(p.dq + b * p.dqb + (int64_t)s * p.dqs + h * p.dqh + c * 8) = qo;
+    }
   }
 }
 
 /* ---------------------------------------------------------------------------------------- */
 /* Query-major kernel: dQ for every head of its path; with ATOMIC also dK/dV by reductions. */
-template <typename T, int D, int BM, int BN, bool ATOMIC>
+template <typename T, int D, int BM, int BN, int NS, bool ATOMIC>
 __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p) {
   constexpr int NT = BM * 2, NW = BM / 16;
   constexpr int LD = D + 8;
@@ -296,16 +313,22 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);
   T* dOs = Qs + BM * LD;
-  T* Ks = dOs + BM * LD;      /* [2][BN][LD] */
-  T* Vs = Ks + 2 * BN * LD;   /* [2][BN][LD] */
-  T* Ps = Vs + 2 * BN * LD;   /* [BM][LDP], ATOMIC only */
+  T* Ks = dOs + BM * LD;      /* [NS][BN][LD] */
+  T* Vs = Ks + NS * BN * LD;  /* [NS][BN][LD] */
+  T* Ps = Vs + NS * BN * LD;  /* [BM][LDP], ATOMIC only */
   T* dSs = Ps + (ATOMIC ? BM * LDP : 0);
   float* lse2 = reinterpret_cast<float*>(dSs + (ATOMIC ? BM * LDP : 0)); /* [BM] */
   float* dlt = lse2 + BM;                                                 /* [BM] */
-  int* kidx = reinterpret_cast<int*>(dlt + BM);                           /* [2][BN] */
-  int* qidx = kidx + 2 * BN;                                              /* [BM] */
+  int* kidx = reinterpret_cast<int*>(dlt + BM);                           /* [NS][BN] */
+  int* qidx = kidx + NS * BN;                                             /* [BM] */
 
-  const int h = blockIdx.y, b = blockIdx.z;
+  /* With ATOMIC and nranges R > 1, blockIdx.y = h * R + r: the CTA handles only the keys of
+   * its group's list in range r of [0, S) (a contiguous run of the sorted list, found by
+   * binary search; unsorted lists are masked instead), so the CTAs running at one time touch
+   * one range's K, V and dK / dV accumulators, which then stay in L2; dQ is reduced over the
+   * ranges with vector reductions into an fp32 buffer. */
+  const int R = ATOMIC ? p.nranges : 1;
+  const int h = blockIdx.y / R, rr = blockIdx.y - h * R, b = blockIdx.z;
   const size_t bh = (size_t)b * p.H + h;
   if (p.path[bh] != (ATOMIC ? 0 : 1)) return;
   const int g = blockIdx.x / p.chunks;
@@ -320,6 +343,27 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   const int* list = p.kv_index + (bh * p.NG + g) * p.kmax;
   const T* kbase = p.k + b * p.kb + h * p.kh;
   const T* vbase = p.v + b * p.vb + h * p.vh;
+  int klo = 0, khi = p.S, j0 = 0, j1 = count;
+  if (R > 1) {
+    const int rlen = (p.S + R - 1) / R;
+    klo = rr * rlen;
+    khi = min(p.S, klo + rlen);
+    if (p.flags[bh] == 0) { /* strictly ascending, in range: binary search */
+      int a = 0, e = count;
+      while (a < e) {
+        const int m = (a + e) >> 1;
+        if (__ldg(list + m) < klo) a = m + 1; else e = m;
+      }
+      j0 = a;
+      e = count;
+      while (a < e) {
+        const int m = (a + e) >> 1;
+        if (__ldg(list + m) < khi) a = m + 1; else e = m;
+      }
+      j1 = a;
+    }
+    if (j1 <= j0) return; /* nothing of this group in this range (uniform per CTA) */
+  }
 
   for (int r = tid; r < BM; r += NT) {
     const bool valid = r < nrows;
@@ -331,10 +375,15 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   __syncthreads();
   gather_rows_async<T, D, NT>(Qs, p.q + b * p.qb + h * p.qh, p.qs, qidx, BM);
   gather_rows_async<T, D, NT>(dOs, p.dout + b * p.gb + h * p.gh, p.gs, qidx, BM);
-  const int ntiles = (count + BN - 1) / BN;
-  if (ntiles > 0)
-    gather_keys_async<T, D, NT>(Ks, Vs, kbase, p.ks, vbase, p.vs, list, 0, count, p.S, kidx, BN);
-  cp_async_commit();
+  const int ntiles = (j1 - j0 + BN - 1) / BN;
+  /* NS-stage pipeline, as in the forward (group 0 also holds the Q and dO tiles) */
+#pragma unroll
+  for (int st = 0; st < NS - 1; ++st) {
+    if (st < ntiles)
+      gather_keys_async<T, D, NT>(Ks + st * BN * LD, Vs + st * BN * LD, kbase, p.ks, vbase, p.vs,
+                                  list, j0 + st * BN, j1, klo, khi, kidx + st * BN, BN);
+    cp_async_commit();
+  }
 
   float dq[D / 8][4];
 #pragma unroll
@@ -342,17 +391,18 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   const int lr0 = warp * 16 + (lane >> 2), lr1 = lr0 + 8;
 
   for (int t = 0; t < ntiles; ++t) {
-    const int buf = t & 1;
-    if (t + 1 < ntiles) {
-      const int nb = buf ^ 1;
-      gather_keys_async<T, D, NT>(Ks + nb * BN * LD, Vs + nb * BN * LD, kbase, p.ks, vbase, p.vs,
-                                  list, (t + 1) * BN, count, p.S, kidx + nb * BN, BN);
+    const int buf = t % NS;
+    cp_async_wait<NS - 2>();
+    __syncthreads(); /* tile t visible to all; stage (t - 1) % NS and Ps / dSs free again */
+    {
+      const int tn = t + NS - 1;
+      if (tn < ntiles) {
+        const int nb = tn % NS;
+        gather_keys_async<T, D, NT>(Ks + nb * BN * LD, Vs + nb * BN * LD, kbase, p.ks, vbase,
+                                    p.vs, list, j0 + tn * BN, j1, klo, khi, kidx + nb * BN, BN);
+      }
       cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
     }
-    __syncthreads();
     const T* Kt = Ks + buf * BN * LD;
     const T* Vt = Vs + buf * BN * LD;
     const int* ki = kidx + buf * BN;
@@ -471,9 +521,27 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
         }
       }
     }
-    __syncthreads();
   }
   cp_async_wait<0>();
+
+  if (R > 1) {
+    /* partial dQ of this key range: 16-byte reductions (pairs of lanes swap halves) */
+    float* dqa = p.dqacc + bh * (size_t)p.S * D;
+    const int tq = lane & 3;
+    const bool even = (tq & 1) == 0;
+    const int lrow = even ? lr0 : lr1;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const float x0 = __shfl_xor_sync(0xffffffffu, even ? dq[i][2] : dq[i][0], 1);
+      const float x1 = __shfl_xor_sync(0xffffffffu, even ? dq[i][3] : dq[i][1], 1);
+      const float4 val = even ? make_float4(dq[i][0], dq[i][1], x0, x1)
+                              : make_float4(x0, x1, dq[i][2], dq[i][3]);
+      if (lrow < nrows)
+        atomicAdd(reinterpret_cast<float4*>(dqa + (size_t)(row0 + lrow) * D + i * 8 + (tq >> 1) * 4),
+                  val);
+    }
+    return;
+  }
 
   T* dqb = p.dq + b * p.dqb + h * p.dqh;
   if (lr0 < nrows) {
@@ -578,6 +646,8 @@ __global__ void __launch_bounds__(128) bwd_kmajor_kernel(const BwdParams<T> p) {
     __syncthreads();
     const unsigned long long mask = __ldg(em + it / cpg);
     const bool kv0 = (mask >> kr0) & 1ull, kv1 = (mask >> kr1) & 1ull;
+    /* a warp whose 16 keys this group did not select has nothing to add: skip its work */
+    if (((mask >> (warp * 16)) & 0xFFFFull) != 0ull) {
     const T* Qt = Qs + bf * QC * LD;
     const T* Gt = dOs + bf * QC * LD;
     const float* ls = lse2 + bf * QC;
@@ -643,6 +713,7 @@ __global__ void __launch_bounds__(128) bwd_kmajor_kernel(const BwdParams<T> p) {
         mma16816<T>(dk[2 * dd + 1], sa, bf4 + 2);
       }
     }
+    } /* warp has selected keys */
     __syncthreads();
   }
   cp_async_wait<0>();
@@ -676,20 +747,43 @@ __global__ void __launch_bounds__(128) bwd_kmajor_kernel(const BwdParams<T> p) {
 /* ---------------------------------------------------------------------------------------- */
 /* host side */
 
-template <typename T, int D, int BM, int BN, bool ATOMIC>
+template <typename T, int D, int BM, int BN, int NS, bool ATOMIC>
 static int launch_qmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
   constexpr int LD = D + 8, LDP = BN + 8;
-  const size_t smem = (size_t)(2 * BM + 4 * BN) * LD * sizeof(T) +
+  const size_t smem = (size_t)(2 * BM + 2 * NS * BN) * LD * sizeof(T) +
                       (ATOMIC ? (size_t)2 * BM * LDP * sizeof(T) : 0) +
-                      (size_t)2 * BM * sizeof(float) + (size_t)(2 * BN + BM) * sizeof(int);
-  auto kern = bwd_qmajor_kernel<T, D, BM, BN, ATOMIC>;
+                      (size_t)2 * BM * sizeof(float) + (size_t)(NS * BN + BM) * sizeof(int);
+  auto kern = bwd_qmajor_kernel<T, D, BM, BN, NS, ATOMIC>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
     return DSV_ERR_CUDA;
   prm.chunks = (prm.G + BM - 1) / BM;
-  dim3 grid((unsigned)(prm.NG * prm.chunks), (unsigned)sh->heads, (unsigned)sh->batch);
+  dim3 grid((unsigned)(prm.NG * prm.chunks), (unsigned)(sh->heads * (ATOMIC ? prm.nranges : 1)),
+            (unsigned)sh->batch);
   kern<<<grid, BM * 2, smem, stream>>>(prm);
   return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
+}
+
+/* Key-tile configuration of the query-major kernels for D <= 128: DSV_ATTN_BWD_TILE "64x2",
+ * "32x3" (default) or "32x4". */
+static int bwd_tile_cfg() {
+  const char* e = getenv("DSV_ATTN_BWD_TILE");
+  if (e && !strcmp(e, "64x2")) return 0;
+  if (e && !strcmp(e, "32x4")) return 2;
+  return 1;
+}
+
+template <typename T, int D, int BM, bool ATOMIC>
+static int qmajor_cfg(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
+  if constexpr (D > 128) {
+    return launch_qmajor<T, D, BM, 32, 2, ATOMIC>(sh, prm, stream);
+  } else {
+    switch (bwd_tile_cfg()) {
+      case 0: return launch_qmajor<T, D, BM, 64, 2, ATOMIC>(sh, prm, stream);
+      case 2: return launch_qmajor<T, D, BM, 32, 4, ATOMIC>(sh, prm, stream);
+      default: return launch_qmajor<T, D, BM, 32, 3, ATOMIC>(sh, prm, stream);
+    }
+  }
 }
 
 template <typename T, int D, int QC>
@@ -708,21 +802,22 @@ static int launch_kmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream
 
 template <typename T, int D>
 static int bwd_main(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
-  constexpr int BN = D > 128 ? 32 : 64;
   int st;
   /* query-major: dQ of key-major heads (no dK/dV), then dQ + dK/dV reductions of the others */
   if (prm.G <= 32) {
-    if (D <= 128 && (st = launch_qmajor<T, D, 32, BN, false>(sh, prm, stream)) != DSV_OK) return st;
-    if ((st = launch_qmajor<T, D, 32, BN, true>(sh, prm, stream)) != DSV_OK) return st;
+    if (prm.km_enabled && (st = qmajor_cfg<T, D, 32, false>(sh, prm, stream)) != DSV_OK) return st;
+    if ((st = qmajor_cfg<T, D, 32, true>(sh, prm, stream)) != DSV_OK) return st;
   } else {
-    if (D <= 128 && (st = launch_qmajor<T, D, 64, BN, false>(sh, prm, stream)) != DSV_OK) return st;
-    if ((st = launch_qmajor<T, D, 64, BN, true>(sh, prm, stream)) != DSV_OK) return st;
+    if (prm.km_enabled && (st = qmajor_cfg<T, D, 64, false>(sh, prm, stream)) != DSV_OK) return st;
+    if ((st = qmajor_cfg<T, D, 64, true>(sh, prm, stream)) != DSV_OK) return st;
   }
-  if (D <= 128 && prm.km_enabled) {
-    if (prm.G % 64 == 0) {
-      if ((st = launch_kmajor<T, (D <= 128 ? D : 64), 64>(sh, prm, stream)) != DSV_OK) return st;
-    } else {
-      if ((st = launch_kmajor<T, (D <= 128 ? D : 64), 32>(sh, prm, stream)) != DSV_OK) return st;
+  if constexpr (D <= 128) {
+    if (prm.km_enabled) {
+      if (prm.G % 64 == 0) {
+        if ((st = launch_kmajor<T, D, 64>(sh, prm, stream)) != DSV_OK) return st;
+      } else {
+        if ((st = launch_kmajor<T, D, 32>(sh, prm, stream)) != DSV_OK) return st;
+      }
     }
   }
   return DSV_OK;
@@ -758,6 +853,7 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   prm.delta = (float*)(ws + L.delta);
   prm.dkacc = (float*)(ws + L.dkacc);
   prm.dvacc = (float*)(ws + L.dvacc);
+  prm.dqacc = (float*)(ws + L.dqacc);
   prm.path = (int*)(ws + L.path);
   prm.flags = (int*)(ws + L.flags);
   prm.kbcount = (int*)(ws + L.kbcount);
@@ -776,11 +872,23 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   prm.cap = L.cap;
   prm.scale = (float)sh->scale;
   prm.scale_log2 = (float)(sh->scale * 1.4426950408889634);
-  float ratio = 1.5f;
+  float ratio = 2.5f;
   const char* env = getenv("DSV_KM_RATIO");
   if (env && *env) ratio = (float)atof(env);
   prm.km_ratio = ratio;
   prm.km_enabled = L.km_enabled && ratio > 0.f;
+  {
+    /* key ranges: enough that one range's K, V (input dtype) and fp32 dK, dV accumulators of a
+     * head fit in ~24 MB of L2; DSV_ATTN_RANGES overrides (1..16). */
+    const double head_bytes = (double)sh->seqlen * sh->head_dim * (2.0 * 2.0 + 2.0 * 4.0);
+    int R = (int)ceil(head_bytes / (24.0 * 1024 * 1024));
+    const char* re = getenv("DSV_ATTN_RANGES");
+    if (re && *re) R = atoi(re);
+    if (R < 1) R = 1;
+    if (R > 16) R = 16;
+    if (sh->heads * R > 65535) R = 1;
+    prm.nranges = R;
+  }
 
   const int B = (int)sh->batch;
   const int BH = B * prm.H;
@@ -792,11 +900,12 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
     bwd_delta_kernel<T><<<(unsigned)((rows + wpb - 1) / wpb), wpb * 32, 0, stream>>>(prm, B);
     if (cudaGetLastError() != cudaSuccess) return DSV_ERR_CUDA;
   }
-  if (prm.km_enabled) {
+  {
+    /* list checks (flags) for every head; counts, offsets and entries for key-major heads */
     dim3 g3((unsigned)prm.NG, (unsigned)prm.H, (unsigned)B);
     km_count_kernel<T><<<g3, 128, 0, stream>>>(prm);
     km_scan_kernel<T><<<(unsigned)BH, 1024, 0, stream>>>(prm);
-    km_fill_kernel<T><<<g3, 128, 0, stream>>>(prm);
+    if (prm.km_enabled) km_fill_kernel<T><<<g3, 128, 0, stream>>>(prm);
     if (cudaGetLastError() != cudaSuccess) return DSV_ERR_CUDA;
   }
   {

@@ -8,6 +8,9 @@
  * accumulation and an online (base-2) softmax. List entries past kv_count and positions
  * outside [0, S) become masked zero rows, so nothing is read out of bounds.
  */
+#include <stdlib.h>
+#include <string.h>
+
 #include "attention_common.cuh"
 
 namespace dsv_attn {
@@ -26,16 +29,16 @@ struct FwdParams {
   float scale_log2;
 };
 
-template <typename T, int D, int BM, int BN>
+template <typename T, int D, int BM, int BN, int NS>
 __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams<T> p) {
   constexpr int NT = BM * 2;
   constexpr int LD = D + 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);
-  T* Ks = Qs + BM * LD;        /* [2][BN][LD] */
-  T* Vs = Ks + 2 * BN * LD;    /* [2][BN][LD] */
-  int* kidx = reinterpret_cast<int*>(Vs + 2 * BN * LD); /* [2][BN] */
-  int* qidx = kidx + 2 * BN;                            /* [BM] */
+  T* Ks = Qs + BM * LD;        /* [NS][BN][LD] */
+  T* Vs = Ks + NS * BN * LD;   /* [NS][BN][LD] */
+  int* kidx = reinterpret_cast<int*>(Vs + NS * BN * LD); /* [NS][BN] */
+  int* qidx = kidx + NS * BN;                            /* [BM] */
 
   const int g = blockIdx.x / p.chunks;
   const int chunk = blockIdx.x - g * p.chunks;
@@ -57,9 +60,15 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
   __syncthreads();
   gather_rows_async<T, D, NT>(Qs, qbase, p.qs, qidx, BM);
   const int ntiles = (count + BN - 1) / BN;
-  if (ntiles > 0)
-    gather_keys_async<T, D, NT>(Ks, Vs, kbase, p.ks, vbase, p.vs, list, 0, count, p.S, kidx, BN);
-  cp_async_commit();
+  /* NS-stage cp.async pipeline: NS - 1 key tiles in flight while one is computed; group s of
+   * the prologue holds tile s (group 0 also the Q tile); one group is committed per tile. */
+#pragma unroll
+  for (int st = 0; st < NS - 1; ++st) {
+    if (st < ntiles)
+      gather_keys_async<T, D, NT>(Ks + st * BN * LD, Vs + st * BN * LD, kbase, p.ks, vbase, p.vs,
+                                  list, st * BN, count, 0, p.S, kidx + st * BN, BN);
+    cp_async_commit();
+  }
 
   float o[D / 8][4];
 #pragma unroll
@@ -67,17 +76,18 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
   for (int t = 0; t < ntiles; ++t) {
-    const int buf = t & 1;
-    if (t + 1 < ntiles) {
-      const int nb = buf ^ 1;
-      gather_keys_async<T, D, NT>(Ks + nb * BN * LD, Vs + nb * BN * LD, kbase, p.ks, vbase, p.vs,
-                                  list, (t + 1) * BN, count, p.S, kidx + nb * BN, BN);
+    const int buf = t % NS;
+    cp_async_wait<NS - 2>(); /* tile t (and the Q tile) have landed for this thread */
+    __syncthreads();         /* ... for all threads; and stage (t - 1) % NS is free again */
+    {
+      const int tn = t + NS - 1;
+      if (tn < ntiles) {
+        const int nb = tn % NS;
+        gather_keys_async<T, D, NT>(Ks + nb * BN * LD, Vs + nb * BN * LD, kbase, p.ks, vbase,
+                                    p.vs, list, tn * BN, count, 0, p.S, kidx + nb * BN, BN);
+      }
       cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
     }
-    __syncthreads();
     const T* Kt = Ks + buf * BN * LD;
     const T* Vt = Vs + buf * BN * LD;
     const int* ki = kidx + buf * BN;
@@ -182,11 +192,12 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
   }
 }
 
-template <typename T, int D, int BM, int BN>
+template <typename T, int D, int BM, int BN, int NS>
 static int launch_fwd(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStream_t stream) {
   constexpr int LD = D + 8;
-  const size_t smem = (size_t)(BM + 4 * BN) * LD * sizeof(T) + (2 * BN + BM) * sizeof(int);
-  auto kern = sparse_attn_fwd_kernel<T, D, BM, BN>;
+  const size_t smem =
+      (size_t)(BM + 2 * NS * BN) * LD * sizeof(T) + (NS * BN + BM) * sizeof(int);
+  auto kern = sparse_attn_fwd_kernel<T, D, BM, BN, NS>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
     return DSV_ERR_CUDA;
@@ -195,20 +206,44 @@ static int launch_fwd(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStr
   return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
 }
 
+/* Key-tile configuration (BN keys per tile, NS pipeline stages) for D <= 128; the environment
+ * variable DSV_ATTN_FWD_TILE ("64x2", "32x4", "32x5") overrides the default, for tuning. */
+static int fwd_tile_cfg() {
+  const char* e = getenv("DSV_ATTN_FWD_TILE");
+  if (e && !strcmp(e, "64x2")) return 0;
+  if (e && !strcmp(e, "32x4")) return 1;
+  if (e && !strcmp(e, "32x5")) return 2;
+  return 2;
+}
+
+template <typename T, int D, int BM>
+static int fwd_launch_cfg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStream_t stream) {
+  if constexpr (D > 128) {
+    return launch_fwd<T, D, BM, 32, 2>(sh, prm, stream);
+  } else {
+    switch (fwd_tile_cfg()) {
+      case 0: return launch_fwd<T, D, BM, 64, 2>(sh, prm, stream);
+      case 1: return launch_fwd<T, D, BM, 32, 4>(sh, prm, stream);
+      default: return launch_fwd<T, D, BM, 32, 5>(sh, prm, stream);
+    }
+  }
+}
+
 template <typename T, int D>
 static int fwd_dispatch_bm(const dsv_attn_shape* sh, FwdParams<T>& prm, cudaStream_t stream) {
-  constexpr int BN = D > 128 ? 32 : 64;
   const int G = prm.G;
   if (G <= 32) {
     prm.chunks = 1;
-    return launch_fwd<T, D, 32, BN>(sh, prm, stream);
+    return fwd_launch_cfg<T, D, 32>(sh, prm, stream);
   }
-  if (D <= 128 && G % 128 == 0) {
-    prm.chunks = G / 128;
-    return launch_fwd<T, D, (D <= 128 ? 128 : 64), BN>(sh, prm, stream);
+  if constexpr (D <= 128) {
+    if (G % 128 == 0) {
+      prm.chunks = G / 128;
+      return fwd_launch_cfg<T, D, 128>(sh, prm, stream);
+    }
   }
   prm.chunks = (G + 63) / 64;
-  return launch_fwd<T, D, 64, BN>(sh, prm, stream);
+  return fwd_launch_cfg<T, D, 64>(sh, prm, stream);
 }
 
 template <typename T>

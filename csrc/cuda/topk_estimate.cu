@@ -50,7 +50,7 @@ template <int RP>
 static size_t dsv_topk_smem_bytes() {
   const int SW = RP / 2 + 4;
   return (size_t)TK_WARPS * TK_GPW * TK_BINS * 4 + (size_t)2 * TK_TILE * SW * 4 +
-         (size_t)TK_GPC * 4 * 4 + 16;
+         (size_t)TK_GPC * 4 * 4 + (size_t)TK_THREADS * 4 + 16;
 }
 
 /* spread bit (2*b + e) of an 8-bit value to bit (8*b + e), b < 4, e < 2 */
@@ -69,12 +69,96 @@ static __device__ __forceinline__ uint32_t dsv_tk_keep_lowest(uint32_t x, int n)
   return kept;
 }
 
-enum { TK_MODE_HIST = 0, TK_MODE_COMPACT = 1 };
+/* hist[(u >> shift) & 255] += 1 when ok and u matches the prefix, else sink += 1: an
+ * unconditional shared reduction, so that no branch is needed per score */
+static __device__ __forceinline__ void dsv_tk_hist_inc(uint32_t base, uint32_t u, uint32_t pmask,
+                                                       uint32_t pref, int shift, bool ok,
+                                                       uint32_t sink) {
+  const uint32_t addr = (ok && (u & pmask) == pref) ? base + (((u >> shift) & 255u) << 2) : sink;
+  asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(addr) : "memory");
+}
+
+/* One staged tile of the histogram pass, two-phase: the MMA chains of all 8 blocks first
+ * (independent, pipelined), then branch-free histogram updates (every score adds 1 to its bin
+ * or to this thread's sink slot). */
+template <typename T, int KS, int SW>
+static __device__ __forceinline__ void dsv_tk_hist_tile(const uint32_t* kt, const uint32_t (&A)[KS][3][4],
+                                                        int lane, int j4, int t0, int S32,
+                                                        uint32_t hA_addr, uint32_t hB_addr,
+                                                        uint32_t sink, uint32_t pmask,
+                                                        uint32_t prefA, uint32_t prefB, int shift,
+                                                        bool actA, bool actB) {
+  /* all 8 blocks' MMA chains first (independent, pipelined), then the histogram updates:
+   * branch-free, every score adds 1 to its bin or to this thread's sink slot */
+  float d[TK_TILE / 8][4];
+#pragma unroll
+  for (int blk = 0; blk < TK_TILE / 8; ++blk) {
+    const int n = blk * 8 + (lane >> 2);
+    d[blk][0] = d[blk][1] = d[blk][2] = d[blk][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const uint32_t b0 = kt[n * SW + ks * 8 + j4], b1 = kt[n * SW + ks * 8 + j4 + 4];
+      dsv_mma<T>(d[blk], A[ks][2][0], A[ks][2][1], A[ks][2][2], A[ks][2][3], b0, b1);
+      dsv_mma<T>(d[blk], A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
+      dsv_mma<T>(d[blk], A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
+    }
+  }
+#pragma unroll
+  for (int blk = 0; blk < TK_TILE / 8; ++blk) {
+    const int key0 = t0 + blk * 8 + j4 * 2;
+    const bool k0 = key0 < S32, k1 = key0 + 1 < S32;
+    dsv_tk_hist_inc(hA_addr, dsv_float_key(d[blk][0]), pmask, prefA, shift, actA && k0, sink);
+    dsv_tk_hist_inc(hA_addr, dsv_float_key(d[blk][1]), pmask, prefA, shift, actA && k1, sink);
+    dsv_tk_hist_inc(hB_addr, dsv_float_key(d[blk][2]), pmask, prefB, shift, actB && k0, sink);
+    dsv_tk_hist_inc(hB_addr, dsv_float_key(d[blk][3]), pmask, prefB, shift, actB && k1, sink);
+  }
+}
+
+/* One staged tile of the compaction pass, two-phase: selection flags (u > T, u == T) of the
+ * lane's 16 scores as bit (2 * block + e) of the group masks. */
+template <typename T, int KS, int SW>
+static __device__ __forceinline__ void dsv_tk_compact_flags(const uint32_t* kt,
+                                                            const uint32_t (&A)[KS][3][4], int lane,
+                                                            int j4, int t0, int S32, uint32_t TA,
+                                                            uint32_t TB, uint32_t& mgA,
+                                                            uint32_t& mgB, uint32_t& meA,
+                                                            uint32_t& meB) {
+  /* MMA chains of all 8 blocks first, then the flags (see the histogram passes) */
+  float dd[TK_TILE / 8][4];
+#pragma unroll
+  for (int blk = 0; blk < TK_TILE / 8; ++blk) {
+    const int n = blk * 8 + (lane >> 2);
+    dd[blk][0] = dd[blk][1] = dd[blk][2] = dd[blk][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const uint32_t b0 = kt[n * SW + ks * 8 + j4], b1 = kt[n * SW + ks * 8 + j4 + 4];
+      dsv_mma<T>(dd[blk], A[ks][2][0], A[ks][2][1], A[ks][2][2], A[ks][2][3], b0, b1);
+      dsv_mma<T>(dd[blk], A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
+      dsv_mma<T>(dd[blk], A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
+    }
+  }
+#pragma unroll
+  for (int blk = 0; blk < TK_TILE / 8; ++blk) {
+    const float* d = dd[blk];
+    const int key0 = t0 + blk * 8 + j4 * 2;
+    const uint32_t k0 = key0 < S32, k1 = key0 + 1 < S32;
+    const uint32_t u0 = dsv_float_key(d[0]), u1 = dsv_float_key(d[1]);
+    const uint32_t u2 = dsv_float_key(d[2]), u3 = dsv_float_key(d[3]);
+    mgA |= ((k0 & (u0 > TA)) << (2 * blk)) | ((k1 & (u1 > TA)) << (2 * blk + 1));
+    meA |= ((k0 & (u0 == TA)) << (2 * blk)) | ((k1 & (u1 == TA)) << (2 * blk + 1));
+    mgB |= ((k0 & (u2 > TB)) << (2 * blk)) | ((k1 & (u3 > TB)) << (2 * blk + 1));
+    meB |= ((k0 & (u2 == TB)) << (2 * blk)) | ((k1 & (u3 == TB)) << (2 * blk + 1));
+  }
+}
 
 template <typename T, int RP>
 __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_args a) {
   constexpr int KS = RP / 16;
   constexpr int SW = RP / 2 + 4; /* 32-bit words per staged key row (conflict-free B loads) */
+  /* ptxas (CUDA 13.0) miscompiles the fully unrolled fp16 tile loops for RP >= 48 (HMMA results
+   * overwritten unread: found in the SASS and as lost keys on the H200); those instantiations
+   * keep the block-at-a-time loops */
+  constexpr bool kTwoPhase = dsv_is_bf16<T>::value || RP <= 32;
   extern __shared__ __align__(16) unsigned char dsv_tk_smem[];
   uint32_t* hist = reinterpret_cast<uint32_t*>(dsv_tk_smem); /* [warps][16][256] */
   float* reps = reinterpret_cast<float*>(dsv_tk_smem);       /* alias, prologue: [64][RP] */
@@ -83,6 +167,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   int* st_need = reinterpret_cast<int*>(st_prefix + TK_GPC); /* [64] */
   int* st_done = st_need + TK_GPC;                           /* [64] */
   int* st_base = st_done + TK_GPC;                           /* [64] */
+  uint32_t* dummy = reinterpret_cast<uint32_t*>(st_base + TK_GPC); /* [threads] sink slots */
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t bh = blockIdx.x / a.tiles_per_bh;
@@ -90,6 +175,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   const int64_t b = bh / a.H, h = bh - b * a.H;
   const int64_t g0 = (int64_t)tile * TK_GPC;
   const int64_t S = a.S, NG = a.NG, kmax = a.kmax;
+  const int S32 = (int)S; /* S < 2^31 (host check) */
   const int ngl = (int)((NG - g0) < TK_GPC ? (NG - g0) : TK_GPC); /* valid groups here */
   int64_t K = a.count[bh];
   K = K < 0 ? 0 : (K > kmax ? kmax : K);
@@ -197,6 +283,9 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       if (all_done) break;
       const uint32_t prefA = st_prefix[gA], prefB = st_prefix[gB];
       const bool actA = vA && !st_done[gA], actB = vB && !st_done[gB];
+      const uint32_t hA_addr = dsv_smem_addr(histw + (lane >> 2) * TK_BINS);
+      const uint32_t hB_addr = hA_addr + 8 * TK_BINS * 4;
+      const uint32_t sink = dsv_smem_addr(dummy + tid);
 
       dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, 0, TK_TILE, S, (int)a.r, RP, a.kvec, tid,
                           TK_THREADS);
@@ -213,6 +302,14 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         if (!warp_active) continue;
         const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
         const int64_t t0 = (int64_t)it * TK_TILE;
+#ifndef DSV_TOPK_BRANCHY_HIST
+        if (kTwoPhase) {
+          dsv_tk_hist_tile<T, KS, SW>(kt, A, lane, j4, (int)t0, S32, hA_addr, hB_addr, sink, pmask,
+                                     prefA, prefB, shift, actA, actB);
+        } else
+#endif
+        {
+        /* one block at a time, branchy atomics (fp16 with RP >= 48: see kTwoPhase) */
 #pragma unroll 2
         for (int blk = 0; blk < TK_TILE / 8; ++blk) {
           const int n = blk * 8 + (lane >> 2);
@@ -224,8 +321,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
             dsv_mma<T>(d, A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
             dsv_mma<T>(d, A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
           }
-          const int64_t key0 = t0 + blk * 8 + j4 * 2;
-          const bool k0 = key0 < S, k1 = key0 + 1 < S;
+          const int key0 = (int)t0 + blk * 8 + j4 * 2;
+          const bool k0 = key0 < S32, k1 = key0 + 1 < S32;
           const uint32_t u0 = dsv_float_key(d[0]), u1 = dsv_float_key(d[1]);
           const uint32_t u2 = dsv_float_key(d[2]), u3 = dsv_float_key(d[3]);
           uint32_t* hA = histw + (lane >> 2) * TK_BINS;
@@ -234,6 +331,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
           if (actA && k1 && (u1 & pmask) == prefA) atomicAdd(hA + ((u1 >> shift) & 255u), 1u);
           if (actB && k0 && (u2 & pmask) == prefB) atomicAdd(hB + ((u2 >> shift) & 255u), 1u);
           if (actB && k1 && (u3 & pmask) == prefB) atomicAdd(hB + ((u3 >> shift) & 255u), 1u);
+        }
         }
       }
       __syncwarp();
@@ -323,7 +421,14 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
       const int64_t t0 = (int64_t)it * TK_TILE;
       uint32_t mgA = 0, mgB = 0, meA = 0, meB = 0;
-#pragma unroll
+#ifndef DSV_TOPK_BRANCHY_HIST
+      if (kTwoPhase) {
+        dsv_tk_compact_flags<T, KS, SW>(kt, A, lane, j4, (int)t0, S32, TA, TB, mgA, mgB, meA, meB);
+      } else
+#endif
+      {
+      /* block at a time, unroll 2 (not full: see kTwoPhase) */
+#pragma unroll 2
       for (int blk = 0; blk < TK_TILE / 8; ++blk) {
         const int n = blk * 8 + (lane >> 2);
         float d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -334,14 +439,15 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
           dsv_mma<T>(d, A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
           dsv_mma<T>(d, A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
         }
-        const int64_t key0 = t0 + blk * 8 + j4 * 2;
-        const uint32_t k0 = key0 < S, k1 = key0 + 1 < S;
+        const int key0 = (int)t0 + blk * 8 + j4 * 2;
+        const uint32_t k0 = key0 < S32, k1 = key0 + 1 < S32;
         const uint32_t u0 = dsv_float_key(d[0]), u1 = dsv_float_key(d[1]);
         const uint32_t u2 = dsv_float_key(d[2]), u3 = dsv_float_key(d[3]);
         mgA |= ((k0 & (u0 > TA)) << (2 * blk)) | ((k1 & (u1 > TA)) << (2 * blk + 1));
         meA |= ((k0 & (u0 == TA)) << (2 * blk)) | ((k1 & (u1 == TA)) << (2 * blk + 1));
         mgB |= ((k0 & (u2 > TB)) << (2 * blk)) | ((k1 & (u3 > TB)) << (2 * blk + 1));
         meB |= ((k0 & (u2 == TB)) << (2 * blk)) | ((k1 & (u3 == TB)) << (2 * blk + 1));
+      }
       }
       const uint32_t mg = mgA | (mgB << 16), me = meA | (meB << 16);
       uint32_t Wg = 0, We = 0;
