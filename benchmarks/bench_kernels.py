@@ -326,7 +326,8 @@ def tile_sweep(q, k, v, do, kv_index, cnt, G, scale, out_ref, lse_ref, bwd):
     query-major backward kernels, and check it against the default configuration."""
     grads_ref = bwd()
     for var, cfgs, kind in (("DSV_ATTN_FWD_TILE", ("64x2", "32x4", "32x5"), "fwd"),
-                            ("DSV_ATTN_BWD_TILE", ("64x2", "32x3", "32x4"), "bwd")):
+                            ("DSV_ATTN_BWD_TILE", ("64x2", "32x3", "32x4"), "bwd"),
+                            ("DSV_ATTN_RANGES", ("1", "2", "4", "8"), "bwd")):
         for cfg in cfgs:
             os.environ[var] = cfg
             try:
@@ -340,9 +341,9 @@ def tile_sweep(q, k, v, do, kv_index, cnt, G, scale, out_ref, lse_ref, bwd):
                     diff = max((a.float() - b.float()).abs().max().item()
                                for a, b in zip(gs, grads_ref))
                     ms = bench(bwd, 3, 1)
-                print(f"  tile {kind} {cfg}: {ms:.2f} ms, max |diff| vs default {diff:.3e}", flush=True)
+                print(f"  {var}={cfg} ({kind}): {ms:.2f} ms, max |diff| vs default {diff:.3e}", flush=True)
             except Exception as e:  # noqa: BLE001
-                print(f"  tile {kind} {cfg}: failed {e}")
+                print(f"  {var}={cfg}: failed {e}")
             finally:
                 os.environ.pop(var, None)
 

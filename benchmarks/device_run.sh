@@ -13,7 +13,7 @@ STEPS=${2:-"micro tests bench"}
 date -u
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 ARCH="-gencode=arch=compute_90a,code=sm_90a"
-FL="-std=c++17 -O3 $ARCH -Xcompiler -fPIC -Icsrc -lineinfo"
+FL="-std=c++17 -O3 $ARCH -Xcompiler -fPIC -Icsrc -lineinfo --split-compile=0"
 B=/tmp/dsvb; mkdir -p $B
 t0=$(date +%s)
 timeout 150 nvcc $FL -c csrc/cuda/sparse_attention_fwd.cu -o $B/fwd.o & p1=$!

@@ -339,14 +339,17 @@ def test_paths_agree(gen):
     out, lse = attn_fwd(q, k, v, kv_index, kv_count, G, 0.1)
     dout = torch.randn(q.shape, generator=gen).to(q.dtype).cuda()
     res = {}
-    for r in ("0", "1e9"):
+    for key, r, nr in (("q", "0", "1"), ("q4", "0", "4"), ("k", "1e9", "1")):
         os.environ["DSV_KM_RATIO"] = r
+        os.environ["DSV_ATTN_RANGES"] = nr
         try:
-            res[r] = attn_bwd(dout, q, k, v, out, lse, kv_index, kv_count, G, 0.1)
+            res[key] = attn_bwd(dout, q, k, v, out, lse, kv_index, kv_count, G, 0.1)
         finally:
             del os.environ["DSV_KM_RATIO"]
-    for a, b, name in zip(res["0"], res["1e9"], ("dq", "dk", "dv")):
-        check_close(name, a, b.double(), GTOL[torch.bfloat16])
+            del os.environ["DSV_ATTN_RANGES"]
+    for other in ("q4", "k"):
+        for a, b, name in zip(res[other], res["q"], ("dq", "dk", "dv")):
+            check_close(f"{name} ({other} vs q)", a, b.double(), GTOL[torch.bfloat16])
 
 
 def test_float32_unsupported():

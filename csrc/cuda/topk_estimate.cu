@@ -24,7 +24,9 @@
  *    per tile, each lane quad rebuilds the group's 64-bit selection mask in position order and
  *    writes ranks from popcounts, so the list comes out ascending without any sort.
  * Work per pass at S = 64k, 24 heads, 1024 groups: 1.6G scores (3 MMAs per 128 scores) plus a
- * few integer ops and at most one shared atomic per score.
+ * few integer ops and at most one shared atomic per score. Measured on the H200 (bf16, r = 16,
+ * G = 64, 24 heads): S = 64k, K = 10%: 10.8 ms; S = 128k, K = 20%: 47.7 ms (issue-bound on the
+ * per-score integer work of 5 passes; see kTwoPhase for the faster variant in the works).
  */
 #include "cuda_common.cuh"
 
@@ -69,6 +71,7 @@ static __device__ __forceinline__ uint32_t dsv_tk_keep_lowest(uint32_t x, int n)
   return kept;
 }
 
+#ifdef DSV_TOPK_TWO_PHASE
 /* hist[(u >> shift) & 255] += 1 when ok and u matches the prefix, else sink += 1: an
  * unconditional shared reduction, so that no branch is needed per score */
 static __device__ __forceinline__ void dsv_tk_hist_inc(uint32_t base, uint32_t u, uint32_t pmask,
@@ -151,14 +154,20 @@ static __device__ __forceinline__ void dsv_tk_compact_flags(const uint32_t* kt,
   }
 }
 
+#endif /* DSV_TOPK_TWO_PHASE */
+
 template <typename T, int RP>
 __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_args a) {
   constexpr int KS = RP / 16;
   constexpr int SW = RP / 2 + 4; /* 32-bit words per staged key row (conflict-free B loads) */
-  /* ptxas (CUDA 13.0) miscompiles the fully unrolled fp16 tile loops for RP >= 48 (HMMA results
-   * overwritten unread: found in the SASS and as lost keys on the H200); those instantiations
-   * keep the block-at-a-time loops */
+  /* Tile loops. Default: one 8-key block at a time (unroll 2), histogram atomics behind a branch
+   * (the version measured on the H200). With -DDSV_TOPK_TWO_PHASE: the MMA chains of all 8
+   * blocks first, then branch-free histogram updates (fewer instructions, more independent
+   * MMAs in flight; not yet run on the device). ptxas (CUDA 13.0) miscompiles fully unrolled
+   * fp16 tile loops for RP >= 48 (HMMA results overwritten unread: seen in the SASS and as lost
+   * keys on the H200), so those instantiations always keep the block-at-a-time loops. */
   constexpr bool kTwoPhase = dsv_is_bf16<T>::value || RP <= 32;
+  (void)kTwoPhase;
   extern __shared__ __align__(16) unsigned char dsv_tk_smem[];
   uint32_t* hist = reinterpret_cast<uint32_t*>(dsv_tk_smem); /* [warps][16][256] */
   float* reps = reinterpret_cast<float*>(dsv_tk_smem);       /* alias, prologue: [64][RP] */
@@ -167,7 +176,9 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   int* st_need = reinterpret_cast<int*>(st_prefix + TK_GPC); /* [64] */
   int* st_done = st_need + TK_GPC;                           /* [64] */
   int* st_base = st_done + TK_GPC;                           /* [64] */
+#ifdef DSV_TOPK_TWO_PHASE
   uint32_t* dummy = reinterpret_cast<uint32_t*>(st_base + TK_GPC); /* [threads] sink slots */
+#endif
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t bh = blockIdx.x / a.tiles_per_bh;
@@ -283,9 +294,11 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       if (all_done) break;
       const uint32_t prefA = st_prefix[gA], prefB = st_prefix[gB];
       const bool actA = vA && !st_done[gA], actB = vB && !st_done[gB];
+#ifdef DSV_TOPK_TWO_PHASE
       const uint32_t hA_addr = dsv_smem_addr(histw + (lane >> 2) * TK_BINS);
       const uint32_t hB_addr = hA_addr + 8 * TK_BINS * 4;
       const uint32_t sink = dsv_smem_addr(dummy + tid);
+#endif
 
       dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, 0, TK_TILE, S, (int)a.r, RP, a.kvec, tid,
                           TK_THREADS);
@@ -302,14 +315,14 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         if (!warp_active) continue;
         const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
         const int64_t t0 = (int64_t)it * TK_TILE;
-#ifndef DSV_TOPK_BRANCHY_HIST
+#ifdef DSV_TOPK_TWO_PHASE
         if (kTwoPhase) {
           dsv_tk_hist_tile<T, KS, SW>(kt, A, lane, j4, (int)t0, S32, hA_addr, hB_addr, sink, pmask,
                                      prefA, prefB, shift, actA, actB);
         } else
 #endif
         {
-        /* one block at a time, branchy atomics (fp16 with RP >= 48: see kTwoPhase) */
+        /* one block at a time, branchy atomics (see kTwoPhase) */
 #pragma unroll 2
         for (int blk = 0; blk < TK_TILE / 8; ++blk) {
           const int n = blk * 8 + (lane >> 2);
@@ -421,13 +434,13 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
       const int64_t t0 = (int64_t)it * TK_TILE;
       uint32_t mgA = 0, mgB = 0, meA = 0, meB = 0;
-#ifndef DSV_TOPK_BRANCHY_HIST
+#ifdef DSV_TOPK_TWO_PHASE
       if (kTwoPhase) {
         dsv_tk_compact_flags<T, KS, SW>(kt, A, lane, j4, (int)t0, S32, TA, TB, mgA, mgB, meA, meB);
       } else
 #endif
       {
-      /* block at a time, unroll 2 (not full: see kTwoPhase) */
+      /* block at a time, unroll 2 (never fully unrolled: see kTwoPhase) */
 #pragma unroll 2
       for (int blk = 0; blk < TK_TILE / 8; ++blk) {
         const int n = blk * 8 + (lane >> 2);
