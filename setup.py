@@ -16,8 +16,13 @@ import shutil
 
 from setuptools import find_packages, setup
 
-import torch
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+# torch guesses CUDA_HOME from the nvcc on PATH; where that nvcc is a wrapper script (as on
+# machines with /usr/local/bin/nvcc -> /usr/local/cuda-X/bin/nvcc) the guess lacks the libraries.
+if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")) and os.path.exists("/usr/local/cuda/bin/nvcc"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 TORCH_TARGET_VERSION = "0x020a000000000000"  # the stable ABI of PyTorch 2.10
@@ -70,6 +75,15 @@ ext = Extension(
     py_limited_api=True,
 )
 
+class BuildExtensionWithCLib(BuildExtension):
+    """Build the C kernels' static library first, also for a bare `setup.py build_ext`."""
+
+    def run(self):
+        if self.distribution.has_c_libraries():
+            self.run_command("build_clib")
+        super().run()
+
+
 setup(
     packages=find_packages(include=["dsv_ext", "dsv_ext.*"]),
     libraries=[("dsv_cpu", {
@@ -79,6 +93,6 @@ setup(
                    "-fvisibility=hidden"],
     })],
     ext_modules=[ext],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildExtensionWithCLib},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},
 )

@@ -267,7 +267,9 @@ def run_mode(mode: str, S: int, grid, layers: int, args, profiled: Optional[List
                 sp = profiled if profiled is not None else measured
                 if len(sp) != layers:  # a trained run's blocks: cycle over them
                     sp = [sp[i % len(sp)] for i in range(layers)]
-                sp = [[float(v) for v in (s if isinstance(s, list) else [s] * heads)] for s in sp]
+                # per-head values when the head counts match, else the block mean in every head
+                sp = [[float(v) for v in s] if isinstance(s, list) and len(s) == heads else
+                      [float(sum(s) / len(s) if isinstance(s, list) else s)] * heads for s in sp]
             else:
                 val = float(mode.split("_", 1)[1])
                 sp = [[val] * heads for _ in range(layers)]

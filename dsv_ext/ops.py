@@ -216,6 +216,17 @@ def _check_activation(name: str, t, ref: Optional[torch.Tensor] = None, ref_name
             raise ValueError(f"{name}: expected shape {want} to match {ref_name}, got {tuple(t.shape)}")
 
 
+_CUDA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _check_cuda_dtype(name: str, t: torch.Tensor) -> None:
+    """The CUDA attention-type kernels take half types; say so before the kernel refuses."""
+    if t.is_cuda and t.dtype not in _CUDA_DTYPES:
+        raise TypeError(
+            f"{name}: the CUDA kernels take bfloat16 or float16, got {t.dtype}; cast the inputs "
+            f"(or run under torch.autocast), or use CPU tensors for float32/float64")
+
+
 def _check_group_size(group_size) -> int:
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         try:
@@ -334,6 +345,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
     _check_activation("q", q)
     _check_activation("k", k, q)
     _check_activation("v", v, q)
+    _check_cuda_dtype("q", q)
     group_size = _check_group_size(group_size)
     B, S, H, D = q.shape
     kv_index = _as_int32("kv_index", kv_index, q.device)
@@ -367,6 +379,7 @@ def topk_estimate(q_lr: torch.Tensor, k_lr: torch.Tensor, kv_count: torch.Tensor
     """
     _check_activation("q_lr", q_lr)
     _check_activation("k_lr", k_lr, q_lr, "q_lr")
+    _check_cuda_dtype("q_lr", q_lr)
     group_size = _check_group_size(group_size)
     B, S, H, _ = q_lr.shape
     kv_count = _as_int32("kv_count", kv_count, q_lr.device)
@@ -403,6 +416,7 @@ def predictor_loss(q: torch.Tensor, k: torch.Tensor, q_lr: torch.Tensor, k_lr: t
     _check_activation("k", k, q)
     _check_activation("q_lr", q_lr, q, last_dim=-1)
     _check_activation("k_lr", k_lr, q_lr, "q_lr")
+    _check_cuda_dtype("q", q)
     B, S, H, D = q.shape
     rows = _check_rows(rows, S, q.device, check_rows)
     scale = _scale_of(scale, D)
@@ -428,6 +442,7 @@ def profile_attention(q: torch.Tensor, k: torch.Tensor, rows, theta: float = 0.9
     """Measure per-head sparsity at mass ``theta`` (and the recall of an index) on sampled rows."""
     _check_activation("q", q)
     _check_activation("k", k, q)
+    _check_cuda_dtype("q", q)
     B, S, H, D = q.shape
     rows = _check_rows(rows, S, q.device, True)
     try:

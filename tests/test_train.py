@@ -147,7 +147,12 @@ def test_compare_writes_table_and_plot(tmp_path):
     res = compare(micro_config(steps=4, log_every=1), str(tmp_path), device="cpu", progress=False)
     md = open(tmp_path / "compare.md").read()
     assert "| validation loss |" in md and "predictor recall" in md and "| block |" in md
-    assert os.path.getsize(tmp_path / "compare.png") > 1000
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # the plot is optional; the table is not
+        assert not os.path.exists(tmp_path / "compare.png")
+    else:
+        assert os.path.getsize(tmp_path / "compare.png") > 1000
     assert res["switch_step"] == 3
     assert res["dense"]["final_val_loss"] > 0 and res["dsv"]["final_val_loss"] > 0
     assert json.load(open(tmp_path / "compare.json"))["steps"] == 4
