@@ -305,7 +305,7 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
     rec = dict(S=S, H=H, D=D, G=G, B=B, sparsity=sparsity, dist=dist, dtype=str(dtype).split(".")[-1],
                K=K, estimate=est_name, est_ms=est_ms, fwd_ms=fwd_ms, bwd_ms=bwd_ms,
                fwdbwd_ms=fwd_ms + bwd_ms, total_ms=est_ms + fwd_ms + bwd_ms,
-               km_ratio_median=float(ratio.median()), km_heads=int((ratio <= 1.5).sum()),
+               km_ratio_median=float(ratio.median()), km_heads=int((ratio <= float(os.environ.get("DSV_KM_RATIO", "1.15"))).sum()),
                peak_extra_bwd_mib=peak_extra, **variants)
     flops = 4.0 * S * K * H * D * B
     rec["fwd_tflops"] = flops / fwd_ms / 1e9
@@ -374,7 +374,8 @@ def git_commit():
 def write_outputs(records, outdir, meta):
     os.makedirs(outdir, exist_ok=True)
     with open(os.path.join(outdir, "kernels.json"), "w") as f:
-        json.dump({"meta": meta, "records": records}, f, indent=1)
+        # a JSON list, one record per shape; the run's date, commit, card and settings in each
+        json.dump([dict(r, **{"run_" + k: v for k, v in meta.items()}) for r in records], f, indent=1)
     cols = ["S", "D", "G", "sparsity", "dist", "K", "est_ms", "fwd_ms", "bwd_ms", "bwd_qmajor_ms",
             "bwd_kmajor_ms", "cudnn_fwdbwd_ms", "flex_fwdbwd_ms", "fwdbwd_tflops",
             "speedup_vs_cudnn_fwdbwd", "speedup_vs_flex_fwdbwd", "peak_extra_bwd_mib"]
@@ -454,7 +455,8 @@ def main():
     cache = {}
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 commit=git_commit(), card=torch.cuda.get_device_name(), H=H, dtype="bf16",
-                estimate=est_name, torch=torch.__version__)
+                estimate=est_name, torch=torch.__version__,
+                env={k: v for k, v in os.environ.items() if k.startswith("DSV_")})
     for S in Ss:
         for D in Ds:
             dense = dense_times(B, S, H, D, dtype, max(3, args.reps // 2), tuple(args.dense))

@@ -11,7 +11,8 @@ Trains the config twice with :func:`dsv_ext.train.train` (``attention=dense``: p
   per-block sparsity, predictor loss and predictor recall of the DSV run;
 - ``compare.png``: training loss (and validation points) of both runs, and DSV's per-block
   sparsity and predictor recall over the steps, with the stage-2 switch marked;
-- ``compare.json``: the numbers behind the table; ``dense/`` and ``dsv/``: the two runs.
+- ``compare.json``: the numbers behind the table; ``dense/`` and ``dsv/``: the two runs
+  (metrics, config, summary; their checkpoints are deleted unless ``--keep-checkpoints``).
 """
 
 from __future__ import annotations
@@ -54,12 +55,17 @@ def _tps_after(history: List[Dict[str, Any]], step: Optional[int]) -> Optional[f
 
 
 def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
-            device: Optional[str] = None, progress: bool = True) -> Dict[str, Any]:
+            device: Optional[str] = None, progress: bool = True,
+            keep_checkpoints: bool = False) -> Dict[str, Any]:
     os.makedirs(out_dir, exist_ok=True)
     runs = {}
     for att in ("dense", "dsv"):
         runs[att] = train(cfg, out_dir=os.path.join(out_dir, att), steps=steps, attention=att,
                           device=device, progress=progress)
+        if not keep_checkpoints:  # keep the folder small enough to commit
+            for f in os.listdir(os.path.join(out_dir, att)):
+                if f.startswith("ckpt_") and f.endswith(".pt"):
+                    os.remove(os.path.join(out_dir, att, f))
     d, s = runs["dense"], runs["dsv"]
     sw = _switch_step(s["history"])
     res = {
@@ -195,10 +201,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SEC.KEY=VALUE")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep dense/ckpt_last.pt and dsv/ckpt_last.pt (deleted by default)")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
     out = a.out or os.path.join("runs", f"compare-{cfg.get('name', 'run')}")
-    res = compare(cfg, out, steps=a.steps, device=a.device, progress=not a.no_progress)
+    res = compare(cfg, out, steps=a.steps, device=a.device, progress=not a.no_progress,
+                  keep_checkpoints=a.keep_checkpoints)
     print(open(os.path.join(out, "compare.md")).read())
     print(f"outputs in {out}")
     return 0

@@ -156,3 +156,5 @@ def test_compare_writes_table_and_plot(tmp_path):
     assert res["switch_step"] == 3
     assert res["dense"]["final_val_loss"] > 0 and res["dsv"]["final_val_loss"] > 0
     assert json.load(open(tmp_path / "compare.json"))["steps"] == 4
+    assert os.path.exists(tmp_path / "dsv" / "metrics.jsonl")
+    assert not os.path.exists(tmp_path / "dsv" / "ckpt_last.pt")  # small enough to commit

@@ -16,16 +16,20 @@
  *    keys per block) when they are scattered.
  *
  *  query-major with vector reductions (path 0): the dQ CTA also forms each key tile's
- *    dV_t = P^T dO and dK_t = dS^T Q (64 keys x D, through shared memory) and adds them to
+ *    dV_t = P^T dO and dK_t = dS^T Q (tile keys x D, through shared memory) and adds them to
  *    fp32 accumulators with 16-byte red.global.add.v4.f32 (one per 4 floats), which a last
- *    pass converts to the output dtype.
+ *    pass converts to the output dtype. Optionally (DSV_ATTN_RANGES = R > 1) the keys are
+ *    split into R ranges handled by separate CTAs so that the CTAs running at one time touch
+ *    1/R of a head's K, V and accumulators; dQ is then reduced over ranges in fp32 too.
  *
  * A head takes path 1 when its lists are strictly ascending and in range (as topk_estimate
  * writes them), D <= 128, and (key-block entries x 64) <= ratio x (groups x K); ratio defaults
- * to 2.5 and can be set with the environment variable DSV_KM_RATIO (0 forces path 0, a large
- * value forces path 1 where allowed).
+ * to 1.15 (measured crossover on the H200 at S = 64k, D = 128: path 0 costs ~110 ms whatever
+ * the lists; path 1 ~57 ms of dQ pass + ~41 ms per unit of the ratio) and can be set with the
+ * environment variable DSV_KM_RATIO (0 forces path 0, a large value forces path 1 where
+ * allowed). Key tiles of the query-major kernels: 32 keys x 3 cp.async stages by default
+ * (DSV_ATTN_BWD_TILE = 64x2 / 32x3 / 32x4; 32x3 keeps 2 CTAs per SM: 110 ms vs 181 / 164).
  */
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -45,6 +49,20 @@ struct BwdLayout {
 
 static size_t align_up(size_t x) { return (x + 255) & ~(size_t)255; }
 
+/* Key ranges of the query-major reduction path (DSV_ATTN_RANGES, 1..16): R ranges make the
+ * CTAs running at one time touch 1/R of a head's K, V and fp32 dK, dV accumulators. Measured
+ * at S = 64k, D = 128 (random lists): R = 1, 2, 4: 110 ms, R = 8: 113 ms, so the split does not
+ * pay there and is off by default (it also needs an fp32 dQ buffer). */
+static int bwd_nranges(const dsv_attn_shape* p) {
+  int R = 1;
+  const char* re = getenv("DSV_ATTN_RANGES");
+  if (re && *re) R = atoi(re);
+  if (R < 1) R = 1;
+  if (R > 16) R = 16;
+  if (p->heads * R > 65535) R = 1;
+  return R;
+}
+
 static BwdLayout bwd_layout(const dsv_attn_shape* p) {
   BwdLayout L;
   const int64_t BH = p->batch * p->heads;
@@ -56,7 +74,7 @@ static BwdLayout bwd_layout(const dsv_attn_shape* p) {
   L.delta = o; o = align_up(o + (size_t)BH * S * sizeof(float));
   L.dkacc = o; o = align_up(o + (size_t)BH * S * D * sizeof(float));
   L.dvacc = o; o = align_up(o + (size_t)BH * S * D * sizeof(float));
-  L.dqacc = o; o = align_up(o + (size_t)BH * S * D * sizeof(float));
+  L.dqacc = o; o = align_up(o + (bwd_nranges(p) > 1 ? (size_t)BH * S * D * sizeof(float) : 0));
   L.entmask = o; o = align_up(o + (size_t)BH * L.cap * sizeof(unsigned long long));
   L.entg = o; o = align_up(o + (size_t)BH * L.cap * sizeof(int));
   L.kboff = o; o = align_up(o + (size_t)BH * L.nkb * sizeof(int));
@@ -872,23 +890,12 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   prm.cap = L.cap;
   prm.scale = (float)sh->scale;
   prm.scale_log2 = (float)(sh->scale * 1.4426950408889634);
-  float ratio = 2.5f;
+  float ratio = 1.15f;
   const char* env = getenv("DSV_KM_RATIO");
   if (env && *env) ratio = (float)atof(env);
   prm.km_ratio = ratio;
   prm.km_enabled = L.km_enabled && ratio > 0.f;
-  {
-    /* key ranges: enough that one range's K, V (input dtype) and fp32 dK, dV accumulators of a
-     * head fit in ~24 MB of L2; DSV_ATTN_RANGES overrides (1..16). */
-    const double head_bytes = (double)sh->seqlen * sh->head_dim * (2.0 * 2.0 + 2.0 * 4.0);
-    int R = (int)ceil(head_bytes / (24.0 * 1024 * 1024));
-    const char* re = getenv("DSV_ATTN_RANGES");
-    if (re && *re) R = atoi(re);
-    if (R < 1) R = 1;
-    if (R > 16) R = 16;
-    if (sh->heads * R > 65535) R = 1;
-    prm.nranges = R;
-  }
+  prm.nranges = bwd_nranges(sh);
 
   const int B = (int)sh->batch;
   const int BH = B * prm.H;
