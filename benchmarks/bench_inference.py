@@ -63,9 +63,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from dsv_ext.models.dit import DiTConfig, VideoDiT  # noqa: E402
 
-# token grid after patchify (patch 1x2x2: latents are T x 2H x 2W)
-DEFAULT_GRIDS = {32768: (32, 32, 32), 65536: (16, 64, 64), 16384: (16, 32, 32),
-                 8192: (8, 32, 32), 4096: (16, 16, 16), 131072: (32, 64, 64)}
+sys.path.insert(0, HERE)
+from bench_common import cuda_time_ms, resolve_grids  # noqa: E402
+
 PAPER_DEPTH = 32
 
 
@@ -150,17 +150,7 @@ def time_sampling(model, S: int, args, dev) -> Dict:
 
 
 def _median_ms(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return cuda_time_ms(fn, warmup=1, reps=iters)["median_ms"]
 
 
 @torch.no_grad()
@@ -295,16 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("warning: dsv_ext was built without CUDA kernels; the DSV modes will fail "
               "(build with DSV_BUILD_CUDA=1 pip install --no-build-isolation -e .)", file=sys.stderr)
     dev = torch.device("cuda")
-    grids = {}
-    for i, S in enumerate(args.seq):
-        if args.grid and i < len(args.grid):
-            grids[S] = tuple(int(v) for v in args.grid[i].split(","))
-        elif S in DEFAULT_GRIDS:
-            grids[S] = DEFAULT_GRIDS[S]
-        else:
-            raise ValueError(f"--grid: give T,H,W for --seq {S}")
-        if math.prod(grids[S]) != S:
-            raise ValueError(f"--grid: {grids[S]} has {math.prod(grids[S])} tokens, not {S}")
+    grids = resolve_grids(args.seq, args.grid)
     layers = auto_layers(args, dev) if args.layers == "auto" else int(args.layers)
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -24,20 +23,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import test_topk_estimate_cuda as KB  # noqa: E402
 
+sys.path.insert(0, HERE)
+from bench_common import cuda_time_ms  # noqa: E402
+
 
 def time_ms(fn, warmup=3, reps=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts), min(ts), max(ts)
+    t = cuda_time_ms(fn, warmup=warmup, reps=reps)
+    return t["median_ms"], t["min_ms"], t["max_ms"]
 
 
 def torch_baseline(q, k, K, G):

@@ -35,7 +35,6 @@ import gc
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -49,8 +48,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from dsv_ext.models.dit import DiTBlock, DiTConfig  # noqa: E402
 
-DEFAULT_GRIDS = {32768: (32, 32, 32), 65536: (16, 64, 64), 16384: (16, 32, 32),
-                 8192: (8, 32, 32), 4096: (16, 16, 16), 131072: (32, 64, 64)}
+sys.path.insert(0, HERE)
+from bench_common import cuda_time_ms, resolve_grids  # noqa: E402
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,16 +207,9 @@ def _time_steps(step_fn, warmup: int, iters: int) -> Dict[str, float]:
         step_fn()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step_fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
-            "peak_gb": torch.cuda.max_memory_allocated() / 2**30, "iters": iters}
+    res = cuda_time_ms(step_fn, warmup=0, reps=iters)
+    res["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return res
 
 
 def _make_step(model, x, c, target, opt, controller=None):
@@ -403,16 +396,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("warning: dsv_ext was built without CUDA kernels; DSV modes will fail",
               file=sys.stderr)
     dev = torch.device("cuda")
-    grids = {}
-    for i, S in enumerate(args.seq):
-        if args.grid and i < len(args.grid):
-            grids[S] = tuple(int(v) for v in args.grid[i].split(","))
-        elif S in DEFAULT_GRIDS:
-            grids[S] = DEFAULT_GRIDS[S]
-        else:
-            raise ValueError(f"--grid: give T,H,W for --seq {S}")
-        if math.prod(grids[S]) != S:
-            raise ValueError(f"--grid: {grids[S]} has {math.prod(grids[S])} tokens, not {S}")
+    grids = resolve_grids(args.seq, args.grid)
     profiled = _load_profile(args.sparsity_from) if args.sparsity_from else None
     t0 = time.time()
     if args.layers == "auto":

@@ -1,0 +1,44 @@
+"""Helpers shared by the GPU benchmarks: CUDA-event timing and the video token grids."""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+# token grid (T, H, W) after patchify (patch 1x2x2: latents are T x 2H x 2W), by token count
+DEFAULT_GRIDS = {32768: (32, 32, 32), 65536: (16, 64, 64), 16384: (16, 32, 32),
+                 8192: (8, 32, 32), 4096: (16, 16, 16), 131072: (32, 64, 64)}
+
+
+def cuda_time_ms(fn: Callable[[], object], warmup: int = 1, reps: int = 10) -> Dict[str, float]:
+    """Median / min / max milliseconds of ``fn`` over ``reps`` runs (CUDA events, after warm-up)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+            "iters": reps}
+
+
+def resolve_grids(seqs: Sequence[int], grid_args: Optional[Sequence[str]]) -> Dict[int, Tuple[int, int, int]]:
+    """The (T, H, W) grid of each sequence length: ``--grid T,H,W`` in order, else the default."""
+    grids = {}
+    for i, S in enumerate(seqs):
+        if grid_args and i < len(grid_args):
+            grids[S] = tuple(int(v) for v in grid_args[i].split(","))
+        elif S in DEFAULT_GRIDS:
+            grids[S] = DEFAULT_GRIDS[S]
+        else:
+            raise ValueError(f"--grid: give T,H,W for --seq {S}")
+        if math.prod(grids[S]) != S:
+            raise ValueError(f"--grid: {grids[S]} has {math.prod(grids[S])} tokens, not {S}")
+    return grids
