@@ -233,7 +233,9 @@ class SparseAttention(nn.Module):
         if len(density) != self.num_heads:
             raise ValueError(f"density: expected {self.num_heads} values, got {len(density)}")
         self.density = [float(d) for d in density]
-        S = seq_len if seq_len is not None else self._seq_len
+        # no length given: the training length, else the length the counts were last built for
+        # (kv_count must follow the new density even when no side task recorded a length)
+        S = seq_len if seq_len is not None else (self._seq_len if self._seq_len > 0 else self._k_seq_len)
         if S is not None and S > 0:
             self._refresh_counts(S)
 

@@ -67,7 +67,8 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
                 if f.startswith("ckpt_") and f.endswith(".pt"):
                     os.remove(os.path.join(out_dir, att, f))
     d, s = runs["dense"], runs["dsv"]
-    sw = _switch_step(s["history"])
+    sw = _switch_step(s["history"])  # first logged stage-2 line: windows after it are all stage 2
+    switch = s["summary"].get("dsv_switch_step")  # the controller's actual switch step
     res = {
         "config": cfg.get("name"),
         "steps": d["summary"]["steps"],
@@ -75,7 +76,7 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
         "tokens_per_sample": d["summary"]["tokens_per_sample"],
         "dense": d["summary"],
         "dsv": s["summary"],
-        "switch_step": sw,
+        "switch_step": switch if switch is not None else sw,
         "val_loss_rel_gap": (None if not d["summary"]["final_val_loss"] else
                              s["summary"]["final_val_loss"] / d["summary"]["final_val_loss"] - 1),
         "dense_tokens_per_s_after_switch": _tps_after(d["history"], sw),

@@ -109,8 +109,16 @@ class DSVConfig:
     CPU: torch's default) or "default" (leave torch's choice alone)."""
 
     def __post_init__(self) -> None:
-        self.cube = tuple(int(c) for c in self.cube)  # type: ignore[assignment]
-        self.predictor_betas = tuple(float(b) for b in self.predictor_betas)  # type: ignore
+        for name, conv in (("cube", int), ("predictor_betas", float)):
+            v = getattr(self, name)
+            try:
+                vals = tuple(v)
+                t = tuple(conv(x) for x in vals)
+            except (TypeError, ValueError):
+                raise ValueError(f"{name}: expected a sequence of numbers, got {v!r}") from None
+            if any(a != b for a, b in zip(t, vals)):  # e.g. a cube of (2.5, 4, 4): no truncation
+                raise ValueError(f"{name}: expected {'integers' if conv is int else 'numbers'}, got {v!r}")
+            setattr(self, name, t)
         self.validate()
 
     # ------------------------------------------------------------------ helpers
@@ -199,16 +207,37 @@ class DSVConfig:
     @classmethod
     def from_yaml(cls, path: str) -> "DSVConfig":
         """Load a config from a YAML file; the file may hold the keys at top level or under `dsv:`."""
-        import yaml
-
         with open(path, "r") as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml_load(f) or {}
         if isinstance(data, dict) and set(data) == {"dsv"}:
             data = data["dsv"] or {}
         return cls.from_dict(data)
 
     def replace(self, **kw: Any) -> "DSVConfig":
         return dataclasses.replace(self, **kw)
+
+
+_YAML_LOADER = None
+
+
+def yaml_load(stream):
+    """``yaml.safe_load`` that also reads exponent numbers written without a dot (``1e-4``) as
+    floats: YAML 1.1 would read them as strings, which surprises anyone writing a learning rate."""
+    global _YAML_LOADER
+    import re
+
+    import yaml
+
+    if _YAML_LOADER is None:
+        class _Loader(yaml.SafeLoader):
+            pass
+
+        _Loader.add_implicit_resolver(
+            "tag:yaml.org,2002:float",
+            re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+            list("-+0123456789"))
+        _YAML_LOADER = _Loader
+    return yaml.load(stream, Loader=_YAML_LOADER)
 
 
 def _field_docs() -> Dict[str, str]:  # pragma: no cover - documentation helper

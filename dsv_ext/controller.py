@@ -85,6 +85,10 @@ class DSVController:
             raise ValueError("model: contains no SparseAttention (use DSVAttention layers or dsv_ext.convert first)")
         # config None: the one the modules were built with (convert / DSVAttention)
         self.config = _as_config(config) if config is not None else self.modules[0][1].config
+        bad = [(n, m.predictor.rank) for n, m in self.modules if m.predictor.rank != self.config.rank]
+        if bad:
+            raise ValueError(f"config: rank={self.config.rank} differs from the predictor rank {bad[0][1]} of "
+                             f"{bad[0][0]}; build the model (DSVAttention / dsv_ext.convert) with this config")
         for n, m in self.modules:
             m.config = self.config
             if m.name is None:
@@ -152,14 +156,17 @@ class DSVController:
         idx = [i for i, sp in enumerate(sparsities) if sp is not None]
         if idx:
             profiled = True
-            host = self._sync_stats(torch.stack([sparsities[i] for i in idx])).cpu().tolist()
+            # one transfer for all blocks; blocks may have different head counts
+            host = self._split(self._sync_stats(torch.cat([sparsities[i].reshape(-1) for i in idx])),
+                               [sparsities[i].numel() for i in idx])
             for i, new in zip(idx, host):
                 old = self.sparsity_ema[i]
                 a = cfg.ema_alpha
                 self.sparsity_ema[i] = list(new) if old is None else [a * o + (1 - a) * n for o, n in zip(old, new)]
             ridx = [i for i, r in enumerate(recalls) if r is not None]
             if ridx:
-                rhost = torch.stack([recalls[i] for i in ridx]).cpu().tolist()
+                rhost = self._split(torch.cat([recalls[i].reshape(-1) for i in ridx]),
+                                    [recalls[i].numel() for i in ridx])
                 for i, r in zip(ridx, rhost):
                     self.recall[i] = list(r)
 
@@ -179,6 +186,14 @@ class DSVController:
             self._update_dispatch()
         self.step_count = s + 1
         self._arm()
+
+    @staticmethod
+    def _split(flat: torch.Tensor, sizes: List[int]) -> List[List[float]]:
+        vals, out, o = flat.cpu().tolist(), [], 0
+        for n in sizes:
+            out.append(vals[o:o + n])
+            o += n
+        return out
 
     def _auto_calibrate(self, blocks) -> None:
         """Measure the calibration table once for each new (device, dtype, H, D, S) of the model."""
@@ -378,8 +393,9 @@ class DSVController:
             m._seq_len = int(b["seq_len"])
             m._dtype = getattr(torch, b["dtype"])
             m._batch = int(b["batch"])
-        for _, m in self.modules:
+        for _, m in self.modules:  # discard what forwards before the load measured / accumulated
             m.pop_pending()
+            m.pop_grads()
         self._update_dispatch()
         if self.stage == 2:
             # keep the exact per-block decisions of the saved run (they depend on free memory)

@@ -30,6 +30,7 @@ from torch import nn
 from .attention import DSVAttention, SparseAttention
 from .config import DSVConfig
 from .grouping import check_grid
+from .predictor import LowRankPredictor
 
 __all__ = ["convert", "DSVWanAttnProcessor", "sparse_modules"]
 
@@ -228,6 +229,9 @@ def convert(model: nn.Module, grid: Optional[Sequence[int]] = None, config: Opti
     for name, m in sparse_modules(model):
         m.name = name
         m.config = config
+        if m.predictor.rank != config.rank:  # an existing core built with another config
+            w = m.predictor.wq
+            m.predictor = LowRankPredictor(m.num_heads, m.head_dim, config.rank, device=w.device, dtype=w.dtype)
     if verbose:
         print(f"dsv_ext.convert: {n} attention layer(s) converted")
     return model

@@ -360,6 +360,10 @@ class VideoFolder(torch.utils.data.Dataset):
             if tuple(z.shape[1:]) != grid:
                 z = F.interpolate(z[None], size=grid, mode="trilinear", align_corners=False)[0]
             return z
+        if arr.ndim == 3 and arr.shape[-1] in (3, 4):  # not [T, H, W] grayscale 3-4 pixels wide
+            raise ValueError(
+                f"{os.path.basename(path)}: shape {tuple(arr.shape)} looks like one image [H, W, C]; "
+                f"expected frames [T, H, W, 3] / [T, H, W] or latents [{self.channels}, T, H, W]")
         if arr.ndim == 3:
             arr = arr[..., None]
         if arr.ndim != 4 or arr.shape[-1] not in (1, 3):
@@ -369,8 +373,20 @@ class VideoFolder(torch.utils.data.Dataset):
         x = torch.from_numpy(np.ascontiguousarray(arr))
         if x.dtype == torch.uint8:
             x = x.float() / 255.0
+        elif not x.is_floating_point():
+            # other integer types (np.int64 from rng.integers, uint16, ...): 8-bit values only,
+            # read like uint8 (as floats they would all clamp to 1)
+            lo, hi = (int(a) for a in torch.aminmax(x.to(torch.int64)))
+            if lo < 0 or hi > 255:
+                raise ValueError(f"{os.path.basename(path)}: integer frames must hold 0..255 "
+                                 f"values (uint8), got {arr.dtype} values {lo}..{hi}")
+            x = x.float() / 255.0
         else:
             x = x.float()
+            hi = float(x.max()) if x.numel() else 0.0
+            if hi > 1.5:  # clearly not 0..1: would silently clamp to white
+                raise ValueError(f"{os.path.basename(path)}: float frames must be in [0, 1], got "
+                                 f"max {hi:g} (0..255 values? divide by 255 or save as uint8)")
         if x.shape[-1] == 1:
             x = x.expand(*x.shape[:-1], 3)
         x = x[::self.frame_stride]

@@ -34,10 +34,11 @@ def check_grid(grid: Optional[Sequence[int]], seq_len: Optional[int] = None,
     if grid is None:
         raise ValueError(f"{name}: a (T, H, W) token grid is required (pass grid=... or call set_grid)")
     try:
-        g = tuple(int(x) for x in grid)
-    except TypeError:
+        vals = tuple(grid)
+        g = tuple(int(x) for x in vals)
+    except (TypeError, ValueError):
         raise TypeError(f"{name}: expected a sequence of three ints (T, H, W), got {grid!r}") from None
-    if len(g) != 3 or any(x < 1 for x in g):
+    if len(g) != 3 or any(x < 1 for x in g) or any(a != b for a, b in zip(g, vals)):  # no truncation
         raise ValueError(f"{name}: expected three positive ints (T, H, W), got {grid!r}")
     if seq_len is not None and g[0] * g[1] * g[2] > seq_len:
         raise ValueError(

@@ -127,7 +127,8 @@ def _sparse_attention_backward(ctx, dout, dlse):
     q, k, v, out, lse, kv_index, kv_count = ctx.saved_tensors
     if dout is None:
         return None, None, None, None, None, None, None
-    dq, dk, dv = _ops.sparse_attention_bwd(_last_dim_contiguous(dout), q, k, v, out, lse, kv_index,
+    # the CUDA backward loads dout rows with 16-byte vectors, like q/k/v in the forward
+    dq, dk, dv = _ops.sparse_attention_bwd(_kernel_ready(_last_dim_contiguous(dout)), q, k, v, out, lse, kv_index,
                                            kv_count, ctx.group_size, ctx.scale)
     return dq, dk, dv, None, None, None, None
 
@@ -224,11 +225,13 @@ def _check_cuda_dtype(name: str, t: torch.Tensor) -> None:
     if t.is_cuda and t.dtype not in _CUDA_DTYPES:
         raise TypeError(
             f"{name}: the CUDA kernels take bfloat16 or float16, got {t.dtype}; cast the inputs "
-            f"(or run under torch.autocast), or use CPU tensors for float32/float64")
+            f"(the dsv_ext modules do this under torch.autocast), or use CPU tensors for float32/float64")
 
 
 def _check_group_size(group_size) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
+    if isinstance(group_size, bool):  # operator.index(True) would pass it as 1
+        raise TypeError("group_size: expected an int, got bool")
+    if not isinstance(group_size, int):
         try:
             import operator
             group_size = operator.index(group_size)
@@ -257,6 +260,8 @@ def _as_int32(name: str, t, device: torch.device) -> torch.Tensor:
         raise TypeError(f"{name}: expected an integer tensor (int32), got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name}: on {t.device}, but q is on {device}")
+    if t.dtype == torch.int64:  # saturate: a wrapped value could land inside the valid range
+        t = t.clamp(-2**31, 2**31 - 1)
     return t.to(torch.int32).contiguous()
 
 
@@ -294,6 +299,8 @@ def _check_rows(rows, S: int, device: torch.device, check_values: bool) -> torch
     rows = _as_int32("rows", rows, device)
     if rows.dim() != 1:
         raise ValueError(f"rows: expected a 1-d tensor of query positions, got shape {tuple(rows.shape)}")
+    if rows.numel() == 0:
+        raise ValueError("rows: expected at least one query position (results are means over rows), got none")
     if check_values and rows.numel():
         lo, hi = (int(x) for x in torch.aminmax(rows))
         if lo < 0 or hi >= S:
@@ -301,12 +308,20 @@ def _check_rows(rows, S: int, device: torch.device, check_values: bool) -> torch
     return rows
 
 
+def _misaligned(t: torch.Tensor) -> bool:
+    """Whether 16-byte row loads of t would be misaligned. Under torch.compile only the strides
+    are checked: Tensor.data_ptr() cannot be traced (it split the core into several graphs), and
+    the buffers of a compiled graph come from the (aligned) caching allocator."""
+    es = t.element_size()
+    if any((s * es) % 16 for s in t.stride()[:-1]):
+        return True
+    return not torch.compiler.is_compiling() and t.data_ptr() % 16 != 0
+
+
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """CUDA kernels load rows with 16-byte vectors: copy the rare misaligned view."""
-    if t.is_cuda:
-        es = t.element_size()
-        if t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
-            return t.contiguous()
+    if t.is_cuda and _misaligned(t):
+        return t.contiguous()
     return t
 
 

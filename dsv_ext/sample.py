@@ -324,14 +324,14 @@ def save_grid(frames: np.ndarray, path: str, cols: Optional[int] = None, gap: in
 # ---------------------------------------------------------------------------------------------
 
 def _parse_overrides(items: Sequence[str]) -> Dict[str, Any]:
-    import yaml
+    from .config import yaml_load
 
     out: Dict[str, Any] = {}
     for ov in items:
         key, sep, val = ov.partition("=")
         if not sep or not key.startswith("dsv.") or len(key) <= 4:
             raise ValueError(f"--set: expected dsv.KEY=VALUE, got {ov!r}")
-        out[key[4:]] = yaml.safe_load(val)
+        out[key[4:]] = yaml_load(val)
     return out
 
 

@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .config import yaml_load
 from .data import ProceduralVideos, _generator, make_dataset
 from .models.dit import DiTConfig, VideoDiT
 
@@ -96,24 +97,20 @@ class TrainConfig:
 # ---------------------------------------------------------------------------------------------
 
 def _parse_value(s: str):
-    import yaml
-
-    return yaml.safe_load(s)
+    return yaml_load(s)
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
                 base: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Read a YAML config (sections model / data / train / dsv) and apply ``section.key=value``
     overrides. Returns a plain dict."""
-    import yaml
-
     if base is not None:
         cfg = copy.deepcopy(base)
     else:
         if path is None:
             raise ValueError("config: a path or a base dict is required")
         with open(path) as f:
-            cfg = yaml.safe_load(f) or {}
+            cfg = yaml_load(f) or {}
     if not isinstance(cfg, dict):
         raise ValueError(f"config: {path}: expected a mapping at top level")
     bad = sorted(set(cfg) - {"model", "data", "train", "dsv", "name"})
@@ -347,7 +344,8 @@ def _lr_at(step: int, tcfg: TrainConfig) -> float:
     return tcfg.lr
 
 
-def _save_checkpoint(path, step, model, opt, controller, cfg, attention, history_tail):
+def _save_checkpoint(path, step, model, opt, controller, cfg, attention, history_tail,
+                     log_window=None):
     state = {
         "step": step,
         "model": model.state_dict(),
@@ -358,6 +356,9 @@ def _save_checkpoint(path, step, model, opt, controller, cfg, attention, history
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "history_tail": history_tail,
+        # the partial metrics window (tokens, time, loss sum, steps) since the last train line,
+        # so a resumed run logs the same window means as an uninterrupted one
+        "log_window": log_window,
     }
     tmp = path + ".tmp"
     torch.save(state, tmp)
@@ -422,6 +423,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     history: List[Dict[str, Any]] = []
     vals: List[Dict[str, Any]] = []
+    log_window = None
     if resume:
         ck = torch.load(resume, map_location=dev, weights_only=False)
         if controller is not None and ck.get("controller") is None:
@@ -438,6 +440,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         if ck.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ck["cuda_rng"])
         start = int(ck["step"])
+        log_window = ck.get("log_window")
         # Drop metric lines past the checkpoint (a crashed run may have logged further).
         if os.path.exists(metrics_path):
             kept = []
@@ -490,6 +493,8 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     fut = pool.submit(stream.batch, start, tcfg.timestep_sampling) if start < tcfg.steps else None
     last_val = None
     win_tokens, win_time, win_loss, win_n = 0, 0.0, 0.0, 0
+    if log_window:
+        win_tokens, win_time, win_loss, win_n = log_window
     train_time = 0.0
     stage2_tokens, stage2_time = 0, 0.0
     wall0 = time.perf_counter()
@@ -558,15 +563,18 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             if tcfg.val_every > 0 and done % tcfg.val_every == 0 and done < tcfg.steps:
                 last_val = run_val(done)
                 _save_checkpoint(os.path.join(out_dir, "ckpt_last.pt"), done, model, opt,
-                                 controller, cfg, attention, history[-3:])
+                                 controller, cfg, attention, history[-3:],
+                                 (win_tokens, win_time, win_loss, win_n))
             if tcfg.ckpt_every > 0 and done % tcfg.ckpt_every == 0 and done < tcfg.steps:
                 _save_checkpoint(os.path.join(out_dir, f"ckpt_{done}.pt"), done, model, opt,
-                                 controller, cfg, attention, history[-3:])
+                                 controller, cfg, attention, history[-3:],
+                                 (win_tokens, win_time, win_loss, win_n))
         final_step = max(start, tcfg.steps)
         if start < tcfg.steps or not vals:
             last_val = run_val(final_step)
         _save_checkpoint(os.path.join(out_dir, "ckpt_last.pt"), final_step, model, opt,
-                         controller, cfg, attention, history[-3:])
+                         controller, cfg, attention, history[-3:],
+                         (win_tokens, win_time, win_loss, win_n))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         if bar is not None:

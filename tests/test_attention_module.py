@@ -371,3 +371,65 @@ def test_cuda_training_step_compiled_bf16():
     torch.testing.assert_close(y1, y0, rtol=2e-2, atol=2e-2)
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# review regressions
+
+def test_set_density_without_seq_len_keeps_counts_in_sync():
+    """set_density(d) with no seq_len after a stage-2 forward (no side task ran, so the training
+    length is unknown) must refresh kv_count/kmax for the length the block last ran at: the
+    kernels read kv_count, the head_k property must agree with it."""
+    cfg = DSVConfig(group_size=8, k_multiple=8)
+    m = SparseAttention(H, D, grid=GRID, config=cfg).double().eval()
+    m.stage, m.use_sparse = 2, True
+    m.set_density([0.2, 0.2])
+    q, k, v = _qkv(requires_grad=False, seed=0)
+    m(q, k, v)
+    assert m.head_k == [24, 24] and m.kv_count.tolist() == [24, 24]
+    m.set_density([1.0, 1.0])  # full K: the output must be dense attention
+    assert m.kv_count.tolist() == m.head_k == [S, S] and m.kmax == S
+    torch.testing.assert_close(m(q, k, v), ref.dense_attention_ref(q, k, v), rtol=1e-12, atol=1e-12)
+
+
+@needs_cuda
+def test_cuda_backward_with_misaligned_output_gradient():
+    """The backward reads dout with 16-byte vector loads: a gradient that arrives as a
+    misaligned view (here: a slice of a concatenation's gradient) must be copied first."""
+    q, k, v = _cuda_qkv(64)
+    cnt = torch.full((2, 4), 64, dtype=torch.int32, device="cuda")
+    idx = torch.arange(64, dtype=torch.int32, device="cuda").expand(2, 4, -(-CS // 32), 64).contiguous()
+    out = dsv_ext.sparse_attention(q, k, v, idx, cnt, 32)
+    y = torch.cat([torch.zeros(2, CS, 4, 3, device="cuda", dtype=out.dtype), out], dim=-1)
+    (g,) = torch.autograd.grad(y.float().square().sum(), q, retain_graph=True)
+    (want,) = torch.autograd.grad(out.float().square().sum(), q)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(g, want)
+
+
+def test_cuda_alignment_check_is_traceable(monkeypatch):
+    """On CUDA every kernel input goes through ops._kernel_ready, whose alignment check must be
+    traceable by torch.compile (Tensor.data_ptr() is not: the core split into several graphs on
+    the GPU and fullgraph=True failed). Simulated on the CPU by applying the CUDA rule to CPU
+    tensors; the backward gets a misaligned output gradient (a slice of a concatenation's)."""
+    from dsv_ext import ops
+    x = torch.randn(1 + 2 * H * D)[1:].view(1, 2, H, D)  # data_ptr 4 bytes past an allocation
+    assert ops._misaligned(x) and not ops._misaligned(x.clone())
+    assert ops._misaligned(torch.randn(1, 2, H, D + 3)[..., :D])  # row strides of 76 bytes
+    monkeypatch.setattr(ops, "_kernel_ready", lambda t: t.contiguous() if ops._misaligned(t) else t)
+    torch._dynamo.reset()
+    q, k, v = _qkv(dtype=torch.float32, seed=4)
+    wq, wk = torch.randn(H, D, 16), torch.randn(H, D, 16)
+    perm, inv = cube_permutation(GRID, (2, 4, 4), S)
+    counts = torch.tensor([64, 32], dtype=torch.int32)
+    args = (wq, wk, perm, inv, counts, 64, 8, None)
+    ex = torch._dynamo.explain(sparse_core)(q, k, v, *args)
+    assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons
+    torch._dynamo.reset()
+    out = torch.compile(sparse_core, backend="aot_eager", fullgraph=True)(q, k, v, *args)
+    y = torch.cat([torch.zeros(2, S, H, 3), out], dim=-1)
+    want = sparse_core(q, k, v, *args)
+    torch.testing.assert_close(out, want)
+    for a, b in zip(_grads(y[..., 3:], (q, k, v)), _grads(want, (q, k, v))):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()

@@ -352,3 +352,63 @@ def test_cuda_controller_trains_switches_and_dispatches():
     ctl.dispatcher.config.memory_fraction = 1e-12
     ctl._update_dispatch()
     assert not any(m.use_sparse for _, m in ctl.modules)
+
+
+# ------------------------------------------------------------------------------------------------
+# review regressions
+
+def test_blocks_with_different_head_counts():
+    """Profiled statistics of blocks with different head counts (any `.attn_core` model may mix
+    them) are gathered in one transfer without assuming equal shapes."""
+    cfg = _cfg(profile_every=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(DSVAttention(DIM, 2, grid=GRID, config=cfg), DSVAttention(DIM, 4, grid=GRID, config=cfg))
+    ctl = DSVController(model)
+    x = _x()
+    for _ in range(3):  # step 0 profiles without an estimate, steps 1-2 also measure recall
+        model(x)
+        ctl.step()
+    assert [len(e) for e in ctl.sparsity_ema] == [2, 4] and [len(r) for r in ctl.recall] == [2, 4]
+    assert all(0.0 < s < 1.0 for e in ctl.sparsity_ema for s in e)
+
+
+def test_load_state_dict_discards_work_from_before_the_load():
+    """A forward run before load_state_dict (a warm-up, a smoke test) leaves predictor gradients
+    behind; the resumed run must not apply them."""
+    cfg = _cfg(force_stage2_step=4, dispatch_threshold=0.0, train_every_stage2=2, profile_every=3)
+    x = _x()
+
+    def make(seed):
+        model = Tiny(cfg, seed=seed)
+        return model, DSVController(model), torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    model, ctl, opt = make(0)
+    _train(model, ctl, opt, 2, x)
+    sd = {"model": model.state_dict(), "opt": opt.state_dict(), "dsv": ctl.state_dict()}
+    sd = {k: __import__("copy").deepcopy(v) for k, v in sd.items()}
+    _train(model, ctl, opt, 1, x)
+    model2, ctl2, opt2 = make(1)
+    model2(_x(seed=5))  # armed step 0 of the fresh controller: accumulates predictor grads
+    model2.load_state_dict(sd["model"])
+    opt2.load_state_dict(sd["opt"])
+    ctl2.load_state_dict(sd["dsv"])
+    _train(model2, ctl2, opt2, 1, x)
+    for (_, a), (_, b) in zip(ctl.modules, ctl2.modules):
+        assert torch.equal(a.predictor.wq, b.predictor.wq) and torch.equal(a.predictor.wk, b.predictor.wk)
+
+
+def test_controller_config_rank_must_match_the_predictors():
+    model = Tiny(_cfg(rank=16), depth=1)
+    with pytest.raises(ValueError, match="^config"):
+        DSVController(model, config=_cfg(rank=8))
+    DSVController(model, config=_cfg(rank=16))
+
+
+@pytest.mark.parametrize("kw", [dict(cube=(2.5, 4, 4)), dict(cube=5), dict(cube=("a", 4, 4)),
+                                dict(predictor_betas=0.9), dict(predictor_betas=("x", 0.999))])
+def test_config_sequences_name_the_field(kw):
+    """cube=(2.5, 4, 4) used to become (2, 4, 4) silently; non-sequences raised messages that
+    did not name the field."""
+    with pytest.raises(ValueError, match=f"^{next(iter(kw))}"):
+        DSVConfig(**kw)

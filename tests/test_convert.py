@@ -137,3 +137,18 @@ def test_package_level_convert_is_callable_after_submodule_import():
     import dsv_ext.convert  # binds the package attribute to the submodule
     model = dsv_ext.convert(torch.nn.Sequential(DSVAttention(16, 2)), grid=(2, 3, 5))
     assert model[0].attn_core.grid == (2, 3, 5)
+
+
+def test_convert_gives_existing_cores_the_config_rank():
+    """An existing SparseAttention (inside DSVAttention, or from an earlier convert) takes the
+    new config; its predictor must then have the config's rank, not the one it was built with."""
+    model = torch.nn.Sequential(DSVAttention(16, 2))
+    assert model[0].attn_core.predictor.rank == 16
+    convert(model, grid=(2, 3, 5), config=DSVConfig(rank=4))
+    core = model[0].attn_core
+    assert core.config.rank == 4 and core.predictor.rank == 4
+    assert core.predictor.wq.shape == core.predictor.wk.shape == (2, 8, 4)
+    ctl = DSVController(model)  # the controller accepts it (its config's rank matches)
+    model.train()(torch.randn(1, 30, 16))
+    ctl.step()
+    assert ctl.mean_loss() is not None

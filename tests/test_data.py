@@ -135,3 +135,34 @@ def test_video_folder_mp4_with_pyav(tmp_path):
             out.mux(pkt)
     z = VideoFolder(str(tmp_path), frames=4, height=4, width=6)[0]
     assert z.shape == (4, 4, 4, 6) and torch.isfinite(z).all()
+
+
+def test_video_folder_integer_and_float255_frames(tmp_path):
+    # int64 frames (np.random.default_rng().integers' default dtype) hold 0..255 like uint8: they
+    # must encode like uint8, not be read as 0..1 floats and clamp to white.
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 256, (4, 64, 64, 3))
+    assert a.dtype == np.int64
+    os.makedirs(tmp_path / "u8")
+    os.makedirs(tmp_path / "i64")
+    np.save(tmp_path / "u8" / "a.npy", a.astype(np.uint8))
+    np.save(tmp_path / "i64" / "a.npy", a)
+    ref = VideoFolder(str(tmp_path / "u8"), 4, 8, 8, normalize=False)[0]
+    got = VideoFolder(str(tmp_path / "i64"), 4, 8, 8, normalize=False)[0]
+    assert torch.allclose(got, ref, atol=1e-5)
+    # out-of-range integers and float frames in 0..255 are errors, not white clips
+    os.makedirs(tmp_path / "u16")
+    np.save(tmp_path / "u16" / "a.npy", (a * 200).astype(np.uint16))
+    with pytest.raises(ValueError, match="a.npy: integer frames"):
+        VideoFolder(str(tmp_path / "u16"), 4, 8, 8)[0]
+    os.makedirs(tmp_path / "f255")
+    np.save(tmp_path / "f255" / "a.npy", a.astype(np.float32))
+    with pytest.raises(ValueError, match="a.npy: float frames"):
+        VideoFolder(str(tmp_path / "f255"), 4, 8, 8)[0]
+
+
+def test_video_folder_rejects_a_single_image(tmp_path):
+    # one RGB image [H, W, 3] is not H grayscale frames 3 pixels wide
+    np.save(tmp_path / "img.npy", np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8))
+    with pytest.raises(ValueError, match="img.npy: .*one image"):
+        VideoFolder(str(tmp_path), 4, 8, 8)[0]

@@ -83,3 +83,12 @@ def test_bad_grids():
         cube_permutation((3, 4, 5), cube=(2, 0, 2))
     with pytest.raises(ValueError, match="^grid"):
         check_grid(None)
+
+
+def test_non_integer_grids_raise_instead_of_truncating():
+    """(2.5, 4, 4) used to become (2, 4, 4) silently (a wrong cube order for the real grid)."""
+    import numpy as np
+    for bad in [(2.5, 4, 4), ("2", "4", "4"), "244", (2, 4, "x")]:
+        with pytest.raises((ValueError, TypeError), match="^grid"):
+            check_grid(bad)
+    assert check_grid((2.0, np.int64(4), torch.tensor(4))) == (2, 4, 4)

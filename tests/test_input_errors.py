@@ -122,6 +122,16 @@ CASES = [
     ("kv_count", _pa(kv_count=torch.full((B, H), KM + 2, dtype=torch.int32))),
     ("group_size", _pa(group_size=0)),
     ("kv_index", _pa(kv_index=None)),    # partial index arguments
+    # review regressions: bool group size, int64 values that wrap in the int32 conversion,
+    # empty row sets (the mean over no rows: a NaN sparsity, a zero loss)
+    ("group_size", _sa(group_size=True)),
+    ("group_size", _tk(group_size=True)),
+    ("kv_index", _sa(kv_index=_idx_with((0, 0, 0, 0), 0).long().index_fill_(3, torch.tensor([0]), 2**32))),
+    ("kv_count", _sa(kv_count=torch.full((B, H), 2**32 + 2, dtype=torch.int64))),
+    ("rows", _pl(rows=torch.tensor([2**32 + 1]))),
+    ("rows", _pa(rows=torch.tensor([-(2**32) + 3]))),
+    ("rows", _pl(rows=torch.tensor([], dtype=torch.int64))),
+    ("rows", _pa(rows=torch.tensor([], dtype=torch.int64))),
     # gather_rows / scatter_add_rows
     ("src", lambda: dsv_ext.gather_rows(torch.randn(5), torch.tensor([0]))),
     ("src", lambda: dsv_ext.gather_rows(torch.arange(10).view(5, 2), torch.tensor([0]))),

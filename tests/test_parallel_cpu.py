@@ -10,7 +10,8 @@ run every scenario and write per-rank results that the test functions below chec
   per-batch counts and B = 2;
 * a rank given a non-matching shard length, a shard that is not a multiple of the group size,
   another kv_count or another plan makes every rank raise CPConfigError (no hang), and the
-  group keeps working afterwards.
+  group keeps working afterwards;
+* CostModel.calibrate's all-to-all probe on 3 ranks (a world size that does not divide it).
 """
 
 from __future__ import annotations
@@ -216,6 +217,18 @@ def _sc_errors(rank, world):
     return res
 
 
+def _sc_calibrate(rank, world):
+    import torch.distributed as dist
+
+    import dsv_ext.parallel as P
+
+    # tiny kernel shapes; the all-to-all part must work on any world size (3 does not divide
+    # the 64 MiB probe's element count)
+    c = P.CostModel().calibrate(device="cpu", seqlens=(64,), head_dim=8, heads=1, densities=(0.25,),
+                                group_size=8, rank=4, group=dist.group.WORLD, repeats=1)
+    return {"a2a_bandwidth": c.a2a_bandwidth, "a2a_latency": c.a2a_latency}
+
+
 SCENARIOS = {
     "hcp": _sc_hcp,
     "hcp_naive": _sc_hcp_naive,
@@ -225,6 +238,7 @@ SCENARIOS = {
     "hybrid4": functools.partial(_sc_hybrid, g_h=4),
     "plan": _sc_plan,
     "errors": _sc_errors,
+    "calibrate": _sc_calibrate,
 }
 
 
@@ -267,6 +281,7 @@ _BY_WORLD = {
     2: ("hcp", "hcp_naive", "scp", "scp_pad", "plan", "errors"),
     4: ("hcp", "scp", "hybrid", "plan", "errors"),
     8: ("hcp", "scp", "hybrid", "hybrid4", "errors"),
+    3: ("calibrate",),
 }
 
 # world size 8 (issue 7's CPU part) takes about 20 s on 2 cores: run it by default, skip it with
@@ -335,3 +350,8 @@ def test_mismatched_rank_fails_everywhere(world):
     for r, e in enumerate(_results(world, "errors")):
         for case, status in e.items():
             assert status == "ok", f"rank {r} case {case}: {status}"
+
+
+def test_cost_model_calibrate_on_odd_world_size():
+    for r, e in enumerate(_results(3, "calibrate")):
+        assert e["a2a_bandwidth"] > 0 and e["a2a_latency"] > 0, (r, e)

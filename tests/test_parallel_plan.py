@@ -183,3 +183,36 @@ def test_cost_model_roundtrip(tmp_path):
     # sparse cost scales with density, dense heads cost the dense time
     assert c.head_time(0.95, 4096, 4096, 128, 64, 16) < c.head_time(0.9, 4096, 4096, 128, 64, 16)
     assert c.head_time(0.0, 4096, 4096, 128, 64, 16) == c.dense_time(4096, 4096, 128)
+
+
+def test_planner_cache_respects_memory_limit():
+    # HCP on 8 ranks at sparsity 0.9 needs 3.02e9 bytes per rank, at 0.89 (inside tol) 3.11e9
+    # (larger indices): with a 3.05e9 limit the cached plan no longer fits; no plan does.
+    sp = [0.9] * 16
+    limit = 3.05e9
+    planner = Planner(world_size=8, seqlen=262144, memory_limit=limit, tol=0.02)
+    p = planner.plan("b0", sp)
+    assert max(p.rank_memory) <= limit
+    denser = [0.89] * 16
+    with pytest.raises(ValueError, match="memory_limit"):
+        solve_plan(denser, 8, 262144, memory_limit=limit)
+    with pytest.raises(ValueError, match="memory_limit"):
+        planner.plan("b0", denser)
+    # without a limit the cache is kept as before
+    free = Planner(world_size=8, seqlen=262144, tol=0.02)
+    assert free.plan("b0", denser) is free.plan("b0", sp)
+
+
+def test_scp_query_padding_memory_is_modelled():
+    # union 1 on 2 ranks: scp.py pads each rank's L queries to the 2L key table, so q, out, dout
+    # and dq exist at twice the length: 4 L H D extra elements per rank (bf16)
+    S, H, D = 131072, 16, 128
+    pad = solve_plan([0.9] * H, 2, S, D, cost=CostModel(union_factor=100.0), modes=("scp",))
+    nopad = solve_plan([0.9] * H, 2, S, D, cost=CostModel(union_factor=100.0, scp_query_padding=False),
+                       modes=("scp",))
+    L = S // 2
+    assert pad.rank_memory[0] - nopad.rank_memory[0] == pytest.approx(4 * L * H * D * 2)
+    # and the memory limit sees it: a limit between the two rejects the padded SCP plan
+    with pytest.raises(ValueError, match="memory_limit"):
+        solve_plan([0.9] * H, 2, S, D, cost=CostModel(union_factor=100.0), modes=("scp",),
+                   memory_limit=(pad.rank_memory[0] + nopad.rank_memory[0]) / 2)

@@ -158,3 +158,30 @@ def test_compare_writes_table_and_plot(tmp_path):
     assert json.load(open(tmp_path / "compare.json"))["steps"] == 4
     assert os.path.exists(tmp_path / "dsv" / "metrics.jsonl")
     assert not os.path.exists(tmp_path / "dsv" / "ckpt_last.pt")  # small enough to commit
+
+
+def test_resume_mid_log_window_logs_the_same_means(tmp_path):
+    # A checkpoint taken between two train lines (ckpt_every=3, log_every=2): the resumed run's
+    # line at step 4 must average steps 3-4 like the uninterrupted run, not step 4 alone.
+    kw = dict(steps=6, log_every=2, ckpt_every=3)
+    train(micro_config(**kw), out_dir=str(tmp_path / "full"), attention="dense", device="cpu",
+          progress=False)
+    train(micro_config(**kw), out_dir=str(tmp_path / "res"), attention="dense", device="cpu",
+          progress=False, resume=str(tmp_path / "full" / "ckpt_3.pt"))
+    a = {r["step"]: r for r in _read(tmp_path / "full" / "metrics.jsonl") if r["kind"] == "train"}
+    b = {r["step"]: r for r in _read(tmp_path / "res" / "metrics.jsonl") if r["kind"] == "train"}
+    assert sorted(b) == [4, 6]
+    for s in (4, 6):
+        assert b[s]["last_loss"] == a[s]["last_loss"]
+        assert b[s]["loss"] == a[s]["loss"], s
+
+
+@needs_dsv
+def test_compare_reports_the_actual_switch_step(tmp_path):
+    # log_every=2: the first logged stage-2 line is step 4, but the switch happened at step 3
+    from dsv_ext.compare import compare
+
+    res = compare(micro_config(steps=4, log_every=2), str(tmp_path), device="cpu", progress=False)
+    assert res["dsv"]["dsv_switch_step"] == 3
+    assert res["switch_step"] == 3
+    assert "stage 2 at step 3." in open(tmp_path / "compare.md").read()

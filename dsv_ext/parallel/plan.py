@@ -14,7 +14,8 @@ the current device. Heads are assigned by longest-processing-time first (LPT) on
 cost, which is proportional to ``1 - s_h`` for sparse heads (a dense head costs 1).
 
 :class:`Planner` caches one plan per block and re-solves only when the profiled sparsity moved
-by more than ``tol`` (or the length / world size changed).
+by more than ``tol`` (or the length / world size changed, or the cached plan no longer fits the
+memory limit at the new sparsity).
 
 Everything here is plain Python (no collectives): every rank computes the same plan from the
 same inputs, and :mod:`dsv_ext.parallel` checks collectively that the plans agree.
@@ -240,7 +241,8 @@ class CostModel:
             n = dist.get_world_size(group)
             if n > 1:
                 nbytes = 64 << 20
-                x = torch.empty(nbytes // 2, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
+                numel = (nbytes // 2) // n * n  # all_to_all_single splits dim 0 evenly over n ranks
+                x = torch.empty(numel, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
                 y = torch.empty_like(x)
                 dist.all_to_all_single(y, x, group=group)
                 t_big = timeit(lambda: dist.all_to_all_single(y, x, group=group))
@@ -352,8 +354,9 @@ def evaluate(world_size: int, g_h: int, assignment: Sequence[Sequence[int]], spa
             calls += 4
             ext = rows
         # memory: sequence-layout q,k,v,out + grads; head-layout q,k,v,out + grads; K/V extension
-        # (+grad); index; gathered k_lr.
+        # (+grad); SCP's padded query rows (q, out and their grads at pad x L); index; gathered k_lr.
         m = 8 * Ls * H * D * e + 8 * L * a * D * e + 4 * ext * D * e
+        m += 4 * (pad - 1.0) * L * a * D * e
         m += sum(L / group_size * max(1.0 - sparsity[h], 0.0) * S for h in hs) * cost.index_bytes
         m += S * a * rank * e
         comp.append(c)
@@ -440,10 +443,19 @@ class Planner:
         seqlen = self.seqlen if seqlen is None else seqlen
         old = self._plans.get(block)
         if old is not None and old[1] == seqlen and len(old[0]) == len(s) and \
-                max(abs(a - b) for a, b in zip(old[0], s)) <= self.tol:
+                max(abs(a - b) for a, b in zip(old[0], s)) <= self.tol and self._fits(block, old[2], s, seqlen):
             return old[2]
         p = solve_plan(s, self.world_size, seqlen, self.head_dim, self.cost, self.memory_limit,
                        self.group_size, self.rank, self.batch, self.modes, self._union.get(block))
         self._plans[block] = (s, seqlen, p)
         self.replans += 1
         return p
+
+    def _fits(self, block, p: Plan, sparsity: Sequence[float], seqlen: int) -> bool:
+        """Whether a cached plan still fits the memory limit at the new sparsity (denser heads
+        need larger indices)."""
+        if self.memory_limit is None:
+            return True
+        mem = evaluate(p.world_size, p.g_h, p.assignment, sparsity, seqlen, self.head_dim, self.cost,
+                       self.group_size, self.rank, self.batch, self._union.get(block))[2]
+        return max(mem) <= self.memory_limit
