@@ -19,6 +19,7 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import test_topk_estimate_cuda as KB  # noqa: E402

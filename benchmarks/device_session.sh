@@ -1,22 +1,61 @@
 #!/usr/bin/env bash
-# One device call that validates a tree on the H200: build the extension with CUDA, run the whole
-# test suite (CPU and GPU tests), the kernel benchmark at the target shape, and compute-sanitizer.
-# Logs and results go under $OUT. Each step has its own time limit so the call ends in time.
-#   usage: bash benchmarks/device_session.sh            (carry .dsvwheels for diffusers if present)
+# One device call that validates a tree on the H200: build the extension with CUDA (or use a
+# prebuilt .devso/_C.abi3.so built here against the stable ABI, when it loads there), run the
+# whole test suite (CPU and GPU tests), the kernel benchmark at the target shape, Nsight Compute
+# on the attention kernels, and compute-sanitizer. Each step has its own time limit so the call
+# ends in time; all logs are packed into $OUT/logs.tgz (the device tool returns at most 8 files).
+#   usage: bash benchmarks/device_session.sh   (carry .dsvwheels for diffusers, .devso if built)
+#   env:   STEPS="tests bench ncu san" (default all), BUILD_LIMIT, TEST_LIMIT, BENCH_LIMIT, ...
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+STEPS=${STEPS:-"tests bench ncu san"}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD
 date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 if ls .dsvwheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .dsvwheels/*.whl && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .dsvwheels/*.whl && export PYTHONPATH=$PWD:/tmp/site
 fi
-t0=$(date +%s)
-MAX_JOBS=16 DSV_BUILD_CUDA=1 timeout ${BUILD_LIMIT:-240} python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1
-rc=$?; echo "build rc=$rc in $(( $(date +%s) - t0 )) s"; [ $rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
-python3 -c "import dsv_ext; print('CUDA kernels:', dsv_ext.has_cuda_kernels())"
-DSV_TEST_FAST=1 timeout ${TEST_LIMIT:-170} python3 -m pytest -q -p no:cacheprovider -rf tests > "$OUT/tests.log" 2>&1
-echo "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20; tail -1 "$OUT/tests.log"
-timeout ${BENCH_LIMIT:-90} python3 benchmarks/bench_kernels.py --quick --out "$OUT/results" > "$OUT/bench.log" 2>&1
-echo "bench rc=$?"; grep -v '^{' "$OUT/bench.log" | tail -12
-timeout ${SAN_LIMIT:-90} bash tests/run_sanitizer.sh "$OUT/san"; echo "sanitizer rc=$?"
+have_ext() { python3 -c "import dsv_ext, sys; sys.exit(0 if dsv_ext.has_cuda_kernels() else 1)" 2>/dev/null; }
+if [ -f .devso/_C.abi3.so ] && cp .devso/_C.abi3.so dsv_ext/ && have_ext; then
+  echo "using the prebuilt extension (.devso)"
+else
+  t0=$(date +%s)
+  MAX_JOBS=16 DSV_BUILD_CUDA=1 timeout ${BUILD_LIMIT:-240} python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1
+  rc=$?; echo "build rc=$rc in $(( $(date +%s) - t0 )) s"; [ $rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
+fi
+python3 -c "import dsv_ext, torch; print('torch', torch.__version__, 'CUDA kernels:', dsv_ext.has_cuda_kernels())"
+case " $STEPS " in *" tests "*)
+  DSV_TEST_FAST=1 timeout ${TEST_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rf ${TESTS:-tests} > "$OUT/tests.log" 2>&1
+  echo "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20; tail -1 "$OUT/tests.log";;
+esac
+case " $STEPS " in *" bench "*)
+  timeout ${BENCH_LIMIT:-90} python3 benchmarks/bench_kernels.py ${BENCH_ARGS:---quick} --out "$OUT/results" > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?"; grep -v '^{' "$OUT/bench.log" | tail -12;;
+esac
+case " $STEPS " in *" ncu "*)
+  for dist in ${NCU_DISTS:-random smooth}; do
+    timeout ${NCU_LIMIT:-80} ncu --clock-control none -k regex:"sparse_attn_fwd|bwd_qmajor|bwd_kmajor" -c 3 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis --section SchedulerStats \
+      python3 benchmarks/ncu_attention.py --dist $dist > "$OUT/ncu_$dist.txt" 2>&1
+    echo "ncu $dist rc=$?"
+  done
+  grep -E "sparse_attn_fwd|bwd_qmajor|bwd_kmajor|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible" "$OUT/ncu_random.txt" | head -40;;
+esac
+case " $STEPS " in *" compare "*)
+  timeout ${COMPARE_LIMIT:-420} python3 -m dsv_ext.compare --config configs/small.yaml --device cuda \
+    --no-progress --out "$OUT/compare-small" ${COMPARE_ARGS:-} > "$OUT/compare.log" 2>&1
+  echo "compare rc=$?"; tail -25 "$OUT/compare.log";;
+esac
+case " $STEPS " in *" infer "*)
+  timeout ${INFER_LIMIT:-240} python3 benchmarks/bench_inference.py --out "$OUT/results" ${INFER_ARGS:-} > "$OUT/infer.log" 2>&1
+  echo "bench_inference rc=$?"; tail -15 "$OUT/infer.log";;
+esac
+case " $STEPS " in *" train "*)
+  timeout ${TRAIN_LIMIT:-330} python3 benchmarks/bench_train.py --out "$OUT/results" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
+  echo "bench_train rc=$?"; tail -15 "$OUT/train.log";;
+esac
+case " $STEPS " in *" san "*)
+  timeout ${SAN_LIMIT:-100} bash tests/run_sanitizer.sh "$OUT/san"; echo "sanitizer rc=$?";;
+esac
 date -u
+(cd "$OUT" && tar czf /tmp/logs.tgz . && find . -type f -delete && find . -mindepth 1 -type d -delete && mv /tmp/logs.tgz .)

@@ -309,13 +309,19 @@ def _check_rows(rows, S: int, device: torch.device, check_values: bool) -> torch
 
 
 def _misaligned(t: torch.Tensor) -> bool:
-    """Whether 16-byte row loads of t would be misaligned. Under torch.compile only the strides
-    are checked: Tensor.data_ptr() cannot be traced (it split the core into several graphs), and
-    the buffers of a compiled graph come from the (aligned) caching allocator."""
+    """Whether 16-byte row loads of t would be misaligned. The strides are checked always; under
+    torch.compile nothing else (storage_offset() and data_ptr() break the graph there, and the
+    buffers of a compiled graph come from the aligned caching allocator); while AOT autograd
+    traces a backward with fake tensors, the storage offset (data_ptr() cannot be read there)."""
     es = t.element_size()
     if any((s * es) % 16 for s in t.stride()[:-1]):
         return True
-    return not torch.compiler.is_compiling() and t.data_ptr() % 16 != 0
+    if torch.compiler.is_compiling():
+        return False
+    try:
+        return t.data_ptr() % 16 != 0
+    except RuntimeError:  # fake / functional tensor: no pointer to read
+        return (t.storage_offset() * es) % 16 != 0
 
 
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:

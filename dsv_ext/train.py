@@ -436,9 +436,10 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         opt.load_state_dict(ck["optimizer"])
         if controller is not None:
             controller.load_state_dict(ck["controller"])
-        torch.set_rng_state(ck["torch_rng"])
+        # RNG states are CPU ByteTensors; a checkpoint loaded with map_location="cuda" moved them
+        torch.set_rng_state(ck["torch_rng"].cpu())
         if ck.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(ck["cuda_rng"])
+            torch.cuda.set_rng_state_all([s.cpu() for s in ck["cuda_rng"]])
         start = int(ck["step"])
         log_window = ck.get("log_window")
         # Drop metric lines past the checkpoint (a crashed run may have logged further).

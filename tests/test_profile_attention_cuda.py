@@ -55,7 +55,7 @@ def test_profile_random(gen, dtype, B, S, H, D, R, theta, G, kmax, layout):
     assert torch.isnan(rc2).all()
 
 
-@pytest.mark.parametrize("theta", [0.0, 1.0])
+@pytest.mark.parametrize("theta", [1e-9, 1.0])
 def test_profile_theta_edges(gen, theta):
     KB.need_backend()
     B, S, H, D, R = 1, 257, 2, 64, 12
@@ -63,12 +63,22 @@ def test_profile_theta_edges(gen, theta):
     rows = torch.randint(0, S, (R,), generator=gen, dtype=torch.int32).cuda()
     want = ref.profile_ref(q, k, rows.long(), theta, scale=0.125)
     sp, _ = KB.profile_attention(q, k, rows, theta, 0.125)
-    if theta == 0.0:
-        assert (sp.cpu() == 1.0).all()
+    if theta < 1.0:
+        # the smallest mass: one key per row covers it, sparsity 1 - 1/S (fp32 rounding)
+        assert (want.sparsity == 1.0 - 1.0 / S).all()
+        assert ((sp.double().cpu() - (1.0 - 1.0 / S)).abs() < 1e-6).all(), sp
     else:
         # theta = 1: all keys, up to fp32 rounding of the total mass (c = S or a few keys less
         # whose mass is below rounding)
         torch.testing.assert_close(sp.double().cpu(), want.sparsity.cpu(), atol=0.05, rtol=0)
+
+
+def test_profile_theta_zero_rejected(gen):
+    KB.need_backend()
+    q, k = ref.make_qkv(1, 64, 2, 64, dtype=torch.bfloat16, generator=gen, device="cuda", n=2)
+    rows = torch.arange(4, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="theta"):
+        KB.profile_attention(q, k, rows, 0.0, 0.125)
 
 
 def test_profile_peaked_rows(gen):

@@ -395,13 +395,17 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   gather_rows_async<T, D, NT>(dOs, p.dout + b * p.gb + h * p.gh, p.gs, qidx, BM);
   const int ntiles = (j1 - j0 + BN - 1) / BN;
   /* NS-stage pipeline, as in the forward (group 0 also holds the Q and dO tiles) */
+  KeyTileIdx<D, NT, BN> ix; /* list entries loaded one tile ahead, as in the forward */
 #pragma unroll
   for (int st = 0; st < NS - 1; ++st) {
-    if (st < ntiles)
-      gather_keys_async<T, D, NT>(Ks + st * BN * LD, Vs + st * BN * LD, kbase, p.ks, vbase, p.vs,
-                                  list, j0 + st * BN, j1, klo, khi, kidx + st * BN, BN);
+    if (st < ntiles) {
+      ix.load(list, j0 + st * BN, j1);
+      gather_keys_pre<T, D, NT, BN>(Ks + st * BN * LD, Vs + st * BN * LD, kbase, p.ks, vbase, p.vs,
+                                    ix, klo, khi, kidx + st * BN);
+    }
     cp_async_commit();
   }
+  ix.load(list, j0 + (NS - 1) * BN, j1);
 
   float dq[D / 8][4];
 #pragma unroll
@@ -416,8 +420,9 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
       const int tn = t + NS - 1;
       if (tn < ntiles) {
         const int nb = tn % NS;
-        gather_keys_async<T, D, NT>(Ks + nb * BN * LD, Vs + nb * BN * LD, kbase, p.ks, vbase,
-                                    p.vs, list, j0 + tn * BN, j1, klo, khi, kidx + nb * BN, BN);
+        gather_keys_pre<T, D, NT, BN>(Ks + nb * BN * LD, Vs + nb * BN * LD, kbase, p.ks, vbase,
+                                      p.vs, ix, klo, khi, kidx + nb * BN);
+        ix.load(list, j0 + (tn + 1) * BN, j1);
       }
       cp_async_commit();
     }

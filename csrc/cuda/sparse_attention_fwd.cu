@@ -61,14 +61,19 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
   gather_rows_async<T, D, NT>(Qs, qbase, p.qs, qidx, BM);
   const int ntiles = (count + BN - 1) / BN;
   /* NS-stage cp.async pipeline: NS - 1 key tiles in flight while one is computed; group s of
-   * the prologue holds tile s (group 0 also the Q tile); one group is committed per tile. */
+   * the prologue holds tile s (group 0 also the Q tile); one group is committed per tile. The
+   * list entries of the next tile to gather are loaded one tile ahead (KeyTileIdx). */
+  KeyTileIdx<D, NT, BN> ix;
 #pragma unroll
   for (int st = 0; st < NS - 1; ++st) {
-    if (st < ntiles)
-      gather_keys_async<T, D, NT>(Ks + st * BN * LD, Vs + st * BN * LD, kbase, p.ks, vbase, p.vs,
-                                  list, st * BN, count, 0, p.S, kidx + st * BN, BN);
+    if (st < ntiles) {
+      ix.load(list, st * BN, count);
+      gather_keys_pre<T, D, NT, BN>(Ks + st * BN * LD, Vs + st * BN * LD, kbase, p.ks, vbase, p.vs,
+                                    ix, 0, p.S, kidx + st * BN);
+    }
     cp_async_commit();
   }
+  ix.load(list, (NS - 1) * BN, count);
 
   float o[D / 8][4];
 #pragma unroll
@@ -83,8 +88,9 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
       const int tn = t + NS - 1;
       if (tn < ntiles) {
         const int nb = tn % NS;
-        gather_keys_async<T, D, NT>(Ks + nb * BN * LD, Vs + nb * BN * LD, kbase, p.ks, vbase,
-                                    p.vs, list, tn * BN, count, 0, p.S, kidx + nb * BN, BN);
+        gather_keys_pre<T, D, NT, BN>(Ks + nb * BN * LD, Vs + nb * BN * LD, kbase, p.ks, vbase,
+                                      p.vs, ix, 0, p.S, kidx + nb * BN);
+        ix.load(list, (tn + 1) * BN, count);
       }
       cp_async_commit();
     }
@@ -213,6 +219,7 @@ static int fwd_tile_cfg() {
   if (e && !strcmp(e, "64x2")) return 0;
   if (e && !strcmp(e, "32x4")) return 1;
   if (e && !strcmp(e, "32x5")) return 2;
+  if (e && !strcmp(e, "32x3")) return 3; /* 70 KB at D = 128: 3 CTAs per SM */
   return 0; /* measured at S = 64k, D = 128: 64x2 48.1 ms, 32x4 49.5, 32x5 51.1 */
 }
 
@@ -224,6 +231,7 @@ static int fwd_launch_cfg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cud
     switch (fwd_tile_cfg()) {
       case 1: return launch_fwd<T, D, BM, 32, 4>(sh, prm, stream);
       case 2: return launch_fwd<T, D, BM, 32, 5>(sh, prm, stream);
+      case 3: return launch_fwd<T, D, BM, 32, 3>(sh, prm, stream);
       default: return launch_fwd<T, D, BM, 64, 2>(sh, prm, stream);
     }
   }
