@@ -249,6 +249,50 @@ def main():
 
     log(f"[bench_cp] N={n} device={dev_kind} dtype={dtype} H={H} D={D} G={G} r={r} seqlens={seqlens} methods={methods}")
     t_start = time.time()
+    def write_results():
+        """Rank 0 writes JSON + Markdown of what ran so far (called after every record)."""
+        # speedups against dense Ulysses of the same configuration
+        base = {(x["S"], x["profile"], x["index"]): x["step_ms"] for x in records if x.get("ok") and x["method"] == "ulysses"}
+        for x in records:
+            b = base.get((x["S"], x["profile"], x["index"]))
+            if x.get("ok") and b:
+                x["speedup_vs_ulysses"] = b / x["step_ms"]
+        if me == 0:
+            os.makedirs(args.out, exist_ok=True)
+            name = f"bench_cp_{n}gpu{args.tag}" if dev_kind == "cuda" else f"bench_cp_cpu_{n}rank{args.tag}"
+            meta = dict(cost_model=cost.to_dict(), world=n, device=torch.cuda.get_device_name(device) if dev_kind == "cuda" else platform.processor(),
+                        torch=torch.__version__, dtype=str(dtype), heads=H, head_dim=D, group_size=G, rank=r,
+                        sparsity=args.sparsity, iters=args.iters, warmup=args.warmup,
+                        date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
+                        wall_s=time.time() - t_start)
+            with open(os.path.join(args.out, name + ".json"), "w") as f:
+                json.dump(dict(meta=meta, records=records), f, indent=1)
+            lines = [f"# bench_cp: {n} x {meta['device']}, B=1, H={H}, D={D}, {dtype}, G={G}, r={r}, target sparsity {args.sparsity}",
+                     "",
+                     "Time of one attention layer forward+backward (all-to-alls, estimation and index building included; "
+                     "max over ranks). compute/rank: the rank's attention kernels replayed alone; imbalance = max/mean - 1 "
+                     "of that. sent: bytes one rank sends, forward+backward (max over ranks). SCP kv/dense: K/V row bytes "
+                     "sent / K/V bytes of dense sequence parallelism (all-gather).",
+                     "",
+                     "| S | profile | index | method | step ms | vs Ulysses | compute ms/rank | imbalance | sent MiB/rank | peak GiB | plan | SCP union | SCP kv/dense |",
+                     "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            for x in records:
+                if not x.get("ok"):
+                    lines.append(f"| {x['S']} | {x['profile']} | {x['index']} | {x['method']} | failed: {x['error'][:80]} |||||||||")
+                    continue
+                pl = f"g_h={x['plan']['g_h']} g_s={x['plan']['g_s']}" if "plan" in x else ""
+                un = f"{max(x['scp_union_fraction']):.2f}" if "scp_union_fraction" in x else ""
+                kr = f"{x['scp_kv_bytes_ratio']:.3f}" if "scp_kv_bytes_ratio" in x else ""
+                lines.append(f"| {x['S']} | {x['profile']} | {x['index']} | {x['method']} | {x['step_ms']:.2f} | "
+                             f"{x.get('speedup_vs_ulysses', float('nan')):.2f}x | "
+                             f"{' / '.join('%.1f' % c for c in x['compute_ms_per_rank'])} | {x['imbalance'] * 100:.1f}% | "
+                             f"{max(x['bytes_sent_per_rank']) / 2**20:.1f} | {x['peak_mem_gb']:.2f} | {pl} | {un} | {kr} |")
+            lines.append("")
+            lines.append(f"wall time {meta['wall_s']:.0f} s, {meta['date']}, torch {meta['torch']}")
+            with open(os.path.join(args.out, name + ".md"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+                return os.path.join(args.out, name)
+
     for S in seqlens:
         if S % (n * G):
             log(f"skip S={S}: not a multiple of N*G")
@@ -368,49 +412,12 @@ def main():
                         + (f"  plan g_h={plan.g_h} g_s={plan.g_s}" if plan is not None else "")
                         + (f"  union {max(rec_d['scp_union_fraction']):.2f} kv-bytes/dense {rec_d['scp_kv_bytes_ratio']:.3f}"
                            if "scp_kv_bytes_ratio" in rec_d else ""))
+                    write_results()  # a run cut short keeps what it measured
                     del out, rec
                 del q0, k0, v0, ql, kl, grad
-    # speedups against dense Ulysses of the same configuration
-    base = {(x["S"], x["profile"], x["index"]): x["step_ms"] for x in records if x.get("ok") and x["method"] == "ulysses"}
-    for x in records:
-        b = base.get((x["S"], x["profile"], x["index"]))
-        if x.get("ok") and b:
-            x["speedup_vs_ulysses"] = b / x["step_ms"]
+    path = write_results()
     if me == 0:
-        os.makedirs(args.out, exist_ok=True)
-        name = f"bench_cp_{n}gpu{args.tag}" if dev_kind == "cuda" else f"bench_cp_cpu_{n}rank{args.tag}"
-        meta = dict(cost_model=cost.to_dict(), world=n, device=torch.cuda.get_device_name(device) if dev_kind == "cuda" else platform.processor(),
-                    torch=torch.__version__, dtype=str(dtype), heads=H, head_dim=D, group_size=G, rank=r,
-                    sparsity=args.sparsity, iters=args.iters, warmup=args.warmup,
-                    date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
-                    wall_s=time.time() - t_start)
-        with open(os.path.join(args.out, name + ".json"), "w") as f:
-            json.dump(dict(meta=meta, records=records), f, indent=1)
-        lines = [f"# bench_cp: {n} x {meta['device']}, B=1, H={H}, D={D}, {dtype}, G={G}, r={r}, target sparsity {args.sparsity}",
-                 "",
-                 "Time of one attention layer forward+backward (all-to-alls, estimation and index building included; "
-                 "max over ranks). compute/rank: the rank's attention kernels replayed alone; imbalance = max/mean - 1 "
-                 "of that. sent: bytes one rank sends, forward+backward (max over ranks). SCP kv/dense: K/V row bytes "
-                 "sent / K/V bytes of dense sequence parallelism (all-gather).",
-                 "",
-                 "| S | profile | index | method | step ms | vs Ulysses | compute ms/rank | imbalance | sent MiB/rank | peak GiB | plan | SCP union | SCP kv/dense |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for x in records:
-            if not x.get("ok"):
-                lines.append(f"| {x['S']} | {x['profile']} | {x['index']} | {x['method']} | failed: {x['error'][:80]} |||||||||")
-                continue
-            pl = f"g_h={x['plan']['g_h']} g_s={x['plan']['g_s']}" if "plan" in x else ""
-            un = f"{max(x['scp_union_fraction']):.2f}" if "scp_union_fraction" in x else ""
-            kr = f"{x['scp_kv_bytes_ratio']:.3f}" if "scp_kv_bytes_ratio" in x else ""
-            lines.append(f"| {x['S']} | {x['profile']} | {x['index']} | {x['method']} | {x['step_ms']:.2f} | "
-                         f"{x.get('speedup_vs_ulysses', float('nan')):.2f}x | "
-                         f"{' / '.join('%.1f' % c for c in x['compute_ms_per_rank'])} | {x['imbalance'] * 100:.1f}% | "
-                         f"{max(x['bytes_sent_per_rank']) / 2**20:.1f} | {x['peak_mem_gb']:.2f} | {pl} | {un} | {kr} |")
-        lines.append("")
-        lines.append(f"wall time {meta['wall_s']:.0f} s, {meta['date']}, torch {meta['torch']}")
-        with open(os.path.join(args.out, name + ".md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
-        print(f"[bench_cp] wrote {os.path.join(args.out, name)}.json/.md in {meta['wall_s']:.0f} s", flush=True)
+        print(f"[bench_cp] wrote {path}.json/.md in {time.time() - t_start:.0f} s", flush=True)
     P.clear_group_cache()
     dist.destroy_process_group()
 

@@ -287,9 +287,9 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
     torch.cuda.synchronize()
     peak_extra = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
     bwd_ms = bench(bwd, reps)
-    variants = {}
+    variants = {"bwd_qmajor_ms": None, "bwd_kmajor_ms": None}
     old = os.environ.get("DSV_KM_RATIO")
-    for name, val in (("qmajor", "0"), ("kmajor", "1e9")):
+    for name, val in (() if NO_VARIANTS else (("qmajor", "0"), ("kmajor", "1e9"))):
         os.environ["DSV_KM_RATIO"] = val
         variants[f"bwd_{name}_ms"] = bench(bwd, 2, 1)
     if old is None:
@@ -317,6 +317,7 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
 
 
 PROFILE = False
+NO_VARIANTS = False
 PROFILED = {}
 TILE_SWEEP = False
 SWEPT = {}
@@ -426,6 +427,8 @@ def main():
     ap.add_argument("--dense", nargs="*", default=["cudnn", "flash"], help="dense baselines")
     ap.add_argument("--tile-sweep", action="store_true", help="time the key-tile configurations")
     ap.add_argument("--profile", action="store_true", help="per-kernel times (torch.profiler)")
+    ap.add_argument("--no-variants", action="store_true",
+                    help="skip timing the backward with each dK/dV path forced (saves time on grids)")
     ap.add_argument("--S", type=int, nargs="*")
     ap.add_argument("--D", type=int, nargs="*")
     ap.add_argument("--G", type=int, nargs="*")
@@ -445,8 +448,9 @@ def main():
     Gs = args.G or Gs
     sps = args.sparsity or sps
     dists = args.dist or dists
-    global PROFILE, TILE_SWEEP
+    global PROFILE, TILE_SWEEP, NO_VARIANTS
     PROFILE = args.profile
+    NO_VARIANTS = args.no_variants
     TILE_SWEEP = args.tile_sweep
     gen = torch.Generator().manual_seed(0)
     est_name, est = estimate_fn()
@@ -486,7 +490,7 @@ def main():
     print("\nS D G sparsity dist | est fwd bwd (qmajor kmajor) | cudnn fwdbwd | speedup")
     for r in records:
         print(f"{r['S']} {r['D']} {r['G']} {r['sparsity']} {r['dist']} | {r['est_ms']:.2f} "
-              f"{r['fwd_ms']:.2f} {r['bwd_ms']:.2f} ({r['bwd_qmajor_ms']:.2f} {r['bwd_kmajor_ms']:.2f})"
+              f"{r['fwd_ms']:.2f} {r['bwd_ms']:.2f} ({r['bwd_qmajor_ms'] or 0:.2f} {r['bwd_kmajor_ms'] or 0:.2f})"
               f" | {r.get('cudnn_fwdbwd_ms')} | {r.get('speedup_vs_cudnn_fwdbwd')}")
 
 

@@ -31,6 +31,9 @@ case " $STEPS " in *" bench "*)
   timeout ${BENCH_LIMIT:-90} python3 benchmarks/bench_kernels.py ${BENCH_ARGS:---quick} --out "$OUT/results" > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"; grep -v '^{' "$OUT/bench.log" | tail -12;;
 esac
+case " $STEPS " in *" grid "*)
+  bash benchmarks/device_kernel_grid.sh;;
+esac
 case " $STEPS " in *" ncu "*)
   for dist in ${NCU_DISTS:-random smooth}; do
     timeout ${NCU_LIMIT:-80} ncu --clock-control none -k regex:"sparse_attn_fwd|bwd_qmajor|bwd_kmajor" -c 3 \
