@@ -234,7 +234,11 @@ def flex_times(B, S, H, D, dtype, density, reps, gen):
     nb = S // 128
     nkeep = max(1, int(round(density * nb)))
     scores = torch.rand(B, H, nb, nb, generator=gen)
-    kv_idx = scores.argsort(dim=-1)[..., :nkeep].sort(dim=-1).values.to(torch.int32).cuda()
+    # the index tensors must span all nb key blocks (BlockMask transposes them through a dense
+    # [nb x nb] map): the kept blocks first (ascending), then the rest, which kv_num excludes
+    order = scores.argsort(dim=-1)
+    kv_idx = torch.cat([order[..., :nkeep].sort(dim=-1).values, order[..., nkeep:].sort(dim=-1).values],
+                       dim=-1).to(torch.int32).cuda()
     kv_num = torch.full((B, H, nb), nkeep, dtype=torch.int32, device="cuda")
     full_kv = torch.full((B, H, nb), 0, dtype=torch.int32, device="cuda")
     bm = BlockMask.from_kv_blocks(full_kv, torch.zeros_like(kv_idx), kv_num, kv_idx,
@@ -378,7 +382,7 @@ def write_outputs(records, outdir, meta):
         # a JSON list, one record per shape; the run's date, commit, card and settings in each
         json.dump([dict(r, **{"run_" + k: v for k, v in meta.items()}) for r in records], f, indent=1)
     cols = ["S", "D", "G", "sparsity", "dist", "K", "est_ms", "fwd_ms", "bwd_ms", "bwd_qmajor_ms",
-            "bwd_kmajor_ms", "cudnn_fwdbwd_ms", "flex_fwdbwd_ms", "fwdbwd_tflops",
+            "bwd_kmajor_ms", "cudnn_fwdbwd_ms", "flash_fwdbwd_ms", "flex_fwdbwd_ms", "fwdbwd_tflops",
             "speedup_vs_cudnn_fwdbwd", "speedup_vs_flex_fwdbwd", "peak_extra_bwd_mib"]
     lines = [f"# Kernel benchmark ({meta['date']}, commit {meta['commit']}, {meta['card']})", "",
              f"H={meta['H']}, B=1, {meta['dtype']}, estimate: {meta['estimate']}. Times in ms "
@@ -427,6 +431,8 @@ def main():
     ap.add_argument("--dense", nargs="*", default=["cudnn", "flash"], help="dense baselines")
     ap.add_argument("--tile-sweep", action="store_true", help="time the key-tile configurations")
     ap.add_argument("--profile", action="store_true", help="per-kernel times (torch.profiler)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="only merge kernels.json files of earlier runs into one table/plot in --out")
     ap.add_argument("--no-variants", action="store_true",
                     help="skip timing the backward with each dK/dV path forced (saves time on grids)")
     ap.add_argument("--S", type=int, nargs="*")
@@ -435,6 +441,21 @@ def main():
     ap.add_argument("--sparsity", type=float, nargs="*")
     ap.add_argument("--dist", nargs="*")
     args = ap.parse_args()
+    if args.merge:
+        records = []
+        for path in args.merge:
+            with open(path) as f:
+                records += json.load(f)
+        first = records[0]
+        meta = {k[4:]: v for k, v in first.items() if k.startswith("run_")}
+        runs = sorted({(r.get("run_date"), r.get("run_commit")) for r in records})
+        if len(runs) > 1:
+            meta["date"] = ", ".join(sorted({d for d, _ in runs if d}))
+            meta["commit"] = ", ".join(sorted({c for _, c in runs if c}))
+        records = [{k: v for k, v in r.items() if not k.startswith("run_")} for r in records]
+        write_outputs(records, args.out, meta)
+        print(f"merged {len(records)} records into {args.out}")
+        return
     if T.backend() is None:
         sys.exit("no CUDA kernels: build dsv_ext with CUDA or set DSV_ATTN_LIB")
     H, B, dtype = 24, 1, torch.bfloat16

@@ -11,6 +11,6 @@ run() { local name=$1; shift; timeout ${GRID_LIMIT:-150} $B "$@" --out "$OUT/gri
         echo "grid $name rc=$?"; grep -v '^{' "$OUT/grid_$name.log" | tail -n +3 | grep -v '^S=' | tail -20; }
 run flex   --S 65536 --D 128 --G 64 --sparsity 0.9 0.95 --dist random --flex
 run random --S 16384 32768 65536 131072 --D 128 --G 64 --sparsity 0.8 0.9 0.95 0.98 --dist random
-run smooth --S 65536 --D 128 --G 64 --sparsity 0.8 0.95 0.98 --dist smooth
-run d64g32 --S 65536 --D 64 --G 32 64 --sparsity 0.9 --dist random smooth
-run g32    --S 65536 --D 128 --G 32 --sparsity 0.9 --dist random smooth
+run d64g32 --S 65536 --D 64 --G 32 64 --sparsity 0.9 --dist random
+run g32    --S 65536 --D 128 --G 32 --sparsity 0.9 --dist random
+[ -n "${GRID_SMOOTH:-}" ] && run smooth --S 65536 --D 128 --G 64 --sparsity 0.8 0.95 0.98 --dist smooth

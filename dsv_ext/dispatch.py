@@ -100,7 +100,13 @@ class Dispatcher:
         if not es:
             return []
         hd = min({e["head_dim"] for e in es}, key=lambda d: abs(d - head_dim))
-        return sorted((e for e in es if e["head_dim"] == hd), key=lambda e: e["seq_len"])
+        es = [e for e in es if e["head_dim"] == hd]
+        # kernel times depend on the group size (on the H200, G = 32 is about 2x slower than 64):
+        # use the entries measured with this config's group size, else the nearest one measured
+        G = self.config.group_size
+        gs = {e.get("group_size", G) for e in es}
+        g = min(gs, key=lambda x: (abs(math.log2(max(x, 1)) - math.log2(max(G, 1))), x))
+        return sorted((e for e in es if e.get("group_size", G) == g), key=lambda e: e["seq_len"])
 
     def has_entry(self, device, dtype: torch.dtype, heads: int, head_dim: int, seq_len: int) -> bool:
         """Whether the table holds a measurement for exactly this device/dtype/shape."""

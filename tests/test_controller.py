@@ -280,6 +280,24 @@ def test_dispatcher_cost_model_and_threshold(tmp_path):
     assert Dispatcher.load(str(tmp_path / "missing.json")) is None
 
 
+def test_dispatcher_uses_entries_of_its_group_size():
+    """Entries measured with the config's group size win; else the nearest group size measured."""
+    t = _table()
+    slow = json.loads(json.dumps(t))
+    for e in slow["entries"]:
+        e["group_size"] = 32
+        e["sparse_ms"] = {k: 10 * v for k, v in e["sparse_ms"].items()}  # G = 32 ten times slower
+    both = {"version": 1, "entries": t["entries"] + slow["entries"]}
+    fast = Dispatcher(_cfg(use_calibration=True, group_size=8, dispatch_margin=0.0), table=both)
+    slow_d = Dispatcher(_cfg(use_calibration=True, group_size=32, dispatch_margin=0.0), table=both)
+    near = Dispatcher(_cfg(use_calibration=True, group_size=16, dispatch_margin=0.0), table=both)
+    args = (2048, 4, 16, 0.1, "cpu", torch.float32)
+    assert math.isclose(slow_d.predict_ms(*args)["sparse"], 10 * fast.predict_ms(*args)["sparse"], rel_tol=1e-9)
+    assert near.predict_ms(*args)["sparse"] == fast.predict_ms(*args)["sparse"]  # 16: nearest tie -> 8
+    assert fast.decide([0.9, 0.9], 2048, 2, 16, "cpu", torch.float32)
+    assert not slow_d.decide([0.9, 0.9], 2048, 2, 16, "cpu", torch.float32)
+
+
 def test_dispatcher_calibrate_on_cpu(tmp_path):
     cfg = _cfg(use_calibration=True, calibration_path=str(tmp_path / "c.json"))
     t = Dispatcher(cfg, table=None).calibrate("cpu", seq_lens=(64,), sparsities=(0.5, 0.9), heads=2,
