@@ -300,8 +300,9 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
         os.environ.pop("DSV_KM_RATIO", None)
     else:
         os.environ["DSV_KM_RATIO"] = old
-    if TILE_SWEEP and not SWEPT.get(dist):
-        SWEPT[dist] = True
+    if TILE_SWEEP and not SWEPT.get((dist, D, G)):
+        SWEPT[(dist, D, G)] = True
+        print(f"  tile sweep S={S} D={D} G={G} sparsity={sparsity} {dist}:", flush=True)
         tile_sweep(q, k, v, do, kv_index, cnt, G, scale, out, lse, bwd)
     if PROFILE and not PROFILED.get(dist):
         PROFILED[dist] = True
@@ -331,8 +332,8 @@ def tile_sweep(q, k, v, do, kv_index, cnt, G, scale, out_ref, lse_ref, bwd):
     """Time each compiled key-tile configuration (BN keys x NS stages) of the forward and of the
     query-major backward kernels, and check it against the default configuration."""
     grads_ref = bwd()
-    for var, cfgs, kind in (("DSV_ATTN_FWD_TILE", ("64x2", "32x3", "32x4", "32x5"), "fwd"),
-                            ("DSV_ATTN_BWD_TILE", ("64x2", "32x3", "32x4"), "bwd")):
+    for var, cfgs, kind in (("DSV_ATTN_FWD_TILE", ("64x2", "32x2", "32x3", "32x4", "32x5"), "fwd"),
+                            ("DSV_ATTN_BWD_TILE", ("64x2", "32x2", "32x3", "32x4"), "bwd")):
         for cfg in cfgs:
             os.environ[var] = cfg
             try:

@@ -788,11 +788,12 @@ static int launch_qmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream
 }
 
 /* Key-tile configuration of the query-major kernels for D <= 128: DSV_ATTN_BWD_TILE "64x2",
- * "32x3" (default) or "32x4". */
+ * "32x3" (default), "32x4" or "32x2". */
 static int bwd_tile_cfg() {
   const char* e = getenv("DSV_ATTN_BWD_TILE");
   if (e && !strcmp(e, "64x2")) return 0;
   if (e && !strcmp(e, "32x4")) return 2;
+  if (e && !strcmp(e, "32x2")) return 3;
   return 1;
 }
 
@@ -804,6 +805,7 @@ static int qmajor_cfg(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t 
     switch (bwd_tile_cfg()) {
       case 0: return launch_qmajor<T, D, BM, 64, 2, ATOMIC>(sh, prm, stream);
       case 2: return launch_qmajor<T, D, BM, 32, 4, ATOMIC>(sh, prm, stream);
+      case 3: return launch_qmajor<T, D, BM, 32, 2, ATOMIC>(sh, prm, stream);
       default: return launch_qmajor<T, D, BM, 32, 3, ATOMIC>(sh, prm, stream);
     }
   }

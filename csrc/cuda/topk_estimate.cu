@@ -28,6 +28,8 @@
  * G = 64, 24 heads): S = 64k, K = 10%: 10.8 ms; S = 128k, K = 20%: 47.7 ms (issue-bound on the
  * per-score integer work of 5 passes; see kTwoPhase for the faster variant in the works).
  */
+#include <stdlib.h>
+
 #include "cuda_common.cuh"
 
 #define TK_WARPS 4
@@ -71,7 +73,7 @@ static __device__ __forceinline__ uint32_t dsv_tk_keep_lowest(uint32_t x, int n)
   return kept;
 }
 
-#ifdef DSV_TOPK_TWO_PHASE
+/* Two-phase tile loops (template parameter TWO; DSV_TOPK_TWO_PHASE=1 at run time). */
 /* hist[(u >> shift) & 255] += 1 when ok and u matches the prefix, else sink += 1: an
  * unconditional shared reduction, so that no branch is needed per score */
 static __device__ __forceinline__ void dsv_tk_hist_inc(uint32_t base, uint32_t u, uint32_t pmask,
@@ -154,20 +156,18 @@ static __device__ __forceinline__ void dsv_tk_compact_flags(const uint32_t* kt,
   }
 }
 
-#endif /* DSV_TOPK_TWO_PHASE */
 
-template <typename T, int RP>
+template <typename T, int RP, bool TWO>
 __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_args a) {
   constexpr int KS = RP / 16;
   constexpr int SW = RP / 2 + 4; /* 32-bit words per staged key row (conflict-free B loads) */
   /* Tile loops. Default: one 8-key block at a time (unroll 2), histogram atomics behind a branch
-   * (the version measured on the H200). With -DDSV_TOPK_TWO_PHASE: the MMA chains of all 8
+   * (the version measured on the H200). With TWO (environment DSV_TOPK_TWO_PHASE=1): the MMA chains of all 8
    * blocks first, then branch-free histogram updates (fewer instructions, more independent
    * MMAs in flight; not yet run on the device). ptxas (CUDA 13.0) miscompiles fully unrolled
    * fp16 tile loops for RP >= 48 (HMMA results overwritten unread: seen in the SASS and as lost
    * keys on the H200), so those instantiations always keep the block-at-a-time loops. */
-  constexpr bool kTwoPhase = dsv_is_bf16<T>::value || RP <= 32;
-  (void)kTwoPhase;
+  constexpr bool kTwoPhase = TWO && (dsv_is_bf16<T>::value || RP <= 32);
   extern __shared__ __align__(16) unsigned char dsv_tk_smem[];
   uint32_t* hist = reinterpret_cast<uint32_t*>(dsv_tk_smem); /* [warps][16][256] */
   float* reps = reinterpret_cast<float*>(dsv_tk_smem);       /* alias, prologue: [64][RP] */
@@ -176,9 +176,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   int* st_need = reinterpret_cast<int*>(st_prefix + TK_GPC); /* [64] */
   int* st_done = st_need + TK_GPC;                           /* [64] */
   int* st_base = st_done + TK_GPC;                           /* [64] */
-#ifdef DSV_TOPK_TWO_PHASE
   uint32_t* dummy = reinterpret_cast<uint32_t*>(st_base + TK_GPC); /* [threads] sink slots */
-#endif
+  (void)dummy;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t bh = blockIdx.x / a.tiles_per_bh;
@@ -294,11 +293,12 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       if (all_done) break;
       const uint32_t prefA = st_prefix[gA], prefB = st_prefix[gB];
       const bool actA = vA && !st_done[gA], actB = vB && !st_done[gB];
-#ifdef DSV_TOPK_TWO_PHASE
       const uint32_t hA_addr = dsv_smem_addr(histw + (lane >> 2) * TK_BINS);
       const uint32_t hB_addr = hA_addr + 8 * TK_BINS * 4;
       const uint32_t sink = dsv_smem_addr(dummy + tid);
-#endif
+      (void)hA_addr;
+      (void)hB_addr;
+      (void)sink;
 
       dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, 0, TK_TILE, S, (int)a.r, RP, a.kvec, tid,
                           TK_THREADS);
@@ -315,13 +315,10 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         if (!warp_active) continue;
         const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
         const int64_t t0 = (int64_t)it * TK_TILE;
-#ifdef DSV_TOPK_TWO_PHASE
-        if (kTwoPhase) {
+        if constexpr (kTwoPhase) {
           dsv_tk_hist_tile<T, KS, SW>(kt, A, lane, j4, (int)t0, S32, hA_addr, hB_addr, sink, pmask,
                                      prefA, prefB, shift, actA, actB);
-        } else
-#endif
-        {
+        } else {
         /* one block at a time, branchy atomics (see kTwoPhase) */
 #pragma unroll 2
         for (int blk = 0; blk < TK_TILE / 8; ++blk) {
@@ -434,12 +431,9 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
       const int64_t t0 = (int64_t)it * TK_TILE;
       uint32_t mgA = 0, mgB = 0, meA = 0, meB = 0;
-#ifdef DSV_TOPK_TWO_PHASE
-      if (kTwoPhase) {
+      if constexpr (kTwoPhase) {
         dsv_tk_compact_flags<T, KS, SW>(kt, A, lane, j4, (int)t0, S32, TA, TB, mgA, mgB, meA, meB);
-      } else
-#endif
-      {
+      } else {
       /* block at a time, unroll 2 (never fully unrolled: see kTwoPhase) */
 #pragma unroll 2
       for (int blk = 0; blk < TK_TILE / 8; ++blk) {
@@ -506,14 +500,32 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   }
 }
 
-template <typename T, int RP>
-static int dsv_topk_launch(const dsv_topk_args& a, int64_t grid, cudaStream_t st) {
+template <typename T, int RP, bool TWO>
+static int dsv_topk_launch_v(const dsv_topk_args& a, int64_t grid, cudaStream_t st) {
   const size_t smem = dsv_topk_smem_bytes<RP>();
-  DSV_CUDA_TRY(cudaFuncSetAttribute(dsv_topk_kernel<T, RP>,
+  DSV_CUDA_TRY(cudaFuncSetAttribute(dsv_topk_kernel<T, RP, TWO>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  dsv_topk_kernel<T, RP><<<(unsigned)grid, TK_THREADS, smem, st>>>(a);
+  dsv_topk_kernel<T, RP, TWO><<<(unsigned)grid, TK_THREADS, smem, st>>>(a);
   DSV_CUDA_CHECK_LAUNCH();
   return DSV_OK;
+}
+
+/* Tile-loop variant: the environment variable DSV_TOPK_TWO_PHASE ("1" two-phase, "0" block at a
+ * time) overrides the default, block at a time unless built with -DDSV_TOPK_TWO_PHASE. */
+static bool dsv_topk_two_phase() {
+  const char* e = getenv("DSV_TOPK_TWO_PHASE");
+  if (e && e[0]) return e[0] == '1';
+#ifdef DSV_TOPK_TWO_PHASE
+  return true;
+#else
+  return false;
+#endif
+}
+
+template <typename T, int RP>
+static int dsv_topk_launch(const dsv_topk_args& a, int64_t grid, cudaStream_t st) {
+  if (dsv_topk_two_phase()) return dsv_topk_launch_v<T, RP, true>(a, grid, st);
+  return dsv_topk_launch_v<T, RP, false>(a, grid, st);
 }
 
 template <typename T>
