@@ -27,8 +27,8 @@
  * to 1.15 (measured crossover on the H200 at S = 64k, D = 128: path 0 costs ~110 ms whatever
  * the lists; path 1 ~57 ms of dQ pass + ~41 ms per unit of the ratio) and can be set with the
  * environment variable DSV_KM_RATIO (0 forces path 0, a large value forces path 1 where
- * allowed). Key tiles of the query-major kernels: 32 keys x 3 cp.async stages by default
- * (DSV_ATTN_BWD_TILE = 64x2 / 32x3 / 32x4; 32x3 keeps 2 CTAs per SM: 110 ms vs 181 / 164).
+ * allowed). Key tiles of the query-major kernels: 32 keys x 2 cp.async stages by default
+ * (DSV_ATTN_BWD_TILE = 32x2 / 64x2 / 32x3 / 32x4; see bwd_tile_cfg for the measurements).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -787,14 +787,16 @@ static int launch_qmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream
   return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
 }
 
-/* Key-tile configuration of the query-major kernels for D <= 128: DSV_ATTN_BWD_TILE "64x2",
- * "32x3" (default), "32x4" or "32x2". */
+/* Key-tile configuration of the query-major kernels for D <= 128: DSV_ATTN_BWD_TILE "32x2"
+ * (default), "64x2", "32x3" or "32x4". Measured at S = 64k, D = 128, sparsity 0.9 (session 2,
+ * same run): G = 64: 32x2 89.0 ms, 32x3 100.6, 64x2 105.7, 32x4 117.8; G = 32: 32x2 196.2,
+ * 32x3 197.3, 64x2 180.7, 32x4 176.1 (run-to-run spread ~10%). */
 static int bwd_tile_cfg() {
   const char* e = getenv("DSV_ATTN_BWD_TILE");
   if (e && !strcmp(e, "64x2")) return 0;
+  if (e && !strcmp(e, "32x3")) return 1;
   if (e && !strcmp(e, "32x4")) return 2;
-  if (e && !strcmp(e, "32x2")) return 3;
-  return 1;
+  return 3; /* 32x2 */
 }
 
 template <typename T, int D, int BM, bool ATOMIC>
@@ -804,9 +806,9 @@ static int qmajor_cfg(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t 
   } else {
     switch (bwd_tile_cfg()) {
       case 0: return launch_qmajor<T, D, BM, 64, 2, ATOMIC>(sh, prm, stream);
+      case 1: return launch_qmajor<T, D, BM, 32, 3, ATOMIC>(sh, prm, stream);
       case 2: return launch_qmajor<T, D, BM, 32, 4, ATOMIC>(sh, prm, stream);
-      case 3: return launch_qmajor<T, D, BM, 32, 2, ATOMIC>(sh, prm, stream);
-      default: return launch_qmajor<T, D, BM, 32, 3, ATOMIC>(sh, prm, stream);
+      default: return launch_qmajor<T, D, BM, 32, 2, ATOMIC>(sh, prm, stream);
     }
   }
 }

@@ -213,15 +213,17 @@ static int launch_fwd(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStr
 }
 
 /* Key-tile configuration (BN keys per tile, NS pipeline stages) for D <= 128; the environment
- * variable DSV_ATTN_FWD_TILE ("64x2" default, "32x2", "32x3", "32x4", "32x5") overrides it, for tuning. */
+ * variable DSV_ATTN_FWD_TILE ("32x2" default, "64x2", "32x3", "32x4", "32x5") overrides it, for
+ * tuning. Measured at S = 64k, D = 128, sparsity 0.9 (session 2, list entries prefetched):
+ * G = 64: 32x2 26.0 ms, 64x2 28.0, 32x3 26.3, 32x4 30.5, 32x5 30.4; G = 32 (BM = 32): 32x2 36.5,
+ * 64x2 66.0, 32x3 48.5, 32x4 65.0 (the small tiles let 5 CTAs share an SM). */
 static int fwd_tile_cfg() {
   const char* e = getenv("DSV_ATTN_FWD_TILE");
   if (e && !strcmp(e, "64x2")) return 0;
   if (e && !strcmp(e, "32x4")) return 1;
   if (e && !strcmp(e, "32x5")) return 2;
-  if (e && !strcmp(e, "32x3")) return 3; /* 70 KB at D = 128: 3 CTAs per SM */
-  if (e && !strcmp(e, "32x2")) return 4; /* 52 KB (BM 64) / 44 KB (BM 32) at D = 128 */
-  return 0; /* measured at S = 64k, D = 128: 64x2 48.1 ms, 32x4 49.5, 32x5 51.1 */
+  if (e && !strcmp(e, "32x3")) return 3;
+  return 4; /* 32x2 */
 }
 
 template <typename T, int D, int BM>
@@ -232,9 +234,9 @@ static int fwd_launch_cfg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cud
     switch (fwd_tile_cfg()) {
       case 1: return launch_fwd<T, D, BM, 32, 4>(sh, prm, stream);
       case 2: return launch_fwd<T, D, BM, 32, 5>(sh, prm, stream);
+      case 0: return launch_fwd<T, D, BM, 64, 2>(sh, prm, stream);
       case 3: return launch_fwd<T, D, BM, 32, 3>(sh, prm, stream);
-      case 4: return launch_fwd<T, D, BM, 32, 2>(sh, prm, stream);
-      default: return launch_fwd<T, D, BM, 64, 2>(sh, prm, stream);
+      default: return launch_fwd<T, D, BM, 32, 2>(sh, prm, stream);
     }
   }
 }
