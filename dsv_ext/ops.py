@@ -318,10 +318,20 @@ def _misaligned(t: torch.Tensor) -> bool:
         return True
     if torch.compiler.is_compiling():
         return False
+    if _is_fake(t):  # fake / functional tensor while tracing: no pointer to read
+        return (t.storage_offset() * es) % 16 != 0
     try:
         return t.data_ptr() % 16 != 0
-    except RuntimeError:  # fake / functional tensor: no pointer to read
+    except RuntimeError:  # other tensor subclasses without storage
         return (t.storage_offset() * es) % 16 != 0
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(is_fake(t))
 
 
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:

@@ -407,6 +407,22 @@ def test_cuda_backward_with_misaligned_output_gradient():
     torch.testing.assert_close(g, want)
 
 
+def test_alignment_check_on_fake_tensors():
+    """AOT autograd traces the backward with fake tensors: the alignment check must not read a
+    data pointer there (it raised on torch 2.11, warns on 2.14) and must still see a misaligned
+    storage offset; under dynamo it must not break the graph."""
+    import warnings
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from dsv_ext import ops
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with FakeTensorMode():
+            assert not ops._misaligned(torch.empty(4, 8, dtype=torch.bfloat16))
+            assert ops._misaligned(torch.empty(40, dtype=torch.bfloat16)[1:33].view(4, 8))
+    ex = torch._dynamo.explain(lambda x: x * 2 if not ops._misaligned(x) else x)(torch.randn(4, 8))
+    assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons
+
+
 def test_cuda_alignment_check_is_traceable(monkeypatch):
     """On CUDA every kernel input goes through ops._kernel_ready, whose alignment check must be
     traceable by torch.compile (Tensor.data_ptr() is not: the core split into several graphs on

@@ -318,6 +318,24 @@ def test_matches_reference(dtype, D, G, gen, path):
     run_and_check(q, k, v, kv_index, kv_count, G, 1.0 / math.sqrt(D), gen)
 
 
+@pytest.mark.parametrize("tiles", ["64x2", "32x2", "32x3", "32x4", "32x5"])
+@pytest.mark.parametrize("D,G", [(64, 32), (128, 32), (128, 64), (96, 128)])
+def test_every_key_tile_config(tiles, D, G, gen, monkeypatch):
+    """Each key-tile configuration (DSV_ATTN_FWD_TILE / DSV_ATTN_BWD_TILE, chosen per launch;
+    the defaults are 32x2) against the reference, query-major backward."""
+    need_backend()
+    monkeypatch.setenv("DSV_ATTN_FWD_TILE", tiles)
+    monkeypatch.setenv("DSV_ATTN_BWD_TILE", tiles if tiles != "32x5" else "32x4")
+    monkeypatch.setenv("DSV_KM_RATIO", "0")
+    B, H = 1, 2
+    S = 2 * G + 33
+    kmax = min(S, 200)
+    kv_index, kv_count = ref.random_index(B, H, S, G, kmax, counts=[[kmax, 97]], generator=gen,
+                                          pad="random")
+    q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
+    run_and_check(q, k, v, kv_index, kv_count, G, 1.0 / math.sqrt(D), gen)
+
+
 @pytest.mark.parametrize("layout", ["packed", "packed_d", "bhsd"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_strided_inputs(layout, D, gen, path):
