@@ -7,6 +7,11 @@ The weights are batched parameters of shape [H, D, r] (one einsum for all heads)
 Initialisation: Wq = Wk = W with W ~ N(0, scale / r), scale = 1/sqrt(D), so that
 E[W W^T] = scale * I and q_lr . k_lr is an unbiased random-projection estimate of the logit
 before any training (a Johnson-Lindenstrauss start, better than a random bilinear form).
+
+The weights stay float32 when the model is cast (``model.to(torch.bfloat16)``, ``.half()``):
+the controller's AdamW updates them by ~1e-3 of their size per step, which a bf16 weight (8
+significant bits) would mostly round away. Device moves apply as usual; projections run in the
+inputs' dtype.
 """
 from __future__ import annotations
 
@@ -43,6 +48,14 @@ class LowRankPredictor(nn.Module):
         w = torch.randn(self.wq.shape, generator=generator, dtype=torch.float32) * std
         self.wq.copy_(w)
         self.wk.copy_(w)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        with torch.no_grad():
+            for p in (self.wq, self.wk):
+                if p.is_floating_point() and p.dtype != torch.float32:
+                    p.data = p.data.float()  # keep fp32 master weights (see the module docstring)
+        return self
 
     def project(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """[B, S, H, D] x [H, D, r] -> [B, S, H, r] in x's dtype (autocast off: explicit dtype)."""

@@ -75,6 +75,31 @@ def test_controller_trains_predictors_loss_falls():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("cast", ["bf16", "half", "double"])
+def test_predictors_stay_fp32_when_the_model_is_cast(cast):
+    """Casting the model keeps the predictor weights float32 (bf16 weights would round away the
+    controller's small updates); the predictors still train on the cast model."""
+    cfg = _cfg(predictor_lr=1e-2)
+    model = Tiny(cfg)
+    model = {"bf16": lambda m: m.to(torch.bfloat16), "half": lambda m: m.half(),
+             "double": lambda m: m.double()}[cast](model)
+    cores = [b.attn_core for b in model.blocks]
+    assert all(c.predictor.wq.dtype == torch.float32 and c.predictor.wk.dtype == torch.float32
+               for c in cores)
+    assert model.blocks[0].qkv.weight.dtype != torch.float32  # the model itself was cast
+    ctl = DSVController(model)
+    x = _x().to(model.blocks[0].qkv.weight.dtype)
+    w0 = cores[0].predictor.wq.detach().clone()
+    losses = []
+    for _ in range(10):
+        model(x)
+        ctl.step()
+        losses.append(ctl.mean_loss())
+    assert cores[0].predictor.wq.dtype == torch.float32
+    assert not torch.equal(cores[0].predictor.wq, w0)
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
 def test_profiler_reports_sparsity_and_ema():
     cfg = _cfg(ema_alpha=0.9, profile_every=3)
     model = Tiny(cfg, depth=1)
