@@ -8,10 +8,10 @@ Initialisation: Wq = Wk = W with W ~ N(0, scale / r), scale = 1/sqrt(D), so that
 E[W W^T] = scale * I and q_lr . k_lr is an unbiased random-projection estimate of the logit
 before any training (a Johnson-Lindenstrauss start, better than a random bilinear form).
 
-The weights stay float32 when the model is cast (``model.to(torch.bfloat16)``, ``.half()``):
-the controller's AdamW updates them by ~1e-3 of their size per step, which a bf16 weight (8
-significant bits) would mostly round away. Device moves apply as usual; projections run in the
-inputs' dtype.
+The weights stay float32 when the model is cast to a 16-bit type (``model.to(torch.bfloat16)``,
+``.half()``): the controller's AdamW updates them by ~1e-3 of their size per step, which a bf16
+weight (8 significant bits) would mostly round away. Casts to float64 and device moves apply as
+usual; projections run in the inputs' dtype.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class LowRankPredictor(nn.Module):
         super()._apply(fn, recurse)
         with torch.no_grad():
             for p in (self.wq, self.wk):
-                if p.is_floating_point() and p.dtype != torch.float32:
+                if p.dtype in (torch.float16, torch.bfloat16):
                     p.data = p.data.float()  # keep fp32 master weights (see the module docstring)
         return self
 
