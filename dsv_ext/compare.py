@@ -82,6 +82,7 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
         "dense_tokens_per_s_after_switch": _tps_after(d["history"], sw),
         "dsv_tokens_per_s_after_switch": _tps_after(s["history"], sw),
         "blocks": (s["history"][-1].get("blocks") if s["history"] else None) or [],
+        "dispatch": {k: (cfg.get("dsv") or {}).get(k) for k in ("use_calibration", "dispatch_threshold")},
         "history": {"dense": d["history"], "dsv": s["history"]},
         "val": {"dense": d["val"], "dsv": s["val"]},
     }
@@ -124,6 +125,13 @@ def write_table(res: Dict[str, Any], path: str) -> None:
                      f"{_fmt(b.get('pred_loss'), 4)} | {_fmt(b.get('recall'), 3)} | "
                      f"{_fmt(b.get('sparse'))} |")
         L.append("")
+    disp = res.get("dispatch") or {}
+    if disp.get("use_calibration") is False:
+        thr = disp.get("dispatch_threshold")
+        L += [f"Dispatch: this config turns the calibrated speed model off and runs a block sparse "
+              f"whenever its measured sparsity is at least {_fmt(thr if thr is not None else 0.8, 2)}, "
+              "so the speed-up above shows that rule (chosen to test quality), not what the "
+              "dispatcher would pick for speed.", ""]
     L += ["Throughput counts forward + backward + optimizer + DSV controller work per step; "
           "stage 1 of DSV includes predictor training and profiling on top of dense attention.",
           "Sparsity: fraction of keys outside the critical set (softmax mass 0.9) from the profiler's "

@@ -158,6 +158,12 @@ def test_compare_writes_table_and_plot(tmp_path):
     assert json.load(open(tmp_path / "compare.json"))["steps"] == 4
     assert os.path.exists(tmp_path / "dsv" / "metrics.jsonl")
     assert not os.path.exists(tmp_path / "dsv" / "ckpt_last.pt")  # small enough to commit
+    # a config that forces blocks sparse by the threshold rule says so under the table
+    from dsv_ext.compare import write_table
+    assert "Dispatch:" not in md
+    res["dispatch"] = {"use_calibration": False, "dispatch_threshold": 0.5}
+    write_table(res, str(tmp_path / "forced.md"))
+    assert "sparsity is at least 0.50" in open(tmp_path / "forced.md").read()
 
 
 def test_resume_mid_log_window_logs_the_same_means(tmp_path):
