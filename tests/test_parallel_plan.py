@@ -216,3 +216,14 @@ def test_scp_query_padding_memory_is_modelled():
     with pytest.raises(ValueError, match="memory_limit"):
         solve_plan([0.9] * H, 2, S, D, cost=CostModel(union_factor=100.0), modes=("scp",),
                    memory_limit=(pad.rank_memory[0] + nopad.rank_memory[0]) / 2)
+
+
+def test_calibrate_defaults_fit_the_device():
+    """CostModel.calibrate() with no sizes measures small CPU sizes (and 16 heads of 16k-64k on a
+    GPU): on the CPU it finishes quickly and yields positive rates."""
+    import time
+    c = CostModel()
+    t0 = time.perf_counter()
+    c.calibrate(device="cpu", head_dim=16, rank=4, densities=(0.1,), repeats=1)
+    assert time.perf_counter() - t0 < 120
+    assert c.dense_flops > 0 and c.sparse_flops > 0 and c.estimate_flops > 0

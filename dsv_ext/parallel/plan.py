@@ -178,12 +178,19 @@ class CostModel:
             return cls.from_dict(json.load(f))
 
     # -- calibration -------------------------------------------------------------------------
-    def calibrate(self, device=None, seqlens=(4096, 16384), head_dim: int = 128, heads: int = 4,
+    def calibrate(self, device=None, seqlens=None, head_dim: int = 128, heads: Optional[int] = None,
                   densities=(0.05, 0.1), group_size: int = 64, rank: int = 16, dtype=None,
                   group=None, repeats: int = 3) -> "CostModel":
         """Measure the kernel throughputs (and, when ``group`` has more than one rank, the
         all-to-all bandwidth) on ``device`` and update this model in place. Takes a few
-        seconds on a GPU; on CPU it measures the CPU kernels (useful only for tests)."""
+        seconds on a GPU; on CPU it measures the CPU kernels (useful only for tests).
+
+        ``seqlens`` / ``heads`` default to (16384, 65536) x 16 heads on a GPU, sizes that fill
+        an H100/H200, and (1024, 4096) x 4 on the CPU. (The earlier default, 4 heads of 4k-16k
+        tokens, measured rates 2x (sparse) to 20x (estimation) below the kernels' rates at 64k+
+        on the H200; the per-head estimation cost then looked large and the same for every head,
+        the likely reason why the plan's head assignment was 5-6% off balance on skewed heads
+        where LPT on the kernel work was within ~1%: benchmarks/results/bench_cp_2gpu.md.)"""
         import time
 
         import torch
@@ -191,6 +198,10 @@ class CostModel:
         import dsv_ext
 
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if seqlens is None:
+            seqlens = (16384, 65536) if device.type == "cuda" else (1024, 4096)
+        if heads is None:
+            heads = 16 if device.type == "cuda" else 4
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
         def timeit(fn):
