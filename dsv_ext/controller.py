@@ -295,8 +295,23 @@ class DSVController:
         if self.config.auto_calibrate and self.config.use_calibration:
             self._auto_calibrate(valid)
         choice = iter(self.dispatcher.plan(valid, valid[0]["device"]) if valid else [])
-        for (_, m), b in zip(self.modules, blocks):
-            m.use_sparse = bool(next(choice)) if b is not None else False
+        use = [bool(next(choice)) if b is not None else False for b in blocks]
+        for (_, m), u in zip(self.modules, self._agree(use)):
+            m.use_sparse = u
+
+    def _agree(self, use: List[bool]) -> List[bool]:
+        """A block runs sparse only where every data-parallel rank chose sparse: the memory check
+        reads each rank's own free memory (and blocks may have seen other lengths), so ranks can
+        differ; they must not, or their numerics and step times drift apart. A collective: every
+        rank calls it from step() at the same steps."""
+        pg = self.process_group
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+                torch.distributed.get_world_size(pg) <= 1 or not use:
+            return use
+        dev = self.modules[0][1].kv_count.device
+        t = torch.tensor([1 if u else 0 for u in use], dtype=torch.int32, device=dev)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=pg)
+        return [bool(x) for x in t.tolist()]
 
     # ---------------------------------------------------------------- reporting
     def mean_loss(self, sync: bool = True, reduce: bool = False) -> Optional[float]:

@@ -11,7 +11,8 @@ run every scenario and write per-rank results that the test functions below chec
 * a rank given a non-matching shard length, a shard that is not a multiple of the group size,
   another kv_count or another plan makes every rank raise CPConfigError (no hang), and the
   group keeps working afterwards;
-* CostModel.calibrate's all-to-all probe on 3 ranks (a world size that does not divide it).
+* CostModel.calibrate's all-to-all probe on 3 ranks (a world size that does not divide it);
+* DSVController on 2 ranks whose dispatchers disagree: every rank runs the same blocks sparse.
 """
 
 from __future__ import annotations
@@ -229,6 +230,30 @@ def _sc_calibrate(rank, world):
     return {"a2a_bandwidth": c.a2a_bandwidth, "a2a_latency": c.a2a_latency}
 
 
+def _sc_controller_agree(rank, world):
+    """DSVController under gloo: rank 1's dispatcher keeps block 1 dense (as a rank short of memory
+    would); after the switch every rank must run the same blocks sparse."""
+    from dsv_ext.attention import DSVAttention
+    from dsv_ext.config import DSVConfig
+    from dsv_ext.controller import DSVController
+
+    cfg = DSVConfig(group_size=8, k_multiple=8, row_sample_stride=4, profile_every=1,
+                    switch_check_every=1, force_stage2_step=2, use_calibration=False,
+                    dispatch_threshold=0.0, predictor_lr=1e-2)
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList(DSVAttention(16, 2, grid=(2, 4, 4), config=cfg) for _ in range(3))
+    ctl = DSVController(model)
+    if rank == 1:
+        plan = ctl.dispatcher.plan
+        ctl.dispatcher.plan = lambda blocks, device: [c and i != 1 for i, c in enumerate(plan(blocks, device))]
+    x = torch.randn(1, 32, 16, generator=torch.Generator().manual_seed(rank))
+    for _ in range(4):
+        for blk in model:
+            blk(x)
+        ctl.step()
+    return {"stage": ctl.stage, "use_sparse": [blk.attn_core.use_sparse for blk in model]}
+
+
 SCENARIOS = {
     "hcp": _sc_hcp,
     "hcp_naive": _sc_hcp_naive,
@@ -239,6 +264,7 @@ SCENARIOS = {
     "plan": _sc_plan,
     "errors": _sc_errors,
     "calibrate": _sc_calibrate,
+    "controller_agree": _sc_controller_agree,
 }
 
 
@@ -278,7 +304,7 @@ def _spawn(world, names):
 
 
 _BY_WORLD = {
-    2: ("hcp", "hcp_naive", "scp", "scp_pad", "plan", "errors"),
+    2: ("hcp", "hcp_naive", "scp", "scp_pad", "plan", "errors", "controller_agree"),
     4: ("hcp", "scp", "hybrid", "plan", "errors"),
     8: ("hcp", "scp", "hybrid", "hybrid4", "errors"),
     3: ("calibrate",),
@@ -355,3 +381,9 @@ def test_mismatched_rank_fails_everywhere(world):
 def test_cost_model_calibrate_on_odd_world_size():
     for r, e in enumerate(_results(3, "calibrate")):
         assert e["a2a_bandwidth"] > 0 and e["a2a_latency"] > 0, (r, e)
+
+
+def test_controller_ranks_agree_on_sparse_blocks():
+    res = _results(2, "controller_agree")
+    assert all(r["stage"] == 2 for r in res)
+    assert res[0]["use_sparse"] == res[1]["use_sparse"] == [True, False, True], res
