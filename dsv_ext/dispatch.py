@@ -109,10 +109,13 @@ class Dispatcher:
         return sorted((e for e in es if e.get("group_size", G) == g), key=lambda e: e["seq_len"])
 
     def has_entry(self, device, dtype: torch.dtype, heads: int, head_dim: int, seq_len: int) -> bool:
-        """Whether the table holds a measurement for exactly this device/dtype/shape."""
+        """Whether the table holds a measurement for exactly this device/dtype/shape and the
+        config's group size."""
         name, dt = _device_name(device), str(dtype).replace("torch.", "")
+        G = self.config.group_size
         return any(e.get("device") == name and e.get("dtype") == dt and e.get("heads") == heads
                    and e.get("head_dim") == head_dim and e.get("seq_len") == seq_len
+                   and e.get("group_size", G) == G
                    for e in (self.table or {}).get("entries", []))
 
     def predict_ms(self, seq_len: int, heads: int, head_dim: int, density: float, device,
@@ -253,7 +256,8 @@ class Dispatcher:
                 print(json.dumps(entry))
             table["entries"] = [e for e in table["entries"] if not (
                 e.get("device") == name and e.get("dtype") == dt and e.get("heads") == heads
-                and e.get("head_dim") == head_dim and e.get("seq_len") == S)] + [entry]
+                and e.get("head_dim") == head_dim and e.get("seq_len") == S
+                and e.get("group_size", G) == G)] + [entry]
             del q, k, v, do
         self.table = table
         if save:
@@ -264,3 +268,44 @@ class Dispatcher:
 def calibrate(config: Optional[DSVConfig] = None, **kw) -> dict:
     """Measure and cache the calibration table (see Dispatcher.calibrate)."""
     return Dispatcher(config, table=None).calibrate(**kw)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m dsv_ext.dispatch``: measure this GPU's calibration table (dense vs sparse
+    forward+backward per length and sparsity) for one group size and head shape, merge it into
+    the table file and print the sparsity from which sparse pays at each length."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dsv_ext.dispatch", description=main.__doc__)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--group-size", type=int, default=DSVConfig.group_size)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
+    p.add_argument("--sparsities", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 0.95, 0.98])
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"), default=None,
+                   help="default: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help=f"table file (default {default_calibration_path()})")
+    a = p.parse_args(argv)
+    dev = torch.device(a.device)
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    cfg = DSVConfig(group_size=a.group_size, calibration_path=a.out)
+    d = Dispatcher(cfg)
+    print(f"calibrating {_device_name(dev)} {str(dtype).replace('torch.', '')}: G={a.group_size}, "
+          f"{a.heads} heads x {a.head_dim}, lengths {a.seq_lens} -> {d.path}", flush=True)
+    d.calibrate(dev, seq_lens=a.seq_lens, sparsities=a.sparsities, heads=a.heads, head_dim=a.head_dim,
+                dtype=dtype, repeats=a.repeats, verbose=True, save=True)  # a line per length
+    for e in d._entries(dev, dtype, a.head_dim):
+        if e["heads"] != a.heads or e["seq_len"] not in a.seq_lens:
+            continue
+        pays = [float(s) for s, ms in sorted(e["sparse_ms"].items(), key=lambda x: float(x[0]))
+                if ms < e["dense_ms"]]
+        where = f"sparse pays from sparsity {min(pays):.2f}" if pays else "sparse never pays"
+        print(f"  S={e['seq_len']}: dense {e['dense_ms']:.2f} ms; "
+              + ", ".join(f"{s}: {ms:.2f}" for s, ms in e["sparse_ms"].items()) + f" ms; {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -332,6 +332,25 @@ def test_dispatcher_calibrate_on_cpu(tmp_path):
     assert json.loads((tmp_path / "c.json").read_text()) == t
 
 
+def test_calibration_cli_keeps_other_group_sizes(tmp_path, capsys):
+    """python -m dsv_ext.dispatch measures one group size and merges it into the table file:
+    a second group size adds entries instead of replacing the first one's."""
+    from dsv_ext.dispatch import main
+    path = str(tmp_path / "cal.json")
+    args = ["--device", "cpu", "--seq-lens", "64", "--sparsities", "0.5", "0.9", "--heads", "2",
+            "--head-dim", "16", "--repeats", "1", "--out", path]
+    assert main(args + ["--group-size", "8"]) == 0
+    assert main(args + ["--group-size", "16"]) == 0
+    es = json.loads(open(path).read())["entries"]
+    assert sorted(e["group_size"] for e in es) == [8, 16]
+    out = capsys.readouterr().out
+    assert "S=64: dense" in out and ("sparse pays from" in out or "sparse never pays" in out)
+    d16 = Dispatcher(_cfg(use_calibration=True, group_size=16, calibration_path=path))
+    assert d16.has_entry("cpu", torch.float32, 2, 16, 64)
+    assert not Dispatcher(_cfg(use_calibration=True, group_size=32, calibration_path=path)).has_entry(
+        "cpu", torch.float32, 2, 16, 64)
+
+
 # ------------------------------------------------------------------------------------------------
 # config
 
