@@ -288,7 +288,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None, help=f"table file (default {default_calibration_path()})")
     a = p.parse_args(argv)
-    dev = torch.device(a.device)
+    for name, vals in (("--seq-lens", a.seq_lens), ("--heads", [a.heads]), ("--head-dim", [a.head_dim]),
+                       ("--repeats", [a.repeats])):
+        if any(v < 1 for v in vals):
+            p.error(f"{name}: expected integers >= 1, got {vals}")
+    if any(not 0.0 <= s < 1.0 for s in a.sparsities):
+        p.error(f"--sparsities: expected values in [0, 1), got {a.sparsities}")
+    try:
+        dev = torch.device(a.device)
+    except RuntimeError as e:
+        p.error(f"--device: {e}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device: CUDA is not available here (use --device cpu to measure the CPU kernels)")
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     cfg = DSVConfig(group_size=a.group_size, calibration_path=a.out)
     d = Dispatcher(cfg)

@@ -345,6 +345,11 @@ def test_calibration_cli_keeps_other_group_sizes(tmp_path, capsys):
     assert sorted(e["group_size"] for e in es) == [8, 16]
     out = capsys.readouterr().out
     assert "S=64: dense" in out and ("sparse pays from" in out or "sparse never pays" in out)
+    for bad, name in ((["--seq-lens", "0"], "--seq-lens"), (["--sparsities", "1.0"], "--sparsities"),
+                      (["--device", "nonsense"], "--device")):
+        with pytest.raises(SystemExit):
+            main(["--device", "cpu", "--out", path] + bad)
+        assert name in capsys.readouterr().err
     d16 = Dispatcher(_cfg(use_calibration=True, group_size=16, calibration_path=path))
     assert d16.has_entry("cpu", torch.float32, 2, 16, 64)
     assert not Dispatcher(_cfg(use_calibration=True, group_size=32, calibration_path=path)).has_entry(
