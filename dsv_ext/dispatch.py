@@ -11,8 +11,10 @@ never inside the forward):
      sparse blocks (index lists, cube-ordered q, low-rank projections) would exceed
      config.memory_fraction of the free device memory.
 
-The table is measured once by `calibrate()` on the GPU and cached as JSON (default
-~/.cache/dsv_ext/calibration.json, or config.calibration_path / $DSV_EXT_CACHE):
+The table is measured once by `calibrate()` (or `python -m dsv_ext.dispatch`) on the GPU and
+cached as JSON (default ~/.cache/dsv_ext/calibration.json, or config.calibration_path /
+$DSV_EXT_CACHE); for devices that file has no entries for, the tables shipped in
+dsv_ext/calibration/ are used (an H200's). The format:
 
     {"version": 1, "entries": [{"device": "NVIDIA H200", "dtype": "bfloat16", "heads": 16,
       "head_dim": 128, "group_size": 32, "seq_len": 32768, "dense_ms": ..,
@@ -60,15 +62,37 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return max(y, 0.0)
 
 
+BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration")
+
+
+def builtin_table() -> Optional[dict]:
+    """The calibration tables shipped with the package (dsv_ext/calibration/*.json, measured on
+    the GPUs their entries name), merged; None when there are none."""
+    entries = []
+    if os.path.isdir(BUILTIN_DIR):
+        for f in sorted(os.listdir(BUILTIN_DIR)):
+            if f.endswith(".json"):
+                t = Dispatcher.load(os.path.join(BUILTIN_DIR, f))
+                entries += t["entries"] if t else []
+    return {"version": 1, "entries": entries} if entries else None
+
+
 class Dispatcher:
-    """Cost model + memory check deciding sparse vs dense per block."""
+    """Cost model + memory check deciding sparse vs dense per block.
+
+    Timing tables: ``table`` (given, or the user's file at config.calibration_path /
+    default_calibration_path(), written by calibrate()) first; for a device that table has no
+    entry for, the tables shipped in dsv_ext/calibration/ (an H200's, bf16, 16 heads of dim 128,
+    G = 32 and 64, 4k-64k tokens), unless a table was passed explicitly."""
 
     def __init__(self, config: Optional[DSVConfig] = None, table: Optional[dict] = None):
         self.config = config if config is not None else DSVConfig()
         self.path = self.config.calibration_path or default_calibration_path()
         self.table = table
-        if self.table is None and self.config.use_calibration:
+        self.builtin = None
+        if table is None and self.config.use_calibration:
             self.table = self.load(self.path)
+            self.builtin = builtin_table()
 
     # ---------------------------------------------------------------- table io
     @staticmethod
@@ -93,10 +117,12 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- cost model
     def _entries(self, device, dtype: torch.dtype, head_dim: int) -> List[dict]:
-        if not self.table:
-            return []
         name, dt = _device_name(device), str(dtype).replace("torch.", "")
-        es = [e for e in self.table["entries"] if e.get("device") == name and e.get("dtype") == dt]
+        es = []
+        for t in (self.table, self.builtin):  # the user's measurements first
+            es = [e for e in (t or {}).get("entries", []) if e.get("device") == name and e.get("dtype") == dt]
+            if es:
+                break
         if not es:
             return []
         hd = min({e["head_dim"] for e in es}, key=lambda d: abs(d - head_dim))

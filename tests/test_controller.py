@@ -323,6 +323,36 @@ def test_dispatcher_uses_entries_of_its_group_size():
     assert not slow_d.decide([0.9, 0.9], 2048, 2, 16, "cpu", torch.float32)
 
 
+def test_builtin_h200_table_is_used_where_the_user_has_none(tmp_path, monkeypatch):
+    """With no user table, an H200 gets the shipped table (G-aware); other devices fall back to
+    the threshold rule; the user's measurements for a device take precedence and calibrate()
+    writes only them."""
+    import dsv_ext.dispatch as dd
+    assert dd.builtin_table() is not None
+    cfg64 = _cfg(use_calibration=True, calibration_path=str(tmp_path / "none.json"), group_size=64,
+                 k_multiple=64, dispatch_margin=0.0)
+    cfg32 = _cfg(use_calibration=True, calibration_path=str(tmp_path / "none.json"), group_size=32,
+                 k_multiple=64, dispatch_margin=0.0)
+    d64, d32 = Dispatcher(cfg64), Dispatcher(cfg32)
+    assert d64.table is None and d64.builtin is not None
+    assert d64.predict_ms(65536, 16, 128, 0.1, "cpu", torch.bfloat16) is None  # no cpu entries
+    monkeypatch.setattr(dd, "_device_name", lambda device: "NVIDIA H200")
+    p64 = d64.predict_ms(65536, 16, 128, 0.1, "cuda", torch.bfloat16)
+    p32 = d32.predict_ms(65536, 16, 128, 0.1, "cuda", torch.bfloat16)
+    assert p64["sparse"] < p64["dense"] and p32["sparse"] > 1.5 * p64["sparse"]
+    assert d64.decide([0.85] * 16, 65536, 16, 128, "cuda", torch.bfloat16)      # pays with G = 64
+    assert not d32.decide([0.8] * 16, 65536, 16, 128, "cuda", torch.bfloat16)   # not with G = 32
+    # the user's own entries for the device win
+    user = {"version": 1, "entries": [dict(e, dense_ms=1e-3) for e in dd.builtin_table()["entries"]]}
+    (tmp_path / "user.json").write_text(json.dumps(user))
+    du = Dispatcher(_cfg(use_calibration=True, calibration_path=str(tmp_path / "user.json"), group_size=64,
+                         k_multiple=64, dispatch_margin=0.0))
+    assert not du.decide([0.95] * 16, 65536, 16, 128, "cuda", torch.bfloat16)
+    # an explicit table disables the shipped one; use_calibration=False disables both
+    assert Dispatcher(cfg64, table={"version": 1, "entries": []}).builtin is None
+    assert Dispatcher(_cfg(use_calibration=False)).builtin is None
+
+
 def test_dispatcher_calibrate_on_cpu(tmp_path):
     cfg = _cfg(use_calibration=True, calibration_path=str(tmp_path / "c.json"))
     t = Dispatcher(cfg, table=None).calibrate("cpu", seq_lens=(64,), sparsities=(0.5, 0.9), heads=2,
