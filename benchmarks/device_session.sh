@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call that validates a tree on the H200: build the extension with CUDA (or use a
-# prebuilt .devso/_C.abi3.so built here against the stable ABI, when it loads there), run the
+# prebuilt .devso/_C.abi3.so from benchmarks/build_devso.sh, built here against the stable ABI,
+# when it matches this csrc/ and loads there), run the
 # whole test suite (CPU and GPU tests), the kernel benchmark at the target shape, Nsight Compute
 # on the attention kernels, and compute-sanitizer. Each step has its own time limit so the call
 # ends in time; all logs are packed into $OUT/logs.tgz (the device tool returns at most 8 files).
@@ -15,8 +16,9 @@ if ls .dsvwheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .dsvwheels/*.whl && export PYTHONPATH=$PWD:/tmp/site
 fi
 have_ext() { python3 -c "import dsv_ext, sys; sys.exit(0 if dsv_ext.has_cuda_kernels() else 1)" 2>/dev/null; }
-if [ -f .devso/_C.abi3.so ] && cp .devso/_C.abi3.so dsv_ext/ && have_ext; then
-  echo "using the prebuilt extension (.devso)"
+if [ -f .devso/_C.abi3.so ] && [ "$(cat .devso/csrc.sha256 2>/dev/null)" = "$(bash benchmarks/csrc_hash.sh)" ] &&
+   cp .devso/_C.abi3.so dsv_ext/ && have_ext; then
+  echo "using the prebuilt extension (.devso, csrc $(cat .devso/csrc.sha256))"
 else
   t0=$(date +%s)
   MAX_JOBS=16 DSV_BUILD_CUDA=1 timeout ${BUILD_LIMIT:-240} python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1

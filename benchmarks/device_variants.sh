@@ -2,11 +2,14 @@
 # One short device call that tests and times the kernel variants selectable at run time
 # (DSV_TOPK_TWO_PHASE, DSV_ATTN_FWD_TILE / DSV_ATTN_BWD_TILE = 32x2), so that defaults can be
 # chosen from measurements: each variant's GPU tests run with it switched on, then its timing.
-# Needs the extension in dsv_ext/ (carry .devso with a prebuilt _C.abi3.so) .
+# Needs .devso from benchmarks/build_devso.sh (carry ".devso").
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-[ -f .devso/_C.abi3.so ] && cp .devso/_C.abi3.so dsv_ext/
+if [ "$(cat .devso/csrc.sha256 2>/dev/null)" != "$(bash benchmarks/csrc_hash.sh)" ]; then
+  echo ".devso is missing or was built from another csrc/: run benchmarks/build_devso.sh"; exit 1
+fi
+cp .devso/_C.abi3.so dsv_ext/
 python3 -c "import dsv_ext, sys; sys.exit(0 if dsv_ext.has_cuda_kernels() else 1)" || { echo "no CUDA kernels"; exit 1; }
 P="python3 -m pytest -q -p no:cacheprovider -x"
 timeout 40 $P tests/test_topk_estimate_cuda.py > "$OUT/topk_default_tests.log" 2>&1
