@@ -29,6 +29,13 @@ def cuda_time_ms(fn: Callable[[], object], warmup: int = 1, reps: int = 10) -> D
             "iters": reps}
 
 
+def add_seq_grid_args(parser) -> None:
+    """``--seq`` (token counts, default 32k and 64k) and ``--grid`` (T,H,W per --seq entry)."""
+    parser.add_argument("--seq", type=int, nargs="+", default=[32768, 65536])
+    parser.add_argument("--grid", type=str, nargs="*", default=None,
+                        help="T,H,W token grid per --seq entry (default: 32k 32x32x32, 64k 16x64x64)")
+
+
 def resolve_grids(seqs: Sequence[int], grid_args: Optional[Sequence[str]]) -> Dict[int, Tuple[int, int, int]]:
     """The (T, H, W) grid of each sequence length: ``--grid T,H,W`` in order, else the default."""
     grids = {}

@@ -64,7 +64,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from dsv_ext.models.dit import DiTConfig, VideoDiT  # noqa: E402
 
 sys.path.insert(0, HERE)
-from bench_common import cuda_time_ms, resolve_grids  # noqa: E402
+from bench_common import add_seq_grid_args, cuda_time_ms, resolve_grids  # noqa: E402
 
 PAPER_DEPTH = 32
 
@@ -250,9 +250,7 @@ def write_markdown(res: Dict, path: str) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, nargs="+", default=[32768, 65536])
-    p.add_argument("--grid", type=str, nargs="*", default=None,
-                   help="T,H,W token grid per --seq entry (default: 32k 32x32x32, 64k 16x64x64)")
+    add_seq_grid_args(p)
     p.add_argument("--layers", default=str(PAPER_DEPTH),
                    help=f"DiT blocks (default {PAPER_DEPTH}, the 2.7B depth) or 'auto' (as many as fit)")
     p.add_argument("--max-layers", type=int, default=64, help="cap of --layers auto")

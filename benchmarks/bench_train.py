@@ -46,10 +46,10 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from dsv_ext.models.dit import DiTBlock, DiTConfig  # noqa: E402
+from dsv_ext.models.dit import DiTBlock, DiTConfig, SelfAttention  # noqa: E402
 
 sys.path.insert(0, HERE)
-from bench_common import cuda_time_ms, resolve_grids  # noqa: E402
+from bench_common import add_seq_grid_args, cuda_time_ms, resolve_grids  # noqa: E402
 
 
 
@@ -70,24 +70,19 @@ def _compiled_flex():
     return _FLEX
 
 
-class WindowAttention(nn.Module):
+class WindowAttention(SelfAttention):
     """Self-attention restricted to a 3D window of the token grid, through FlexAttention.
 
-    Same ``qkv`` / ``q_norm`` / ``k_norm`` / ``proj`` layers as the other attention layers.
+    The layers (``qkv`` / ``q_norm`` / ``k_norm`` / ``proj``) are the dense baseline's.
     The window covers ``w_d = round(frac * L_d)`` positions along each grid axis, centred on the
     query and shifted to stay inside the grid (so every query sees the same number of keys).
     """
 
     def __init__(self, hidden: int, heads: int, grid: Tuple[int, int, int], frac: float = 2 / 3,
                  qk_norm: bool = True, block_size: int = 128):
-        super().__init__()
+        super().__init__(hidden, heads, qk_norm=qk_norm)
         from torch.nn.attention.flex_attention import create_block_mask
 
-        self.hidden, self.heads, self.head_dim = hidden, heads, hidden // heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.proj = nn.Linear(hidden, hidden)
         self.grid = tuple(grid)
         T, H, W = self.grid
         self.win = tuple(max(1, int(round(frac * L))) for L in self.grid)
@@ -368,9 +363,7 @@ def write_markdown(results: Dict, path: str) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, nargs="+", default=[32768, 65536])
-    p.add_argument("--grid", type=str, nargs="*", default=None,
-                   help="T,H,W per --seq entry (default: 32k 32x32x32, 64k 16x64x64)")
+    add_seq_grid_args(p)
     p.add_argument("--layers", default="auto", help="block count or 'auto'")
     p.add_argument("--max-layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=2048)

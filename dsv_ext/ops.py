@@ -326,12 +326,11 @@ def _misaligned(t: torch.Tensor) -> bool:
         return (t.storage_offset() * es) % 16 != 0
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-    except ImportError:  # pragma: no cover
+try:
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+except ImportError:  # pragma: no cover
+    def _is_fake(t: torch.Tensor) -> bool:
         return False
-    return bool(is_fake(t))
 
 
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
