@@ -5,6 +5,7 @@
  * random out of `rows` rows, every row update a full 512-byte row. Variants:
  *   scalar : 128 x red.global.add.f32 per row update (32 lanes x 4)
  *   v4     : 32 x red.global.add.v4.f32 (atomicAdd(float4*)) per row update
+ *   bulk   : one 512-byte cp.reduce.async.bulk (TMA) per row update from a shared-memory row
  *   store  : 32 x 16-byte plain stores (no reduction), the bandwidth ceiling of the pattern
  * for a table that fits L2 (64k rows = 32 MB) and one that does not (24 x 64k rows = 768 MB).
  * Prints G floats/s.
@@ -42,6 +43,22 @@ __global__ void k_store(float* tab, const int* rows, int nupd) {
   }
 }
 
+__global__ void k_bulk(float* tab, const int* rows, int nupd) {
+  __shared__ __align__(16) float src[128];
+  for (int i = threadIdx.x; i < 128; i += blockDim.x) src[i] = 1.0f;
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  const unsigned s = (unsigned)__cvta_generic_to_shared(src);
+  for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < nupd; u += gridDim.x * blockDim.x) {
+    float* r = tab + (size_t)rows[u] * 128;
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], 512;\n"
+                 ::"l"(r), "r"(s) : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 8;\n" ::: "memory");
+  }
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
 int main() {
   const int nupd = 16 * 1024 * 1024; /* 2G floats per run */
   const long long big_rows = 24LL * 65536;
@@ -59,14 +76,15 @@ int main() {
     for (int i = 0; i < nupd; ++i) h[i] = (int)(((long long)rand() * 32768 + rand()) % nrows);
     CK(cudaMemcpy(rows, h, nupd * sizeof(int), cudaMemcpyHostToDevice));
     CK(cudaMemset(tab, 0, nrows * 128 * sizeof(float)));
-    const char* names[3] = {"scalar red.f32", "v4 red.f32", "plain v4 store"};
-    for (int v = 0; v < 3; ++v) {
+    const char* names[4] = {"scalar red.f32", "v4 red.f32", "plain v4 store", "bulk reduce"};
+    for (int v = 0; v < 4; ++v) {
       float best = 1e30f;
       for (int it = 0; it < 4; ++it) {
         CK(cudaEventRecord(e0));
         if (v == 0) k_scalar<<<132 * 8, 256>>>(tab, rows, nupd);
         if (v == 1) k_v4<<<132 * 8, 256>>>(tab, rows, nupd);
         if (v == 2) k_store<<<132 * 8, 256>>>(tab, rows, nupd);
+        if (v == 3) k_bulk<<<132 * 8, 256>>>(tab, rows, nupd);
         CK(cudaEventRecord(e1));
         CK(cudaEventSynchronize(e1));
         float ms;

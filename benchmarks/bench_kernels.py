@@ -330,10 +330,12 @@ SWEPT = {}
 
 def tile_sweep(q, k, v, do, kv_index, cnt, G, scale, out_ref, lse_ref, bwd):
     """Time each compiled key-tile configuration (BN keys x NS stages) of the forward and of the
-    query-major backward kernels, and check it against the default configuration."""
+    query-major backward kernels, and both dK/dV reduction forms of the backward, and check
+    each against the default configuration."""
     grads_ref = bwd()
     for var, cfgs, kind in (("DSV_ATTN_FWD_TILE", ("64x2", "32x2", "32x3", "32x4", "32x5"), "fwd"),
-                            ("DSV_ATTN_BWD_TILE", ("64x2", "32x2", "32x3", "32x4"), "bwd")):
+                            ("DSV_ATTN_BWD_TILE", ("64x2", "32x2", "32x3", "32x4"), "bwd"),
+                            ("DSV_ATTN_BWD_REDUCE", ("v4", "bulk"), "bwd")):
         for cfg in cfgs:
             os.environ[var] = cfg
             try:

@@ -203,6 +203,26 @@ __device__ __forceinline__ void gather_keys_pre(T* ktile, T* vtile, const T* kba
   }
 }
 
+/* Bulk asynchronous reductions (sm_90): the TMA unit adds `bytes` (a multiple of 16) of fp32
+ * from shared memory into global memory (both 16-byte aligned); the issuing thread goes on at
+ * once. Shared-memory writes by ordinary stores must be made visible to the async proxy
+ * (fence_proxy_async_smem + a barrier) before the issue, and the source may be overwritten
+ * only after the issuing thread's bulk_wait_read0. */
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gdst, const float* ssrc, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               ::"l"(gdst), "r"(smem_u32(ssrc)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read0() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));

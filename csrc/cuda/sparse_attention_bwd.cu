@@ -15,10 +15,15 @@
  *    when selections are coherent (whole key blocks selected) and grows up to 64 / (selected
  *    keys per block) when they are scattered.
  *
- *  query-major with vector reductions (path 0): the dQ CTA also forms each key tile's
+ *  query-major with reductions (path 0): the dQ CTA also forms each key tile's
  *    dV_t = P^T dO and dK_t = dS^T Q (tile keys x D, through shared memory) and adds them to
- *    fp32 accumulators with 16-byte red.global.add.v4.f32 (one per 4 floats), which a last
- *    pass converts to the output dtype. Optionally (DSV_ATTN_RANGES = R > 1) the keys are
+ *    fp32 accumulators, which a last pass converts to the output dtype. By default the fp32
+ *    tiles are staged in shared memory and each key row goes out as one asynchronous TMA bulk
+ *    reduction (cp.reduce.async.bulk .add.f32, 4 D bytes), so the warps go on with the next tile
+ *    while the reductions drain; DSV_ATTN_BWD_REDUCE=v4 selects 16-byte red.global.add.v4.f32
+ *    from registers instead. Both reach the same L2 rate (benchmarks/atomic_microbench.cu:
+ *    962 vs 956 G floats/s); the bulk form overlaps better (S = 64k, 0.9: G = 32 174 vs 202 ms,
+ *    G = 64 smooth 80 vs 85 ms, random 88 vs 87 ms). Optionally (DSV_ATTN_RANGES = R > 1) the keys are
  *    split into R ranges handled by separate CTAs so that the CTAs running at one time touch
  *    1/R of a head's K, V and accumulators; dQ is then reduced over ranges in fp32 too.
  *
@@ -323,11 +328,12 @@ __global__ void convert_acc_kernel(const BwdParams<T> p, int B) {
 
 /* ---------------------------------------------------------------------------------------- */
 /* Query-major kernel: dQ for every head of its path; with ATOMIC also dK/dV by reductions. */
-template <typename T, int D, int BM, int BN, int NS, bool ATOMIC>
+template <typename T, int D, int BM, int BN, int NS, bool ATOMIC, bool BULK>
 __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p) {
   constexpr int NT = BM * 2, NW = BM / 16;
   constexpr int LD = D + 8;
   constexpr int LDP = BN + 8;
+  constexpr int LDF = D + 4; /* fp32 staging rows: 16-byte aligned, float2 stores conflict-free */
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);
   T* dOs = Qs + BM * LD;
@@ -335,7 +341,9 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   T* Vs = Ks + NS * BN * LD;  /* [NS][BN][LD] */
   T* Ps = Vs + NS * BN * LD;  /* [BM][LDP], ATOMIC only */
   T* dSs = Ps + (ATOMIC ? BM * LDP : 0);
-  float* lse2 = reinterpret_cast<float*>(dSs + (ATOMIC ? BM * LDP : 0)); /* [BM] */
+  float* dVst = reinterpret_cast<float*>(dSs + (ATOMIC ? BM * LDP : 0)); /* [BN][LDF], BULK */
+  float* dKst = dVst + (ATOMIC && BULK ? BN * LDF : 0);                  /* [BN][LDF], BULK */
+  float* lse2 = dKst + (ATOMIC && BULK ? BN * LDF : 0);                  /* [BM] */
   float* dlt = lse2 + BM;                                                 /* [BM] */
   int* kidx = reinterpret_cast<int*>(dlt + BM);                           /* [NS][BN] */
   int* qidx = kidx + NS * BN;                                             /* [BM] */
@@ -495,56 +503,104 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
         *reinterpret_cast<uint32_t*>(dSs + lr0 * LDP + col) = Elem<T>::pack(dp[nt][0], dp[nt][1]);
         *reinterpret_cast<uint32_t*>(dSs + lr1 * LDP + col) = Elem<T>::pack(dp[nt][2], dp[nt][3]);
       }
+      /* the previous tile's bulk reductions must have read the fp32 staging tiles */
+      if (BULK) bulk_wait_read0();
       __syncthreads();
-      /* units of 16 keys x 32 columns of D: dV_t = P^T dO, dK_t = dS^T Q, reduced to global */
-      constexpr int DC = D / 32, NU = (BN / 16) * DC;
+      /* units of 16 MTP keys x 32 columns of D: dV_t = P^T dO, dK_t = dS^T Q. A warp's MTP
+       * key blocks share the dO / Q fragments (fewer shared-memory reads). */
+      constexpr int MT = BN / 16, DC = D / 32;
+      constexpr int MTP = (MT % 2 == 0 && (MT / 2) * DC >= NW) ? 2 : 1;
+      constexpr int NU = (MT / MTP) * DC;
       float* dva = p.dvacc + bh * (size_t)p.S * D;
       float* dka = p.dkacc + bh * (size_t)p.S * D;
       const int tq = lane & 3;
       for (int u = warp; u < NU; u += NW) {
-        const int mt = u / DC, dc = u - mt * DC;
-        float av[4][4], ak[4][4];
+        const int mp = u / DC, dc = u - mp * DC;
+        float av[MTP][4][4], ak[MTP][4][4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int m = 0; m < MTP; ++m)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) av[j][e] = ak[j][e] = 0.f;
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) av[m][j][e] = ak[m][j][e] = 0.f;
 #pragma unroll
         for (int kq = 0; kq < BM / 16; ++kq) {
-          uint32_t pa[4], sa[4], bf[4];
-          load_a_t<LDP>(pa, Ps, kq * 16, mt * 16, lane);
-          load_a_t<LDP>(sa, dSs, kq * 16, mt * 16, lane);
+          uint32_t bo[2][4], bq[2][4];
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
-            load_b_t<LD>(bf, dOs, kq * 16, dc * 32 + hh * 16, lane);
-            mma16816<T>(av[2 * hh], pa, bf);
-            mma16816<T>(av[2 * hh + 1], pa, bf + 2);
-            load_b_t<LD>(bf, Qs, kq * 16, dc * 32 + hh * 16, lane);
-            mma16816<T>(ak[2 * hh], sa, bf);
-            mma16816<T>(ak[2 * hh + 1], sa, bf + 2);
+            load_b_t<LD>(bo[hh], dOs, kq * 16, dc * 32 + hh * 16, lane);
+            load_b_t<LD>(bq[hh], Qs, kq * 16, dc * 32 + hh * 16, lane);
+          }
+#pragma unroll
+          for (int m = 0; m < MTP; ++m) {
+            uint32_t pa[4], sa[4];
+            load_a_t<LDP>(pa, Ps, kq * 16, (mp * MTP + m) * 16, lane);
+            load_a_t<LDP>(sa, dSs, kq * 16, (mp * MTP + m) * 16, lane);
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              mma16816<T>(av[m][2 * hh], pa, bo[hh]);
+              mma16816<T>(av[m][2 * hh + 1], pa, bo[hh] + 2);
+              mma16816<T>(ak[m][2 * hh], sa, bq[hh]);
+              mma16816<T>(ak[m][2 * hh + 1], sa, bq[hh] + 2);
+            }
           }
         }
-        const int krow = mt * 16 + (lane >> 2) + ((tq & 1) ? 8 : 0);
-        const int kid = ki[krow];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const bool even = (tq & 1) == 0;
-          float x0 = __shfl_xor_sync(0xffffffffu, even ? av[j][2] : av[j][0], 1);
-          float x1 = __shfl_xor_sync(0xffffffffu, even ? av[j][3] : av[j][1], 1);
-          float y0 = __shfl_xor_sync(0xffffffffu, even ? ak[j][2] : ak[j][0], 1);
-          float y1 = __shfl_xor_sync(0xffffffffu, even ? ak[j][3] : ak[j][1], 1);
-          const float4 vv = even ? make_float4(av[j][0], av[j][1], x0, x1)
-                                 : make_float4(x0, x1, av[j][2], av[j][3]);
-          const float4 kv = even ? make_float4(ak[j][0], ak[j][1], y0, y1)
-                                 : make_float4(y0, y1, ak[j][2], ak[j][3]);
-          const int col = dc * 32 + j * 8 + (tq >> 1) * 4;
-          if (kid >= 0) {
-            atomicAdd(reinterpret_cast<float4*>(dva + (size_t)kid * D + col), vv);
-            atomicAdd(reinterpret_cast<float4*>(dka + (size_t)kid * D + col), kv);
+        for (int m = 0; m < MTP; ++m) {
+          const int mt = mp * MTP + m;
+          if (BULK) {
+            /* fp32 tiles to shared memory, rows = keys */
+            const int r0 = mt * 16 + (lane >> 2);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const int col = dc * 32 + j * 8 + tq * 2;
+              *reinterpret_cast<float2*>(dVst + r0 * LDF + col) = make_float2(av[m][j][0], av[m][j][1]);
+              *reinterpret_cast<float2*>(dVst + (r0 + 8) * LDF + col) =
+                  make_float2(av[m][j][2], av[m][j][3]);
+              *reinterpret_cast<float2*>(dKst + r0 * LDF + col) = make_float2(ak[m][j][0], ak[m][j][1]);
+              *reinterpret_cast<float2*>(dKst + (r0 + 8) * LDF + col) =
+                  make_float2(ak[m][j][2], ak[m][j][3]);
+            }
+          } else {
+            /* 16-byte reductions straight from registers (pairs of lanes swap halves) */
+            const int krow = mt * 16 + (lane >> 2) + ((tq & 1) ? 8 : 0);
+            const int kid = ki[krow];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const bool even = (tq & 1) == 0;
+              float x0 = __shfl_xor_sync(0xffffffffu, even ? av[m][j][2] : av[m][j][0], 1);
+              float x1 = __shfl_xor_sync(0xffffffffu, even ? av[m][j][3] : av[m][j][1], 1);
+              float y0 = __shfl_xor_sync(0xffffffffu, even ? ak[m][j][2] : ak[m][j][0], 1);
+              float y1 = __shfl_xor_sync(0xffffffffu, even ? ak[m][j][3] : ak[m][j][1], 1);
+              const float4 vv = even ? make_float4(av[m][j][0], av[m][j][1], x0, x1)
+                                     : make_float4(x0, x1, av[m][j][2], av[m][j][3]);
+              const float4 kv = even ? make_float4(ak[m][j][0], ak[m][j][1], y0, y1)
+                                     : make_float4(y0, y1, ak[m][j][2], ak[m][j][3]);
+              const int col = dc * 32 + j * 8 + (tq >> 1) * 4;
+              if (kid >= 0) {
+                atomicAdd(reinterpret_cast<float4*>(dva + (size_t)kid * D + col), vv);
+                atomicAdd(reinterpret_cast<float4*>(dka + (size_t)kid * D + col), kv);
+              }
+            }
           }
         }
       }
+      if (BULK) {
+        /* one bulk reduction per key row of dV and dK (D fp32 each), issued by 2 BN threads */
+        fence_proxy_async_smem();
+        __syncthreads();
+        for (int i = tid; i < 2 * BN; i += NT) {
+          const int row = i < BN ? i : i - BN;
+          const int kid = ki[row];
+          if (kid >= 0)
+            bulk_reduce_add_f32((i < BN ? dva : dka) + (size_t)kid * D,
+                                (i < BN ? dVst : dKst) + row * LDF, D * sizeof(float));
+        }
+        bulk_commit();
+      }
     }
   }
+  if (BULK) bulk_wait_read0(); /* shared memory must stay until the bulk reads are done */
   cp_async_wait<0>();
 
   if (R > 1) {
@@ -770,13 +826,14 @@ __global__ void __launch_bounds__(128) bwd_kmajor_kernel(const BwdParams<T> p) {
 /* ---------------------------------------------------------------------------------------- */
 /* host side */
 
-template <typename T, int D, int BM, int BN, int NS, bool ATOMIC>
+template <typename T, int D, int BM, int BN, int NS, bool ATOMIC, bool BULK>
 static int launch_qmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
-  constexpr int LD = D + 8, LDP = BN + 8;
+  constexpr int LD = D + 8, LDP = BN + 8, LDF = D + 4;
   const size_t smem = (size_t)(2 * BM + 2 * NS * BN) * LD * sizeof(T) +
                       (ATOMIC ? (size_t)2 * BM * LDP * sizeof(T) : 0) +
+                      (ATOMIC && BULK ? (size_t)2 * BN * LDF * sizeof(float) : 0) +
                       (size_t)2 * BM * sizeof(float) + (size_t)(NS * BN + BM) * sizeof(int);
-  auto kern = bwd_qmajor_kernel<T, D, BM, BN, NS, ATOMIC>;
+  auto kern = bwd_qmajor_kernel<T, D, BM, BN, NS, ATOMIC, BULK>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
     return DSV_ERR_CUDA;
@@ -789,8 +846,8 @@ static int launch_qmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream
 
 /* Key-tile configuration of the query-major kernels for D <= 128: DSV_ATTN_BWD_TILE "32x2"
  * (default), "64x2", "32x3" or "32x4". Measured at S = 64k, D = 128, sparsity 0.9 (session 2,
- * same run): G = 64: 32x2 89.0 ms, 32x3 100.6, 64x2 105.7, 32x4 117.8; G = 32: 32x2 196.2,
- * 32x3 197.3, 64x2 180.7, 32x4 176.1 (run-to-run spread ~10%). */
+ * same run, v4 reductions): G = 64: 32x2 89.0 ms, 32x3 100.6, 64x2 105.7, 32x4 117.8; G = 32:
+ * 32x2 196.2, 32x3 197.3, 64x2 180.7, 32x4 176.1 (run-to-run spread ~10%). */
 static int bwd_tile_cfg() {
   const char* e = getenv("DSV_ATTN_BWD_TILE");
   if (e && !strcmp(e, "64x2")) return 0;
@@ -799,16 +856,26 @@ static int bwd_tile_cfg() {
   return 3; /* 32x2 */
 }
 
+/* How the query-major kernel adds dK / dV into the fp32 accumulators: DSV_ATTN_BWD_REDUCE =
+ * "bulk" (default: tiles staged in shared memory, one asynchronous TMA bulk reduction per key
+ * row, cp.reduce.async.bulk) or "v4" (red.global.add.v4.f32 from registers; 32x2 tiles only). */
+static int bwd_reduce_bulk() {
+  const char* e = getenv("DSV_ATTN_BWD_REDUCE");
+  return !(e && !strcmp(e, "v4"));
+}
+
 template <typename T, int D, int BM, bool ATOMIC>
 static int qmajor_cfg(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
+  constexpr bool B = ATOMIC; /* the bulk form only matters where dK / dV are reduced */
+  if (ATOMIC && !bwd_reduce_bulk()) return launch_qmajor<T, D, BM, 32, 2, ATOMIC, false>(sh, prm, stream);
   if constexpr (D > 128) {
-    return launch_qmajor<T, D, BM, 32, 2, ATOMIC>(sh, prm, stream);
+    return launch_qmajor<T, D, BM, 32, 2, ATOMIC, B>(sh, prm, stream);
   } else {
     switch (bwd_tile_cfg()) {
-      case 0: return launch_qmajor<T, D, BM, 64, 2, ATOMIC>(sh, prm, stream);
-      case 1: return launch_qmajor<T, D, BM, 32, 3, ATOMIC>(sh, prm, stream);
-      case 2: return launch_qmajor<T, D, BM, 32, 4, ATOMIC>(sh, prm, stream);
-      default: return launch_qmajor<T, D, BM, 32, 2, ATOMIC>(sh, prm, stream);
+      case 0: return launch_qmajor<T, D, BM, 64, 2, ATOMIC, B>(sh, prm, stream);
+      case 1: return launch_qmajor<T, D, BM, 32, 3, ATOMIC, B>(sh, prm, stream);
+      case 2: return launch_qmajor<T, D, BM, 32, 4, ATOMIC, B>(sh, prm, stream);
+      default: return launch_qmajor<T, D, BM, 32, 2, ATOMIC, B>(sh, prm, stream);
     }
   }
 }

@@ -168,7 +168,8 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
         mma16816<T>(o[2 * dp + 1], pa, vf + 2);
       }
     }
-    __syncthreads();
+    /* no barrier here: the next tile's top barrier already orders this tile's reads of stage
+     * buf before that stage is refilled */
   }
   cp_async_wait<0>();
 
