@@ -1,8 +1,11 @@
 """Helpers shared by the GPU benchmarks: CUDA-event timing and the video token grids."""
 from __future__ import annotations
 
+import datetime
 import math
+import os
 import statistics
+import subprocess
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -49,3 +52,25 @@ def resolve_grids(seqs: Sequence[int], grid_args: Optional[Sequence[str]]) -> Di
         if math.prod(grids[S]) != S:
             raise ValueError(f"--grid: {grids[S]} has {math.prod(grids[S])} tokens, not {S}")
     return grids
+
+
+def provenance() -> Dict[str, str]:
+    """When and from what a result was measured: UTC date, git commit, csrc hash
+    (benchmarks/csrc_hash.sh; the kernels' source whatever the commit says)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def run(cmd):
+        try:
+            return subprocess.check_output(cmd, cwd=root, text=True, stderr=subprocess.DEVNULL).strip()
+        except Exception:  # noqa: BLE001
+            return "unknown"
+
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": run(["git", "rev-parse", "--short", "HEAD"]),
+            "csrc": run(["bash", os.path.join(root, "benchmarks", "csrc_hash.sh")])}
+
+
+def provenance_line(res: Dict) -> str:
+    p = res.get("provenance") or {}
+    return (f"Measured {p.get('date', '?')}, commit {p.get('commit', '?')} (csrc "
+            f"{p.get('csrc', '?')}), {res.get('device', '?')}.")

@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from dsv_ext.models.dit import DiTBlock, DiTConfig, SelfAttention  # noqa: E402
 
 sys.path.insert(0, HERE)
-from bench_common import add_seq_grid_args, cuda_time_ms, resolve_grids  # noqa: E402
+from bench_common import add_seq_grid_args, provenance, provenance_line, cuda_time_ms, resolve_grids  # noqa: E402
 
 
 
@@ -321,7 +321,7 @@ def _load_profile(path: str) -> List[List[float]]:
 
 
 def write_markdown(results: Dict, path: str) -> None:
-    L = ["# Training-step throughput, 2.7B-shaped DiT blocks", "",
+    L = ["# Training-step throughput, 2.7B-shaped DiT blocks", "", provenance_line(results), "",
          f"Device: {results['device']}; torch {results['torch']}; hidden {results['hidden']}, "
          f"{results['heads']} heads x {results['head_dim']}, {results['layers']} blocks, batch 1, "
          f"bf16 autocast, fused AdamW (fp32 master weights), gradient checkpointing "
@@ -399,6 +399,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         layers = int(args.layers)
     results = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+               "provenance": provenance(),
                "hidden": args.hidden, "heads": args.heads, "head_dim": args.hidden // args.heads,
                "layers": layers, "group_size": args.group_size, "rank": args.rank,
                "grad_ckpt": args.grad_ckpt, "warmup": args.warmup, "iters": args.iters,

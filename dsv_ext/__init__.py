@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "SparseAttention": "attention",
     "DSVAttention": "attention",
+    "set_index_refresh": "attention",
     "DSVController": "controller",
     "DSVConfig": "config",
     "convert": "convert",

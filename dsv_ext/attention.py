@@ -124,14 +124,18 @@ def sparse_supported(device: torch.device, head_dim: int, rank: int) -> bool:
 
 def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                 perm: Optional[torch.Tensor], inv: Optional[torch.Tensor], kv_count: torch.Tensor,
-                kmax: int, group_size: int, scale: Optional[float] = None) -> torch.Tensor:
+                kmax: int, group_size: int, scale: Optional[float] = None,
+                index: Optional[torch.Tensor] = None, return_index: bool = False):
     """Stage-2 attention on [B, S, H, D]: cube-reorder the queries, low-rank projections (detached
     from the model graph), top-K estimation of each query group's keys, sparse attention,
     inverse reorder. Keys/values stay in their original order (kv_index addresses them there),
     so only q and the output are permuted.
 
     wq, wk: predictor weights [H, D, r]; perm/inv: int64 [S] (None = no reordering);
-    kv_count: int32 [H] per-head K (<= kmax); kmax: Python int, the index list length."""
+    kv_count: int32 [H] per-head K (<= kmax); kmax: Python int, the index list length.
+    index: a kv_index [B, H, groups, kmax] from an earlier call with the same shapes, perm and
+    kv_count, used instead of estimating again (inference index reuse); return_index: return
+    (out, index)."""
     ops = _need_ops()
     q, k, v = _autocast_inputs(q, k, v)
     out_dtype = q.dtype
@@ -139,14 +143,38 @@ def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Ten
     q, k, v = q.to(kdt), k.to(kdt), v.to(kdt)
     B, S, H, D = q.shape
     qp = q.index_select(1, perm) if perm is not None else q
-    with torch.no_grad():
-        q_lr = torch.einsum("bshd,hdr->bshr", qp.detach(), wq.detach().to(q.dtype)).contiguous()
-        k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), wk.detach().to(k.dtype)).contiguous()
     counts = kv_count.view(1, H).expand(B, H).contiguous()
-    index = ops.topk_estimate(q_lr, k_lr, counts, group_size, kmax)
+    if index is None:
+        with torch.no_grad():
+            q_lr = torch.einsum("bshd,hdr->bshr", qp.detach(), wq.detach().to(q.dtype)).contiguous()
+            k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), wk.detach().to(k.dtype)).contiguous()
+        index = ops.topk_estimate(q_lr, k_lr, counts, group_size, kmax)
     out = ops.sparse_attention(qp, k, v, index, counts, group_size, scale, check_index=False)
     out = out.index_select(1, inv) if inv is not None else out
-    return out.to(out_dtype)
+    out = out.to(out_dtype)
+    return (out, index) if return_index else out
+
+
+# ------------------------------------------------------------------------------------------------
+
+def set_index_refresh(model: nn.Module, every: int) -> int:
+    """Inference: every SparseAttention in `model` estimates its critical keys on every
+    `every`-th call in eval mode and reuses the index in between (see
+    SparseAttention.set_index_refresh; 1 restores per-call estimation). Returns how many modules
+    were set. Typical use, around a sampling loop of a DSV-trained model::
+
+        model.eval()
+        dsv_ext.set_index_refresh(model, 2)   # estimate on every second denoising step
+        ...sample...
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    n = 0
+    for m in model.modules():
+        if isinstance(m, SparseAttention):
+            m.set_index_refresh(every)
+            n += 1
+    return n
 
 
 # ------------------------------------------------------------------------------------------------
@@ -219,6 +247,10 @@ class SparseAttention(nn.Module):
         self._rows_cache: Dict[tuple, torch.Tensor] = {}
         self._grad_acc: Optional[List[torch.Tensor]] = None     # predictor grads [wq, wk]
         self._warned = False
+        # inference index reuse (set_index_refresh): estimate every `index_refresh` calls in eval
+        self.index_refresh: int = 1
+        self._index_cache: Optional[Tuple[tuple, torch.Tensor]] = None
+        self._index_calls: int = 0
 
     # ---------------------------------------------------------------- configuration
     def set_grid(self, grid: Optional[Sequence[int]]) -> None:
@@ -246,6 +278,23 @@ class SparseAttention(nn.Module):
         with torch.no_grad():
             self.kv_count.copy_(torch.tensor(ks, dtype=torch.int32), non_blocking=True)
         self._k_seq_len = S
+
+    def set_index_refresh(self, every: int) -> None:
+        """Inference only: estimate the critical keys on every `every`-th stage-2 call in eval
+        mode and reuse that index on the calls in between (1, the default: estimate every call,
+        exactly DSV). In a sampler each call is one model evaluation, and attention patterns of
+        neighbouring denoising steps are close, so 2-4 saves most of the estimation cost. The
+        index is re-estimated whenever the batch, length, grid or per-head K change; training
+        mode never reuses it. Also resets the counter (reset_index_cache)."""
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"every: expected an integer >= 1, got {every!r}")
+        self.index_refresh = every
+        self.reset_index_cache()
+
+    def reset_index_cache(self) -> None:
+        """Forget a reused index: the next eval call estimates again (call it per new batch)."""
+        self._index_cache = None
+        self._index_calls = 0
 
     @property
     def head_k(self) -> List[int]:
@@ -284,9 +333,27 @@ class SparseAttention(nn.Module):
             if S != self._k_seq_len:
                 self._refresh_counts(S)
             perm, inv = self._perm(grid, S, q.device)
-            return sparse_core(q, k, v, self.predictor.wq, self.predictor.wk, perm, inv, self.kv_count,
-                               self.kmax, self.config.group_size, scale)
+            if self.training or self.index_refresh <= 1:
+                return sparse_core(q, k, v, self.predictor.wq, self.predictor.wk, perm, inv,
+                                   self.kv_count, self.kmax, self.config.group_size, scale)
+            return self._reuse_index_core(q, k, v, grid, perm, inv, scale)
         return dense_core(q, k, v, scale, self.config.dense_backend)
+
+    @torch._dynamo.disable
+    def _reuse_index_core(self, q, k, v, grid, perm, inv, scale):
+        key = (tuple(q.shape), grid, str(q.device), self.kmax, tuple(self.head_k))
+        cached = self._index_cache
+        index = None
+        if cached is not None and cached[0] == key and self._index_calls % self.index_refresh != 0:
+            index = cached[1]
+        else:
+            self._index_calls = 0  # a (re-)estimate starts a new cycle
+        out, index = sparse_core(q, k, v, self.predictor.wq, self.predictor.wk, perm, inv,
+                                 self.kv_count, self.kmax, self.config.group_size, scale,
+                                 index=index, return_index=True)
+        self._index_cache = (key, index)
+        self._index_calls += 1
+        return out
 
     # ---------------------------------------------------------------- side tasks (eager)
     def _rows(self, S: int, device) -> torch.Tensor:

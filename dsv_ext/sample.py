@@ -5,7 +5,7 @@ attention.
         [--num-samples 4] [--seed 0] [--full-attention] [--device cpu|cuda] [--solver euler|heun]
         [--batch-size 4] [--shift 1.0] [--precision auto|bf16|fp32] [--fps 8] [--scale N]
         [--view first3|pca] [--normalize auto|channel|joint] [--show-data N]
-        [--set dsv.KEY=VALUE ...] [--threads N] [--no-progress]
+        [--set dsv.KEY=VALUE ...] [--index-refresh N] [--threads N] [--no-progress]
 
 Flow matching, the convention of ``dsv_ext.train``: ``x_t = (1 - t) x0 + t e`` and the model
 predicts the velocity ``v = e - x0``. Sampling integrates ``dx/dt = v(x, t)`` from pure noise at
@@ -26,7 +26,11 @@ checkpoint samples dense (as it trained). ``--full-attention`` forces every bloc
 weights), for a side-by-side comparison. ``--set dsv.KEY=VALUE`` overrides DSV settings for
 sampling, e.g. ``--set dsv.k_margin=0.1`` (10% more keys per head) or
 ``--set dsv.min_density=1.0`` (K = S: the sparse path over all keys, equal to full attention up
-to rounding).
+to rounding). ``--index-refresh N`` (default 1) estimates the critical keys on every N-th model
+evaluation only and reuses each block's index in between (attention patterns of neighbouring
+denoising steps are close; :func:`dsv_ext.set_index_refresh`): it removes (N - 1) / N of the
+estimation cost, at the price of samples that differ slightly from N = 1; each batch starts
+with a fresh estimate.
 
 Outputs in ``--out`` (per sample i, 3-digit index):
 
@@ -346,13 +350,16 @@ def sample(checkpoint: str, out_dir: str, steps: int = 30, num_samples: int = 4,
            scale: Optional[int] = None, view: str = "first3", normalize: str = "auto",
            show_data: int = 0, dsv_overrides: Optional[Dict[str, Any]] = None,
            threads: Optional[int] = None, progress: bool = True,
-           log: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
+           log: Optional[Callable[[str], None]] = None, index_refresh: int = 1) -> Dict[str, Any]:
     """Sample ``num_samples`` clips and write them to ``out_dir`` (see the module docstring).
     Returns the ``sampling.json`` record (with ``"latents"``: the float32 ``[K, C, T, H, W]``
     tensor added, not written to the JSON).
 
     Sample i's starting noise is the i-th draw of a CPU generator seeded with ``seed``, so it
     does not depend on ``num_samples`` or ``batch_size``.
+
+    ``index_refresh``: estimate DSV's critical keys on every N-th model evaluation and reuse
+    them in between (1: every evaluation; see the module docstring).
 
     ``threads``: torch CPU threads while sampling (None: the checkpoint's ``train.threads`` when
     > 0, else torch's default); the previous setting is restored on return."""
@@ -367,6 +374,8 @@ def sample(checkpoint: str, out_dir: str, steps: int = 30, num_samples: int = 4,
         raise ValueError(f"view: must be 'first3' or 'pca', got {view!r}")
     if normalize not in ("auto", "channel", "joint"):
         raise ValueError(f"normalize: must be 'auto', 'channel' or 'joint', got {normalize!r}")
+    if not isinstance(index_refresh, int) or isinstance(index_refresh, bool) or index_refresh < 1:
+        raise ValueError(f"index_refresh: expected an integer >= 1, got {index_refresh!r}")
     timestep_grid(steps, shift)  # validates steps / shift before any work
     sm = load_for_sampling(checkpoint, device, full_attention, dsv_overrides)
     for n in sm.notes:
@@ -381,14 +390,16 @@ def sample(checkpoint: str, out_dir: str, steps: int = 30, num_samples: int = 4,
     try:
         return _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch_size,
                        shift, precision, fps, scale, view, normalize, show_data, dsv_overrides,
-                       progress, checkpoint)
+                       progress, checkpoint, index_refresh)
     finally:
         torch.set_num_threads(old_threads)
 
 
 def _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch_size, shift,
             precision, fps, scale, view, normalize, show_data, dsv_overrides, progress,
-            checkpoint) -> Dict[str, Any]:
+            checkpoint, index_refresh=1) -> Dict[str, Any]:
+    from .attention import set_index_refresh
+
     model, dev, cfg = sm.model, sm.device, sm.config
     mcfg = model.cfg
     shape = (mcfg.in_channels, *mcfg.latent_size)
@@ -422,6 +433,7 @@ def _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch
                     bar.set_postfix({"batch": f"{bi + 1}/{n_batches}", "t": f"{t:.3f}"}, refresh=False)
                     bar.update(1)
 
+            set_index_refresh(model, index_refresh)  # also a fresh estimate for each batch
             _sync(dev)
             t0 = time.perf_counter()
             x = sample_latents(model, xb, steps, solver, shift, precision, cb)
@@ -466,7 +478,7 @@ def _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch
         "checkpoint": os.path.abspath(checkpoint), "checkpoint_step": sm.step,
         "trained_attention": sm.attention, "mode": sm.mode, "full_attention_flag": bool(full_attention),
         "dsv_stage": None if sm.controller is None else int(sm.controller.stage),
-        "dsv_overrides": dsv_overrides or {}, "notes": sm.notes,
+        "dsv_overrides": dsv_overrides or {}, "index_refresh": index_refresh, "notes": sm.notes,
         "device": str(dev), "threads": torch.get_num_threads() if dev.type == "cpu" else None,
         "precision": precision, "solver": solver, "steps": steps, "shift": shift,
         "model_evaluations_per_sample": nfe_per, "seed": seed, "num_samples": num_samples,
@@ -515,6 +527,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="also render N held-out training clips as data_NNN.gif/png")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="dsv.KEY=VALUE",
                    help="override a DSV setting for sampling, e.g. --set dsv.k_margin=0.1")
+    p.add_argument("--index-refresh", type=int, default=1, metavar="N",
+                   help="estimate DSV's critical keys on every N-th model evaluation and reuse "
+                        "them in between (default 1: every evaluation)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: the checkpoint's train.threads, else torch's)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -524,7 +539,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  batch_size=a.batch_size, shift=a.shift, precision=a.precision, fps=a.fps,
                  scale=a.scale, view=a.view, normalize=a.normalize, show_data=a.show_data,
                  dsv_overrides=_parse_overrides(a.overrides), threads=a.threads,
-                 progress=not a.no_progress)
+                 progress=not a.no_progress, index_refresh=a.index_refresh)
     print(json.dumps({k: rec[k] for k in ("mode", "dsv_stage", "sparse_blocks", "solver", "steps",
                                           "num_samples", "sampling_time_s", "seconds_per_sample")}))
     print(f"wrote {len(rec['files'])} files to {a.out}")

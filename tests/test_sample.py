@@ -330,6 +330,12 @@ def test_bench_inference_helpers_cpu(tmp_path, monkeypatch):
             assert info["head_k"] == [{"dsv_0.9": 64, "dsv_0.5": 256}[mode]] * 2
             assert spy.calls == before + 2  # both blocks sparse
     assert (outs["full"] - outs["dsv_0.9"]).abs().max() > 0  # the modes really differ
+    assert bench.set_mode(model, "dsv_0.9_r2", 512)["index_refresh"] == 2
+    assert all(m.index_refresh == 2 for m in bench.attention_modules(model))
+    assert bench.set_mode(model, "full", 512)["index_refresh"] is None
+    assert all(m.index_refresh == 1 for m in bench.attention_modules(model))
+    with pytest.raises(ValueError, match="--modes"):
+        bench.set_mode(model, "dsv_0.9_x2", 512)
     res = {"device": "cpu", "torch": torch.__version__, "hidden": 64, "heads": 2, "head_dim": 32,
            "layers": 2, "channels": 4, "group_size": 32, "rank": 4, "k_multiple": 16,
            "cube": [2, 4, 4], "steps": 3, "warmup": 1, "core_iters": 2, "breakdown": [],
@@ -343,3 +349,74 @@ def test_bench_inference_helpers_cpu(tmp_path, monkeypatch):
     md = open(tmp_path / "r.md").read()
     assert "| 512 | 8x8x8 | dsv_0.9 | 0.125 | 4.0 | 4.0-5.0 | 0.012 | 2.50x | 1.0 |" in md
     assert "error: RuntimeError: no kernels" in md
+
+
+class _CountEstimates:
+    """Counts stage-2 calls and how many of them estimated a fresh index (index=None)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = self.estimates = 0
+        real = attention_mod.sparse_core
+
+        def wrapped(*a, **k):
+            self.calls += 1
+            self.estimates += k.get("index") is None
+            return real(*a, **k)
+
+        monkeypatch.setattr(attention_mod, "sparse_core", wrapped)
+
+
+@needs_dsv
+def test_index_refresh_reuses_estimates(active_ckpt, tmp_path, monkeypatch):
+    ckpt = active_ckpt
+    spy = _CountEstimates(monkeypatch)
+    base = _run(ckpt, tmp_path / "r1", seed=1, batch_size=1)
+    assert (spy.calls, spy.estimates) == (2 * STEPS * 4, 2 * STEPS * 4) and base["index_refresh"] == 1
+    spy.calls = spy.estimates = 0
+    r2 = _run(ckpt, tmp_path / "r2", seed=1, batch_size=1, index_refresh=2)
+    # per batch (2 batches of 1) and block (4): steps 0 and 2 of 3 estimate, step 1 reuses
+    assert (spy.calls, spy.estimates) == (2 * STEPS * 4, 2 * 2 * 4) and r2["index_refresh"] == 2
+    # a reused index changes the samples, but far less than dropping DSV for full attention
+    full = _run(ckpt, tmp_path / "full", seed=1, batch_size=1, full_attention=True)
+    d_reuse = (r2["latents"] - base["latents"]).abs().max().item()
+    d_full = (full["latents"] - base["latents"]).abs().max().item()
+    print(f"max |reuse - per-step| {d_reuse:.2e}, max |full - per-step| {d_full:.2e}")
+    assert 0 < d_reuse < d_full, (d_reuse, d_full)
+    # K = S: every index holds all keys, so reusing it is exact
+    spy.calls = spy.estimates = 0
+    a = _run(ckpt, tmp_path / "a", seed=1, dsv_overrides={"min_density": 1.0})
+    b = _run(ckpt, tmp_path / "b", seed=1, dsv_overrides={"min_density": 1.0}, index_refresh=STEPS)
+    assert spy.estimates == STEPS * 4 + 4
+    torch.testing.assert_close(a["latents"], b["latents"], atol=0, rtol=0)
+
+
+@needs_dsv
+def test_index_refresh_arguments_and_training_mode(ckpt):
+    import dsv_ext
+    from dsv_ext.attention import SparseAttention
+
+    sm = load_for_sampling(ckpt, "cpu")
+    with pytest.raises(ValueError, match="index_refresh"):
+        sample(ckpt, "unused", index_refresh=0, device="cpu", progress=False)
+    with pytest.raises(ValueError, match="every"):
+        dsv_ext.set_index_refresh(sm.model, 0)
+    with pytest.raises(TypeError, match="model"):
+        dsv_ext.set_index_refresh("not a model", 2)
+    assert dsv_ext.set_index_refresh(sm.model, 3) == 4
+    mods = [m for m in sm.model.modules() if isinstance(m, SparseAttention)]
+    m = next(x for x in mods if x.stage == 2 and x.use_sparse)
+    H, D = m.num_heads, m.head_dim
+    S = 512  # configs/tiny.yaml: token grid 8 x 8 x 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, S, H, D, generator=g) for _ in range(3))
+    m.train()  # training never reuses an index: every call estimates
+    for _ in range(3):
+        m(q, k, v)
+    assert m._index_cache is None
+    m.eval()
+    o1 = m(q, k, v)
+    assert m._index_cache is not None
+    o2 = m(q, k, v)  # reused: same inputs, same index, same output
+    torch.testing.assert_close(o1, o2, atol=0, rtol=0)
+    m(q[:, :256], k[:, :256], v[:, :256], grid=(4, 8, 8))  # another length: estimated again
+    assert m._index_cache[0][0][1] == 256
