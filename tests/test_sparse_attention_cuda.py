@@ -228,7 +228,7 @@ def grad_targets(q, k, v, dout, out_kernel, out_ref, lse_ref, grads_ref, kv_inde
       dq -= scale * Delta_q * (P K)_q,   dk -= scale * (P Delta)^T Q.
     The slack bounds, to first order, what rounding P and dS to the input dtype for the tensor
     core products can change (u = 2 x the unit roundoff: 2^-8 bf16, 2^-10 fp16):
-      dq: u * scale * |dS| |K|,  dk: u * scale * |dS|^T |Q|,  dv: u * P^T |dO|.
+      dq: u |scale| |dS| |K|,  dk: u |scale| |dS|^T |Q|,  dv: u * P^T |dO|.
     Sums of many large dS terms that cancel make this exceed rtol * |ref| for a few elements; a
     wrong or missing contribution is far above it. dP - delta itself is formed from two fp32
     dot products of length D, off by up to gamma_D = D 2^-24 times |dO| (|V| + |O|); where the
@@ -254,8 +254,8 @@ def grad_targets(q, k, v, dout, out_kernel, out_ref, lse_ref, grads_ref, kv_inde
     e_dp = D * 2.0 ** -24 * (gh.abs() @ vh.abs().transpose(-1, -2)
                              + (gh.abs() * ok.abs()).sum(-1, keepdim=True))
     e_ds = u * dS.abs() + P * e_dp
-    sq = bhsd(scale * e_ds @ kh.abs())
-    sk = bhsd(scale * e_ds.transpose(-1, -2) @ qh.abs())
+    sq = bhsd(abs(scale) * e_ds @ kh.abs())  # a bound: |scale| (scale may be negative)
+    sk = bhsd(abs(scale) * e_ds.transpose(-1, -2) @ qh.abs())
     sv = bhsd(u * P.transpose(-1, -2) @ gh.abs())
     return (tq, sq), (tk, sk), (gv, sv)
 
@@ -449,3 +449,17 @@ def test_agrees_with_cpu_kernels(gen):
                                                       kv_count, G, 0.125)
     check_close("out vs cpu", out, out_c.double(), TOL[torch.bfloat16])
     check_lse(lse, lse_c)
+
+
+@pytest.mark.parametrize("scale", [-0.2, 0.0, 2.0])
+def test_any_scale(scale, gen):
+    """The forward keeps its running max on raw scores for a positive scale and on scaled ones
+    for a negative scale; zero and large scales too, forward and backward, against the
+    reference."""
+    need_backend()
+    B, H, G, D = 1, 2, 64, 64
+    S = 2 * G + 9
+    kv_index, kv_count = ref.random_index(B, H, S, G, 100, counts=[[100, 37]], generator=gen,
+                                          pad="random")
+    q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
+    run_and_check(q, k, v, kv_index, kv_count, G, scale, gen)
