@@ -18,6 +18,7 @@ run every scenario and write per-rank results that the test functions below chec
 from __future__ import annotations
 
 import datetime
+import importlib
 import functools
 import json
 import os
@@ -274,6 +275,12 @@ def _worker(rank, world, init_file, out_dir, names, seed):
     global SEED
     SEED = seed  # the parent's seed (spawned children draw their own at import)
     torch.set_num_threads(1)
+    # torch._dynamo must be imported before init_process_group: importing it afterwards (as
+    # dsv_ext.attention's @torch._dynamo.disable does) keeps the default gloo group alive past
+    # destroy_process_group (torch 2.13/2.14), and its run-loop threads then sometimes touch the
+    # GIL during interpreter shutdown: "terminate called without an active exception" (SIGABRT)
+    # in ~1 exit of 3. See docs/PARALLEL.md, "Troubleshooting".
+    importlib.import_module("torch._dynamo")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=int(os.environ.get("DSV_TEST_PG_TIMEOUT", "60"))))
     results = {}
@@ -290,11 +297,6 @@ def _worker(rank, world, init_file, out_dir, names, seed):
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    # Leave without interpreter teardown: after the CP scenarios and the controller's collectives
-    # ran in one process, a static destructor at exit sometimes aborted the worker ("terminate
-    # called without an active exception", about 1 run in 4 on 2 CPU cores) after every result
-    # above was written and the process group destroyed; the results are what the tests check.
-    os._exit(0)
 
 
 @functools.lru_cache(maxsize=None)
