@@ -23,6 +23,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from .cli import run_command
 from .train import load_config, train
 
 __all__ = ["compare", "write_table", "write_plot", "main"]
@@ -213,13 +214,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--keep-checkpoints", action="store_true",
                    help="keep dense/ckpt_last.pt and dsv/ckpt_last.pt (deleted by default)")
     a = p.parse_args(argv)
-    cfg = load_config(a.config, a.overrides)
-    out = a.out or os.path.join("runs", f"compare-{cfg.get('name', 'run')}")
-    res = compare(cfg, out, steps=a.steps, device=a.device, progress=not a.no_progress,
-                  keep_checkpoints=a.keep_checkpoints)
-    print(open(os.path.join(out, "compare.md")).read())
-    print(f"outputs in {out}")
-    return 0
+
+    def body() -> int:
+        cfg = load_config(a.config, a.overrides)
+        out = a.out or os.path.join("runs", f"compare-{cfg.get('name', 'run')}")
+        compare(cfg, out, steps=a.steps, device=a.device, progress=not a.no_progress,
+                keep_checkpoints=a.keep_checkpoints)
+        print(open(os.path.join(out, "compare.md")).read())
+        print(f"outputs in {out}")
+        return 0
+
+    return run_command(p.prog, body)
 
 
 if __name__ == "__main__":

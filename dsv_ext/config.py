@@ -19,6 +19,25 @@ from typing import Any, Dict, Optional, Tuple
 __all__ = ["DSVConfig"]
 
 
+def check_int(section: str, name: str, v, lo: int = 0) -> None:
+    """ValueError naming ``section.name`` unless v is an integer (not a bool) >= lo."""
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise ValueError(f"{section}.{name}: expected an integer >= {lo}, got {v!r}")
+
+
+def check_number(section: str, name: str, v, lo: float = 0.0, lo_open: bool = False) -> None:
+    """ValueError naming ``section.name`` unless v is a finite number >= lo (> lo if lo_open)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or \
+            v < lo or (lo_open and v == lo):
+        raise ValueError(f"{section}.{name}: expected a number {'>' if lo_open else '>='} {lo}, got {v!r}")
+
+
+def check_choice(section: str, name: str, v, choices) -> None:
+    """ValueError naming ``section.name`` unless v is one of ``choices``."""
+    if v not in choices:
+        raise ValueError(f"{section}.{name}: expected one of {list(choices)}, got {v!r}")
+
+
 @dataclass
 class DSVConfig:
     # ---------------------------------------------------------------- predictors

@@ -75,6 +75,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from .cli import run_command
 from .train import _autocast, _resolve_device, build_model, load_config
 
 __all__ = ["SamplingModel", "load_for_sampling", "timestep_grid", "sample_latents",
@@ -534,16 +535,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="CPU threads (default: the checkpoint's train.threads, else torch's)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     a = p.parse_args(argv)
-    rec = sample(a.checkpoint, a.out, steps=a.steps, num_samples=a.num_samples, seed=a.seed,
-                 full_attention=a.full_attention, device=a.device, solver=a.solver,
-                 batch_size=a.batch_size, shift=a.shift, precision=a.precision, fps=a.fps,
-                 scale=a.scale, view=a.view, normalize=a.normalize, show_data=a.show_data,
-                 dsv_overrides=_parse_overrides(a.overrides), threads=a.threads,
-                 progress=not a.no_progress, index_refresh=a.index_refresh)
-    print(json.dumps({k: rec[k] for k in ("mode", "dsv_stage", "sparse_blocks", "solver", "steps",
-                                          "num_samples", "sampling_time_s", "seconds_per_sample")}))
-    print(f"wrote {len(rec['files'])} files to {a.out}")
-    return 0
+
+    def body() -> int:
+        rec = sample(a.checkpoint, a.out, steps=a.steps, num_samples=a.num_samples, seed=a.seed,
+                     full_attention=a.full_attention, device=a.device, solver=a.solver,
+                     batch_size=a.batch_size, shift=a.shift, precision=a.precision, fps=a.fps,
+                     scale=a.scale, view=a.view, normalize=a.normalize, show_data=a.show_data,
+                     dsv_overrides=_parse_overrides(a.overrides), threads=a.threads,
+                     progress=not a.no_progress, index_refresh=a.index_refresh)
+        print(json.dumps({k: rec[k] for k in ("mode", "dsv_stage", "sparse_blocks", "solver", "steps",
+                                              "num_samples", "sampling_time_s", "seconds_per_sample")}))
+        print(f"wrote {len(rec['files'])} files to {a.out}")
+        return 0
+
+    return run_command(p.prog, body)
 
 
 if __name__ == "__main__":

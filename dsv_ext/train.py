@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .cli import run_command
 from .config import yaml_load
 from .data import ProceduralVideos, _generator, make_dataset
 from .models.dit import DiTConfig, VideoDiT
@@ -82,6 +83,28 @@ class TrainConfig:
     """torch.set_num_threads on the CPU (0 = leave torch's default)."""
     compile: bool = False
     """torch.compile the model (CUDA only)."""
+
+    def __post_init__(self) -> None:
+        from .config import check_choice, check_int, check_number
+
+        for n, lo in (("steps", 0), ("batch_size", 1), ("warmup_steps", 0), ("seed", 0),
+                      ("log_every", 1), ("val_every", 0), ("val_videos", 1), ("val_batch_size", 1),
+                      ("ckpt_every", 0), ("threads", 0)):
+            check_int("train", n, getattr(self, n), lo)
+        for n in ("lr", "weight_decay", "grad_clip"):
+            check_number("train", n, getattr(self, n))
+        for n in ("grad_checkpointing", "compile"):
+            if not isinstance(getattr(self, n), bool):
+                raise ValueError(f"train.{n}: expected true or false, got {getattr(self, n)!r}")
+        check_choice("train", "precision", self.precision, ("auto", "bf16", "fp32"))
+        check_choice("train", "timestep_sampling", self.timestep_sampling, ("logit_normal", "uniform"))
+        for n, count in (("betas", 2), ("val_timesteps", None)):
+            v = getattr(self, n)
+            ok = isinstance(v, (list, tuple)) and (count is None or len(v) == count) and len(v) > 0 and \
+                all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1 for x in v)
+            if not ok:
+                want = f"{count} numbers" if count else "a list of numbers"
+                raise ValueError(f"train.{n}: expected {want} in [0, 1], got {v!r}")
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
@@ -617,15 +640,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="override a config value, e.g. --set train.lr=1e-4 (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     a = p.parse_args(argv)
-    cfg = load_config(a.config, a.overrides)
-    res = train(cfg, out_dir=a.out, steps=a.steps, resume=a.resume, attention=a.attention,
-                device=a.device, progress=not a.no_progress)
-    s = res["summary"]
-    keys = ("final_val_loss", "final_train_loss", "tokens_per_s", "stage2_tokens_per_s",
-            "wall_time_s", "dsv_stage", "dsv_sparsity", "dsv_recall")
-    print(json.dumps({k: s.get(k) for k in keys if k in s}))
-    print(f"outputs in {res['out_dir']}")
-    return 0
+
+    def body() -> int:
+        cfg = load_config(a.config, a.overrides)
+        res = train(cfg, out_dir=a.out, steps=a.steps, resume=a.resume, attention=a.attention,
+                    device=a.device, progress=not a.no_progress)
+        s = res["summary"]
+        keys = ("final_val_loss", "final_train_loss", "tokens_per_s", "stage2_tokens_per_s",
+                "wall_time_s", "dsv_stage", "dsv_sparsity", "dsv_recall")
+        print(json.dumps({k: s.get(k) for k in keys if k in s}))
+        print(f"outputs in {res['out_dir']}")
+        return 0
+
+    return run_command(p.prog, body)
 
 
 if __name__ == "__main__":

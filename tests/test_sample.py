@@ -276,7 +276,7 @@ def test_latents_to_frames():
 
 
 @needs_dsv
-def test_cli(ckpt, tmp_path, capsys):
+def test_cli(ckpt, tmp_path, capsys, monkeypatch):
     rc = main(["--checkpoint", ckpt, "--steps", "2", "--out", str(tmp_path), "--num-samples", "1",
                "--seed", "5", "--device", "cpu", "--solver", "heun", "--threads", "1",
                "--set", "dsv.k_margin=0.1", "--view", "pca"])
@@ -288,12 +288,17 @@ def test_cli(ckpt, tmp_path, capsys):
     assert js["dsv_overrides"] == {"k_margin": 0.1} and js["view"] == "pca"
     assert sorted(os.listdir(tmp_path)) == ["sample_000.gif", "sample_000.npy",
                                             "sample_000.png", "sampling.json"]
+    # bad arguments: one line naming the argument on stderr, exit status 2 (no traceback)
+    for args, msg in ((["--set", "k=1"], "error: --set"), (["--steps", "0"], "error: steps"),
+                      (["--index-refresh", "0"], "error: index_refresh"),
+                      (["--checkpoint", str(tmp_path / "nope.pt")], "error: checkpoint: no such file")):
+        argv = ["--checkpoint", ckpt, "--steps", "1", "--out", str(tmp_path)] + args
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"python -m dsv_ext.sample: {msg}" in err and "Traceback" not in err, err
+    monkeypatch.setenv("DSV_TRACEBACK", "1")  # the traceback on request
     with pytest.raises(ValueError, match="^--set"):
         main(["--checkpoint", ckpt, "--steps", "1", "--out", str(tmp_path), "--set", "k=1"])
-    with pytest.raises(ValueError, match="^steps"):
-        main(["--checkpoint", ckpt, "--steps", "0", "--out", str(tmp_path)])
-    with pytest.raises(FileNotFoundError, match="^checkpoint"):
-        main(["--checkpoint", str(tmp_path / "nope.pt"), "--steps", "1", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="^config: unknown key"):
         sample(ckpt, str(tmp_path), steps=1, device="cpu", dsv_overrides={"nope": 1},
                progress=False)

@@ -123,6 +123,22 @@ def test_cli_and_overrides(tmp_path, capsys):
     with pytest.raises(ValueError, match="^train: unknown keys"):
         train(load_config(str(path), ["train.lrr=1"]), out_dir=str(tmp_path / "x"),
               progress=False)
+    # config values of the wrong type or range: one line naming section.key, exit status 2
+    for ov, msg in (("train.steps=-1", "train.steps: expected an integer >= 0"),
+                    ("train.batch_size=0", "train.batch_size: expected an integer >= 1"),
+                    ("train.lr=abc", "train.lr: expected a number"),
+                    ("train.precision=fp16", "train.precision: expected one of"),
+                    ("train.betas=[0.9]", "train.betas: expected 2 numbers"),
+                    ("model.hidden=abc", "model.hidden: expected an integer >= 1"),
+                    ("model.patch=[1,2]", "model.patch: expected one or three positive integers"),
+                    ("model.qk_norm=3", "model.qk_norm: expected true or false")):
+        capsys.readouterr()
+        assert main(["--config", str(path), "--out", str(tmp_path / "y"), "--device", "cpu",
+                     "--no-progress", "--set", ov]) == 2, ov
+        err = capsys.readouterr().err
+        assert f"python -m dsv_ext.train: error: {msg}" in err and "Traceback" not in err, err
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
 
 
 def test_train_on_npy_folder(tmp_path):

@@ -36,9 +36,11 @@ __all__ = ["DiTConfig", "VideoDiT", "DiTBlock", "SelfAttention", "timestep_embed
 
 
 def _triple(v) -> Tuple[int, int, int]:
-    if isinstance(v, int):
+    if isinstance(v, int) and not isinstance(v, bool):
         return (v, v, v)
-    v = tuple(int(x) for x in v)
+    if isinstance(v, (str, bytes)) or any(not isinstance(x, int) or isinstance(x, bool) for x in v):
+        raise ValueError(f"expected integers (t, h, w), got {v!r}")
+    v = tuple(v)
     if len(v) != 3:
         raise ValueError(f"expected 3 values (t, h, w), got {v}")
     return v  # type: ignore[return-value]
@@ -66,8 +68,25 @@ class DiTConfig:
     attention_kwargs: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.latent_size = _triple(self.latent_size)
-        self.patch = _triple(self.patch)
+        from dsv_ext.config import check_choice, check_int, check_number
+
+        for n in ("in_channels", "hidden", "depth", "heads"):
+            check_int("model", n, getattr(self, n), 1)
+        check_number("model", "mlp_ratio", self.mlp_ratio, 0.0, lo_open=True)
+        for n in ("qk_norm", "grad_checkpointing"):
+            if not isinstance(getattr(self, n), bool):
+                raise ValueError(f"model.{n}: expected true or false, got {getattr(self, n)!r}")
+        check_choice("model", "attention", self.attention, ("dsv", "dense"))
+        if not isinstance(self.attention_kwargs, dict):
+            raise ValueError(f"model.attention_kwargs: expected a mapping, got {self.attention_kwargs!r}")
+        for n in ("latent_size", "patch"):
+            try:
+                setattr(self, n, _triple(getattr(self, n)))
+            except (TypeError, ValueError):
+                raise ValueError(f"model.{n}: expected one or three positive integers (t, h, w), "
+                                 f"got {getattr(self, n)!r}") from None
+            if min(getattr(self, n)) < 1:
+                raise ValueError(f"model.{n}: expected positive integers, got {getattr(self, n)!r}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden: {self.hidden} is not divisible by heads={self.heads}")
         for n, (a, p) in zip("THW", zip(self.latent_size, self.patch)):
