@@ -165,11 +165,20 @@ def build_model(cfg: Dict[str, Any], attention: Optional[str] = None, device="cp
     mcfg = dict(cfg["model"])
     if attention is not None:
         mcfg["attention"] = attention
+    d = cfg["data"]
+
+    def data_int(key: str, default=None) -> int:
+        if key not in d and default is None:
+            raise ValueError(f"data.{key}: missing (needed for the model's latent size)")
+        v = d.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"data.{key}: expected an integer >= 1, got {v!r}")
+        return v
+
     if "in_channels" not in mcfg:
-        mcfg["in_channels"] = int(cfg["data"].get("channels", 4))
+        mcfg["in_channels"] = data_int("channels", 4)
     if "latent_size" not in mcfg:
-        d = cfg["data"]
-        mcfg["latent_size"] = (int(d["frames"]), int(d["height"]), int(d["width"]))
+        mcfg["latent_size"] = (data_int("frames"), data_int("height"), data_int("width"))
     dit_cfg = DiTConfig.from_dict(mcfg)
     seed = int(cfg["train"].get("seed", 0))
     dsv_cfg = _dsv_config(cfg) if dit_cfg.attention == "dsv" else None
