@@ -39,9 +39,9 @@ def test_shapes_patchify_and_zero_init():
         m(torch.randn(3, 4, 4, 8, 6), t)
     with pytest.raises(ValueError, match="^t"):
         m(x, torch.rand(2))
-    with pytest.raises(ValueError, match="^latent_size"):
+    with pytest.raises(ValueError, match="^model.latent_size"):
         _cfg(latent_size=(4, 7, 8))
-    with pytest.raises(ValueError, match="^hidden"):
+    with pytest.raises(ValueError, match="^model.hidden"):
         _cfg(hidden=30, heads=4)
     with pytest.raises(ValueError, match="unknown keys"):
         DiTConfig.from_dict({"hiden": 3})

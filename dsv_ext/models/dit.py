@@ -88,12 +88,10 @@ class DiTConfig:
             if min(getattr(self, n)) < 1:
                 raise ValueError(f"model.{n}: expected positive integers, got {getattr(self, n)!r}")
         if self.hidden % self.heads:
-            raise ValueError(f"hidden: {self.hidden} is not divisible by heads={self.heads}")
+            raise ValueError(f"model.hidden: {self.hidden} is not divisible by heads={self.heads}")
         for n, (a, p) in zip("THW", zip(self.latent_size, self.patch)):
             if a % p:
-                raise ValueError(f"latent_size: {n}={a} is not divisible by patch {p}")
-        if self.attention not in ("dsv", "dense"):
-            raise ValueError(f"attention: must be 'dsv' or 'dense', got {self.attention!r}")
+                raise ValueError(f"model.latent_size: {n}={a} is not divisible by patch {p}")
 
     @property
     def grid(self) -> Tuple[int, int, int]:
