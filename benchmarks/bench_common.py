@@ -54,20 +54,27 @@ def resolve_grids(seqs: Sequence[int], grid_args: Optional[Sequence[str]]) -> Di
     return grids
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(cmd) -> str:
+    try:
+        return subprocess.check_output(cmd, cwd=_ROOT, text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def git_commit() -> str:
+    """Short hash of the checked-out commit ("unknown" outside a git tree)."""
+    return _run(["git", "rev-parse", "--short", "HEAD"])
+
+
 def provenance() -> Dict[str, str]:
     """When and from what a result was measured: UTC date, git commit, csrc hash
     (benchmarks/csrc_hash.sh; the kernels' source whatever the commit says)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-    def run(cmd):
-        try:
-            return subprocess.check_output(cmd, cwd=root, text=True, stderr=subprocess.DEVNULL).strip()
-        except Exception:  # noqa: BLE001
-            return "unknown"
-
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": run(["git", "rev-parse", "--short", "HEAD"]),
-            "csrc": run(["bash", os.path.join(root, "benchmarks", "csrc_hash.sh")])}
+            "commit": git_commit(),
+            "csrc": _run(["bash", os.path.join(_ROOT, "benchmarks", "csrc_hash.sh")])}
 
 
 def provenance_line(res: Dict) -> str:

@@ -130,8 +130,8 @@ def set_mode(model, mode: str, S: int) -> Dict:
     from dsv_ext.attention import set_index_refresh
 
     mods = attention_modules(model)
-    set_index_refresh(model, 1)
     if mode == "full":
+        set_index_refresh(model, 1)
         for m in mods:
             m.stage, m.use_sparse = 1, False
             m.set_density(None)

@@ -33,7 +33,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 
 import torch
@@ -43,6 +42,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)  # dsv_ext from this checkout when it is not installed
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import test_sparse_attention_cuda as T  # noqa: E402  (kernel access, ctypes wrapper)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import git_commit  # noqa: E402
 
 RANK = 16
 
@@ -369,14 +370,6 @@ def profile_bwd(fwd, bwd, title):
         torch.cuda.synchronize()
     print(f"--- kernels, {title} ---")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-
-
-def git_commit():
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                       text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def write_outputs(records, outdir, meta):

@@ -32,6 +32,12 @@ def check_number(section: str, name: str, v, lo: float = 0.0, lo_open: bool = Fa
         raise ValueError(f"{section}.{name}: expected a number {'>' if lo_open else '>='} {lo}, got {v!r}")
 
 
+def check_bool(section: str, name: str, v) -> None:
+    """ValueError naming ``section.name`` unless v is a bool."""
+    if not isinstance(v, bool):
+        raise ValueError(f"{section}.{name}: expected true or false, got {v!r}")
+
+
 def check_choice(section: str, name: str, v, choices) -> None:
     """ValueError naming ``section.name`` unless v is one of ``choices``."""
     if v not in choices:

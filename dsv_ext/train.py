@@ -85,7 +85,7 @@ class TrainConfig:
     """torch.compile the model (CUDA only)."""
 
     def __post_init__(self) -> None:
-        from .config import check_choice, check_int, check_number
+        from .config import check_bool, check_choice, check_int, check_number
 
         for n, lo in (("steps", 0), ("batch_size", 1), ("warmup_steps", 0), ("seed", 0),
                       ("log_every", 1), ("val_every", 0), ("val_videos", 1), ("val_batch_size", 1),
@@ -94,8 +94,7 @@ class TrainConfig:
         for n in ("lr", "weight_decay", "grad_clip"):
             check_number("train", n, getattr(self, n))
         for n in ("grad_checkpointing", "compile"):
-            if not isinstance(getattr(self, n), bool):
-                raise ValueError(f"train.{n}: expected true or false, got {getattr(self, n)!r}")
+            check_bool("train", n, getattr(self, n))
         check_choice("train", "precision", self.precision, ("auto", "bf16", "fp32"))
         check_choice("train", "timestep_sampling", self.timestep_sampling, ("logit_normal", "uniform"))
         for n, count in (("betas", 2), ("val_timesteps", None)):

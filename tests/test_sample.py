@@ -74,14 +74,15 @@ def _run(ckpt, out, **kw):
 
 class _CountSparse:
     """Counts the calls of the stage-2 sparse core (the model's attention looks it up in
-    dsv_ext.attention at call time)."""
+    dsv_ext.attention at call time) and how many of them estimated a fresh index (index=None)."""
 
     def __init__(self, monkeypatch):
-        self.calls = 0
+        self.calls = self.estimates = 0
         real = attention_mod.sparse_core
 
         def wrapped(*a, **k):
             self.calls += 1
+            self.estimates += k.get("index") is None
             return real(*a, **k)
 
         monkeypatch.setattr(attention_mod, "sparse_core", wrapped)
@@ -356,25 +357,10 @@ def test_bench_inference_helpers_cpu(tmp_path, monkeypatch):
     assert "error: RuntimeError: no kernels" in md
 
 
-class _CountEstimates:
-    """Counts stage-2 calls and how many of them estimated a fresh index (index=None)."""
-
-    def __init__(self, monkeypatch):
-        self.calls = self.estimates = 0
-        real = attention_mod.sparse_core
-
-        def wrapped(*a, **k):
-            self.calls += 1
-            self.estimates += k.get("index") is None
-            return real(*a, **k)
-
-        monkeypatch.setattr(attention_mod, "sparse_core", wrapped)
-
-
 @needs_dsv
 def test_index_refresh_reuses_estimates(active_ckpt, tmp_path, monkeypatch):
     ckpt = active_ckpt
-    spy = _CountEstimates(monkeypatch)
+    spy = _CountSparse(monkeypatch)
     base = _run(ckpt, tmp_path / "r1", seed=1, batch_size=1)
     assert (spy.calls, spy.estimates) == (2 * STEPS * 4, 2 * STEPS * 4) and base["index_refresh"] == 1
     spy.calls = spy.estimates = 0

@@ -86,16 +86,12 @@ static __device__ __forceinline__ void dsv_tk_hist_inc(uint32_t base, uint32_t u
 /* One staged tile of the histogram pass, two-phase: the MMA chains of all 8 blocks first
  * (independent, pipelined), then branch-free histogram updates (every score adds 1 to its bin
  * or to this thread's sink slot). */
+/* Scores of one staged 64-key tile, two-phase: the lane's 4 accumulators of each of the 8
+ * key blocks (exact: hi + mid + lo parts of the representative against the 16-bit keys). */
 template <typename T, int KS, int SW>
-static __device__ __forceinline__ void dsv_tk_hist_tile(const uint32_t* kt, const uint32_t (&A)[KS][3][4],
-                                                        int lane, int j4, int t0, int S32,
-                                                        uint32_t hA_addr, uint32_t hB_addr,
-                                                        uint32_t sink, uint32_t pmask,
-                                                        uint32_t prefA, uint32_t prefB, int shift,
-                                                        bool actA, bool actB) {
-  /* all 8 blocks' MMA chains first (independent, pipelined), then the histogram updates:
-   * branch-free, every score adds 1 to its bin or to this thread's sink slot */
-  float d[TK_TILE / 8][4];
+static __device__ __forceinline__ void dsv_tk_tile_scores(const uint32_t* kt,
+                                                          const uint32_t (&A)[KS][3][4], int lane,
+                                                          int j4, float (&d)[TK_TILE / 8][4]) {
 #pragma unroll
   for (int blk = 0; blk < TK_TILE / 8; ++blk) {
     const int n = blk * 8 + (lane >> 2);
@@ -108,6 +104,19 @@ static __device__ __forceinline__ void dsv_tk_hist_tile(const uint32_t* kt, cons
       dsv_mma<T>(d[blk], A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
     }
   }
+}
+
+template <typename T, int KS, int SW>
+static __device__ __forceinline__ void dsv_tk_hist_tile(const uint32_t* kt, const uint32_t (&A)[KS][3][4],
+                                                        int lane, int j4, int t0, int S32,
+                                                        uint32_t hA_addr, uint32_t hB_addr,
+                                                        uint32_t sink, uint32_t pmask,
+                                                        uint32_t prefA, uint32_t prefB, int shift,
+                                                        bool actA, bool actB) {
+  /* all 8 blocks' MMA chains first (independent, pipelined), then the histogram updates:
+   * branch-free, every score adds 1 to its bin or to this thread's sink slot */
+  float d[TK_TILE / 8][4];
+  dsv_tk_tile_scores<T, KS, SW>(kt, A, lane, j4, d);
 #pragma unroll
   for (int blk = 0; blk < TK_TILE / 8; ++blk) {
     const int key0 = t0 + blk * 8 + j4 * 2;
@@ -130,18 +139,7 @@ static __device__ __forceinline__ void dsv_tk_compact_flags(const uint32_t* kt,
                                                             uint32_t& meB) {
   /* MMA chains of all 8 blocks first, then the flags (see the histogram passes) */
   float dd[TK_TILE / 8][4];
-#pragma unroll
-  for (int blk = 0; blk < TK_TILE / 8; ++blk) {
-    const int n = blk * 8 + (lane >> 2);
-    dd[blk][0] = dd[blk][1] = dd[blk][2] = dd[blk][3] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      const uint32_t b0 = kt[n * SW + ks * 8 + j4], b1 = kt[n * SW + ks * 8 + j4 + 4];
-      dsv_mma<T>(dd[blk], A[ks][2][0], A[ks][2][1], A[ks][2][2], A[ks][2][3], b0, b1);
-      dsv_mma<T>(dd[blk], A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
-      dsv_mma<T>(dd[blk], A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
-    }
-  }
+  dsv_tk_tile_scores<T, KS, SW>(kt, A, lane, j4, dd);
 #pragma unroll
   for (int blk = 0; blk < TK_TILE / 8; ++blk) {
     const float* d = dd[blk];

@@ -68,14 +68,13 @@ class DiTConfig:
     attention_kwargs: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        from dsv_ext.config import check_choice, check_int, check_number
+        from dsv_ext.config import check_bool, check_choice, check_int, check_number
 
         for n in ("in_channels", "hidden", "depth", "heads"):
             check_int("model", n, getattr(self, n), 1)
         check_number("model", "mlp_ratio", self.mlp_ratio, 0.0, lo_open=True)
         for n in ("qk_norm", "grad_checkpointing"):
-            if not isinstance(getattr(self, n), bool):
-                raise ValueError(f"model.{n}: expected true or false, got {getattr(self, n)!r}")
+            check_bool("model", n, getattr(self, n))
         check_choice("model", "attention", self.attention, ("dsv", "dense"))
         if not isinstance(self.attention_kwargs, dict):
             raise ValueError(f"model.attention_kwargs: expected a mapping, got {self.attention_kwargs!r}")

@@ -14,13 +14,14 @@ configuration makes every rank raise :class:`CPConfigError` instead of hanging.
 
 from __future__ import annotations
 
-import importlib
 from typing import Optional
 
-# Imported before the user's init_process_group (docs/PARALLEL.md, "Troubleshooting"): importing
-# torch._dynamo after it (dsv_ext.attention does, through @torch._dynamo.disable) keeps the
-# default gloo group alive past destroy_process_group and can abort the process at exit.
-importlib.import_module("torch._dynamo")
+import torch._dynamo  # noqa: F401  (see below)
+
+# torch._dynamo is imported above so that it comes before the user's init_process_group
+# (docs/PARALLEL.md, "Troubleshooting"): importing it after (dsv_ext.attention does, through
+# @torch._dynamo.disable) keeps the default gloo group alive past destroy_process_group and can
+# abort the process at exit.
 
 from .comm import CPConfigError, all_to_all_rows, clear_group_cache, head_to_seq, hybrid_groups, seq_to_head
 from .hcp import hcp_attention
