@@ -7,7 +7,8 @@ when CUDA is available, the CUDA kernels (csrc/cuda/*.cu) are linked into dsv_ex
 Environment:
   DSV_BUILD_CUDA   "auto" (default): build the CUDA kernels when torch has CUDA and nvcc exists;
                    "1" forces them (an error if impossible); "0" builds the CPU kernels only.
-  DSV_CUDA_ARCH    nvcc target flags, default "-gencode=arch=compute_90a,code=sm_90a" (H100/H200).
+  DSV_CUDA_ARCH    nvcc target flags, default "-gencode=arch=compute_90a,code=sm_90a" (H100/H200);
+                   the wgmma kernels are used only when these name an sm_90a target.
   MAX_JOBS         parallel compile jobs (ninja), as for any PyTorch extension.
 """
 import glob
@@ -53,10 +54,10 @@ cu_sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))) if with
 
 define_macros = [("TORCH_TARGET_VERSION", TORCH_TARGET_VERSION), ("TORCH_STABLE_ONLY", None)]
 cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden"]
-nvcc_flags = [
-    "-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr",
-    *os.environ.get("DSV_CUDA_ARCH", "-gencode=arch=compute_90a,code=sm_90a").split(),
-]
+cuda_arch = os.environ.get("DSV_CUDA_ARCH", "-gencode=arch=compute_90a,code=sm_90a").split()
+nvcc_flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", *cuda_arch]
+if any("90a" in f for f in cuda_arch):
+    nvcc_flags.append("-DDSV_WGMMA")  # Hopper wgmma kernels (sm_90a code) are built
 if with_cuda:
     define_macros += [("DSV_WITH_CUDA", None), ("USE_CUDA", None)]
     # the kernels use the half / bfloat16 intrinsics and operators directly

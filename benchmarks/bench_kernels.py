@@ -334,7 +334,8 @@ def tile_sweep(q, k, v, do, kv_index, cnt, G, scale, out_ref, lse_ref, bwd):
     query-major backward kernels, and both dK/dV reduction forms of the backward, and check
     each against the default configuration."""
     grads_ref = bwd()
-    for var, cfgs, kind in (("DSV_ATTN_FWD_TILE", ("64x2", "32x2", "32x3", "32x4", "32x5"), "fwd"),
+    fwd_cfgs = ("w32x3", "w32x2", "w64x2", "w32x4", "64x2", "32x2", "32x3", "32x4", "32x5")
+    for var, cfgs, kind in (("DSV_ATTN_FWD_TILE", fwd_cfgs, "fwd"),
                             ("DSV_ATTN_BWD_TILE", ("64x2", "32x2", "32x3", "32x4"), "bwd"),
                             ("DSV_ATTN_BWD_REDUCE", ("v4", "bulk"), "bwd")):
         for cfg in cfgs:

@@ -88,12 +88,15 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t* r, uint32_t addr) {
                : "r"(addr));
 }
 
-/* 16-byte async copy global -> shared; when `valid` is false nothing is read and the 16 bytes
- * are zero-filled (src must still be a mapped address; callers pass the tensor base). */
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  uint32_t s = smem_u32(smem);
+/* 16-byte async copy global -> shared (a shared address, or a generic pointer to shared
+ * memory); when `valid` is false nothing is read and the 16 bytes are zero-filled (src must
+ * still be a mapped address; callers pass the tensor base). */
+__device__ __forceinline__ void cp_async16_s(uint32_t saddr, const void* gmem, bool valid) {
   int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  cp_async16_s(smem_u32(smem), gmem, valid);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -138,19 +141,29 @@ __device__ __forceinline__ void load_b_t(uint32_t* f, const void* tile, int k0, 
   ldsm_x4_t(f, smem_u32(base + ((size_t)k * LD + n) * 2));
 }
 
-/* Gather `rows` rows of D elements into a padded tile: row r is base + ridx[r] * stride_s
- * (elements), or zeros when ridx[r] < 0. All NT threads of the block take part. */
-template <typename T, int D, int NT>
+/* Element offset of the 16-byte chunk c of row r in a tile of R rows of D 16-bit elements:
+ * padded rows (stride D + 8, for ldmatrix) or, with SWZ, the 128-byte-swizzled layout of the
+ * wgmma kernels (wgmma.cuh: D / 64 column blocks of R rows x 64 elements, chunk c of row r at
+ * block c / 8, position (c % 8) ^ (r % 8)). */
+template <int D, int R, bool SWZ>
+__device__ __forceinline__ int tile_off(int r, int c) {
+  if constexpr (SWZ) return (c >> 3) * (R * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
+  else return r * (D + 8) + c * 8;
+}
+
+/* Gather `rows` rows of D elements into a tile of R rows (padded, or swizzled with SWZ): row r
+ * is base + ridx[r] * stride_s (elements), or zeros when ridx[r] < 0. All NT threads of the
+ * block take part. */
+template <typename T, int D, int NT, int R = 0, bool SWZ = false>
 __device__ __forceinline__ void gather_rows_async(T* tile, const T* base, int64_t stride_s,
                                                   const int* ridx, int rows) {
   constexpr int CH = D / 8; /* 16-byte chunks per row */
-  constexpr int LD = D + 8;
   for (int i = threadIdx.x; i < rows * CH; i += NT) {
     int r = i / CH, c = i - r * CH;
     int idx = ridx[r];
     bool valid = idx >= 0;
     const T* src = valid ? base + (int64_t)idx * stride_s + c * 8 : base;
-    cp_async16(tile + r * LD + c * 8, src, valid);
+    cp_async16(tile + tile_off<D, R, SWZ>(r, c), src, valid);
   }
 }
 
@@ -176,15 +189,15 @@ struct KeyTileIdx {
   }
 };
 
-/* gather_keys_async with the tile's list entries already in registers (KeyTileIdx::load);
+/* Gather a key tile (padded, or swizzled with SWZ) with its list entries already in registers
+ * (KeyTileIdx::load);
  * positions outside [lo, hi) become zero rows, kidx[r] records each row's position or -1. */
-template <typename T, int D, int NT, int BN>
+template <typename T, int D, int NT, int BN, bool SWZ = false>
 __device__ __forceinline__ void gather_keys_pre(T* ktile, T* vtile, const T* kbase,
                                                 int64_t kstride, const T* vbase, int64_t vstride,
                                                 const KeyTileIdx<D, NT, BN>& ix, int lo, int hi,
                                                 int* kidx) {
   constexpr int CH = D / 8;
-  constexpr int LD = D + 8;
 #pragma unroll
   for (int k = 0; k < KeyTileIdx<D, NT, BN>::N; ++k) {
     const int i = threadIdx.x + k * NT;
@@ -195,13 +208,67 @@ __device__ __forceinline__ void gather_keys_pre(T* ktile, T* vtile, const T* kba
     if (c == 0) kidx[r] = idx;
     const bool valid = idx >= 0;
     const T* ks = valid ? kbase + (int64_t)idx * kstride + c * 8 : kbase;
-    cp_async16(ktile + r * LD + c * 8, ks, valid);
+    const int off = tile_off<D, BN, SWZ>(r, c);
+    cp_async16(ktile + off, ks, valid);
     if (vtile) {
       const T* vs = valid ? vbase + (int64_t)idx * vstride + c * 8 : vbase;
-      cp_async16(vtile + r * LD + c * 8, vs, valid);
+      cp_async16(vtile + off, vs, valid);
     }
   }
 }
+
+/* Key-tile gather in which each thread copies one fixed 16-byte chunk c = tid % CH of the rows
+ * r0 + k RS (r0 = tid / CH, RS = NT / CH, k < N), so that its destination offsets and list
+ * positions are fixed and computed once per kernel instead of once per tile (the wgmma forward
+ * is issue-bound: the generic loop of gather_keys_pre cost it ~290 instructions per tile and
+ * warp, mostly 64-bit address arithmetic). RS is a multiple of 8, so row r0 + k RS keeps the
+ * swizzle phase of row r0 and lies k RS rows further. Row strides must be below 2^32 elements
+ * (the callers check): a row's address is one 32 x 32 -> 64-bit multiply-add. load() reads the
+ * list entries of a tile one tile ahead (as KeyTileIdx); issue() copies the K and V rows
+ * (entries outside [0, hi) give zero rows) and records, for each row, 0 or -inf in `bias` (the
+ * score mask of the softmax). */
+template <typename T, int D, int NT, int BN, bool SWZ>
+struct KeyGather {
+  static constexpr int CH = D / 8, RS = NT / CH, N = BN / RS;
+  static constexpr int ROW = SWZ ? 64 : D + 8; /* elements from row r to row r + 1 in a block */
+  static_assert(NT % CH == 0 && BN % RS == 0 && RS % 8 == 0, "one chunk per thread and row");
+  const T* kb;      /* kbase + c * 8 */
+  const T* vb;
+  uint32_t ks, vs;  /* row strides (elements) */
+  int r0, off0;     /* first row, its element offset in the tile */
+  bool writer;      /* c == 0: writes the rows' bias entries */
+  int v[N];
+  __device__ __forceinline__ void init(const T* kbase, int64_t kstride, const T* vbase,
+                                       int64_t vstride) {
+    const int c = threadIdx.x % CH;
+    r0 = threadIdx.x / CH;
+    off0 = tile_off<D, BN, SWZ>(r0, c);
+    writer = c == 0;
+    kb = kbase + c * 8;
+    vb = vbase + c * 8;
+    ks = (uint32_t)kstride;
+    vs = (uint32_t)vstride;
+  }
+  __device__ __forceinline__ void load(const int* list, int j0, int end) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const int j = j0 + r0 + k * RS;
+      v[k] = j < end ? __ldg(list + j) : -1;
+    }
+  }
+  /* ktile, vtile: shared addresses of the stage's K and V tiles */
+  __device__ __forceinline__ void issue(uint32_t ktile, uint32_t vtile, int hi, float* bias) const {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const bool valid = (unsigned)v[k] < (unsigned)hi;
+      const uint32_t row = valid ? (uint32_t)v[k] : 0u;
+      if (writer) bias[r0 + k * RS] = valid ? 0.f : -INFINITY;
+      const uint32_t so = (uint32_t)(off0 + k * RS * ROW) * (uint32_t)sizeof(T);
+      cp_async16_s(ktile + so, kb + (uint64_t)row * ks, valid);
+      cp_async16_s(vtile + so, vb + (uint64_t)row * vs, valid);
+    }
+  }
+};
 
 /* Bulk asynchronous reductions (sm_90): the TMA unit adds `bytes` (a multiple of 16) of fp32
  * from shared memory into global memory (both 16-byte aligned); the issuing thread goes on at

@@ -1,17 +1,21 @@
 /*
  * sparse_attention_fwd.cu - forward of sparse grouped attention on CUDA (sm_90a).
  *
- * One CTA handles a chunk of BM consecutive queries of one group (all queries of a chunk share
- * the group's key list). BM / 16 warps each own 16 query rows. The group's keys are gathered
- * BN at a time with cp.async into a double-buffered shared-memory tile (each gathered row is D
- * contiguous elements); S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32
- * accumulation and an online (base-2) softmax. List entries past kv_count and positions
- * outside [0, S) become masked zero rows, so nothing is read out of bounds.
+ * One CTA handles a chunk of consecutive queries of one group (all queries of a chunk share the
+ * group's key list). The group's keys are gathered BN at a time with cp.async into an NS-stage
+ * shared-memory pipeline (each gathered row is D contiguous elements); S = Q K^T and O += P V
+ * accumulate in fp32 with an online (base-2) softmax. List entries past kv_count and positions
+ * outside [0, S) become masked zero rows, so nothing is read out of bounds. Two kernels:
+ *  - sparse_attn_fwd_wg_kernel (default on H100 / H200, D = 64 or 128, G >= 64): one warpgroup
+ *    per 64 queries on wgmma, tiles 128-byte swizzled (wgmma.cuh);
+ *  - sparse_attn_fwd_kernel (every other case): BM / 16 warps of 16 query rows each on
+ *    mma.sync.m16n8k16 with ldmatrix from padded tiles.
  */
 #include <stdlib.h>
 #include <string.h>
 
 #include "attention_common.cuh"
+#include "wgmma.cuh"
 
 namespace dsv_attn {
 
@@ -28,6 +32,114 @@ struct FwdParams {
   int S, H, G, NG, kmax, chunks;
   float scale_log2;
 };
+
+/* Online-softmax step of one key tile for the two rows a lane holds (lane / 4 and lane / 4 + 8
+ * of its warp's 16): masks the columns of missing keys (int mask: position -1; float mask: a
+ * bias of -inf, 0 for present keys), scales to base 2, updates the
+ * running maximum (m0, m1) and sum (l0, l1), leaves P = exp2(s - max) in s and returns the
+ * factors (a0, a1) that rescale the output accumulated so far. */
+template <int BN, typename MaskT>
+__device__ __forceinline__ void softmax_tile(float (&s)[BN / 8][4], const MaskT* mask,
+                                             float scale_log2, int lane, float& m0, float& m1,
+                                             float& l0, float& l1, float& a0, float& a1) {
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt) {
+    const int col = nt * 8 + (lane & 3) * 2;
+    if constexpr (sizeof(MaskT) == sizeof(float) && (MaskT)0.5f != 0) {
+      /* mask = a bias per key: 0 or -inf (KeyGather) */
+      const float2 bb = *reinterpret_cast<const float2*>(mask + col);
+      s[nt][0] = fmaf(s[nt][0], scale_log2, bb.x);
+      s[nt][1] = fmaf(s[nt][1], scale_log2, bb.y);
+      s[nt][2] = fmaf(s[nt][2], scale_log2, bb.x);
+      s[nt][3] = fmaf(s[nt][3], scale_log2, bb.y);
+    } else {
+      /* mask = the keys' positions, -1 for none */
+      const bool v0 = mask[col] >= 0, v1 = mask[col + 1] >= 0;
+      s[nt][0] = v0 ? s[nt][0] * scale_log2 : -INFINITY;
+      s[nt][1] = v1 ? s[nt][1] * scale_log2 : -INFINITY;
+      s[nt][2] = v0 ? s[nt][2] * scale_log2 : -INFINITY;
+      s[nt][3] = v1 ? s[nt][3] * scale_log2 : -INFINITY;
+    }
+    mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+    mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+  }
+  mx0 = quad_max(mx0);
+  mx1 = quad_max(mx1);
+  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  const float mu0 = mn0 == -INFINITY ? 0.f : mn0;
+  const float mu1 = mn1 == -INFINITY ? 0.f : mn1;
+  a0 = exp2f(m0 - mu0);
+  a1 = exp2f(m1 - mu1);
+  m0 = mn0;
+  m1 = mn1;
+  float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt) {
+    s[nt][0] = exp2f(s[nt][0] - mu0);
+    s[nt][1] = exp2f(s[nt][1] - mu0);
+    s[nt][2] = exp2f(s[nt][2] - mu1);
+    s[nt][3] = exp2f(s[nt][3] - mu1);
+    rs0 += s[nt][0] + s[nt][1];
+    rs1 += s[nt][2] + s[nt][3];
+  }
+  l0 = l0 * a0 + rs0;
+  l1 = l1 * a1 + rs1;
+}
+
+template <int D>
+__device__ __forceinline__ void rescale_out(float (&o)[D / 8][4], float a0, float a1) {
+  /* after the first tiles a row's maximum rarely moves: skip the D / 2 multiplies when no row
+   * of the warp needs them (a warp-uniform branch) */
+  if (!__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) return;
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    o[i][0] *= a0;
+    o[i][1] *= a0;
+    o[i][2] *= a1;
+    o[i][3] *= a1;
+  }
+}
+
+/* P of key columns 16 kk .. 16 kk + 15 as the m16n8k16 A fragment (T precision). */
+template <typename T, int BN>
+__device__ __forceinline__ void pack_p(uint32_t* pa, const float (&s)[BN / 8][4], int kk) {
+  pa[0] = Elem<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+  pa[1] = Elem<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+  pa[2] = Elem<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  pa[3] = Elem<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+/* Epilogue: out = O / l for the lane's two rows (rows past nrows are not written) and
+ * lse = (m + log2 l) ln 2 (-inf for rows without keys). */
+template <typename T, int D>
+__device__ __forceinline__ void store_out_lse(const FwdParams<T>& p, const float (&o)[D / 8][4],
+                                              float m0, float m1, float l0, float l1, int b, int h,
+                                              int row0, int nrows, int warp, int lane) {
+  l0 = quad_sum(l0);
+  l1 = quad_sum(l1);
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
+  const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  const int lr0 = warp * 16 + (lane >> 2), lr1 = lr0 + 8;
+  T* obase = p.out + b * p.ob + h * p.oh;
+  if (lr0 < nrows) {
+    T* orow = obase + (int64_t)(row0 + lr0) * p.os + (lane & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      *reinterpret_cast<uint32_t*>(orow + i * 8) = Elem<T>::pack(o[i][0] * inv0, o[i][1] * inv0);
+  }
+  if (lr1 < nrows) {
+    T* orow = obase + (int64_t)(row0 + lr1) * p.os + (lane & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      *reinterpret_cast<uint32_t*>(orow + i * 8) = Elem<T>::pack(o[i][2] * inv1, o[i][3] * inv1);
+  }
+  if ((lane & 3) == 0) {
+    float* lrow = p.lse + ((size_t)b * p.H + h) * p.S + row0;
+    if (lr0 < nrows) lrow[lr0] = l0 > 0.f ? (m0 + log2f(l0)) * DSV_LN2 : -INFINITY;
+    if (lr1 < nrows) lrow[lr1] = l1 > 0.f ? (m1 + log2f(l1)) * DSV_LN2 : -INFINITY;
+  }
+}
 
 template <typename T, int D, int BM, int BN, int NS>
 __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams<T> p) {
@@ -113,53 +225,13 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
         mma16816<T>(s[2 * np + 1], qa, kf + 2);
       }
     }
-    /* scale, mask, online softmax (rows lane/4 and lane/4 + 8 of this warp's 16) */
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-      const int col = nt * 8 + (lane & 3) * 2;
-      const bool v0 = ki[col] >= 0, v1 = ki[col + 1] >= 0;
-      s[nt][0] = v0 ? s[nt][0] * p.scale_log2 : -INFINITY;
-      s[nt][1] = v1 ? s[nt][1] * p.scale_log2 : -INFINITY;
-      s[nt][2] = v0 ? s[nt][2] * p.scale_log2 : -INFINITY;
-      s[nt][3] = v1 ? s[nt][3] * p.scale_log2 : -INFINITY;
-      mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
-    }
-    mx0 = quad_max(mx0);
-    mx1 = quad_max(mx1);
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float mu0 = mn0 == -INFINITY ? 0.f : mn0;
-    const float mu1 = mn1 == -INFINITY ? 0.f : mn1;
-    const float a0 = exp2f(m0 - mu0), a1 = exp2f(m1 - mu1);
-    m0 = mn0;
-    m1 = mn1;
-    float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-      s[nt][0] = exp2f(s[nt][0] - mu0);
-      s[nt][1] = exp2f(s[nt][1] - mu0);
-      s[nt][2] = exp2f(s[nt][2] - mu1);
-      s[nt][3] = exp2f(s[nt][3] - mu1);
-      rs0 += s[nt][0] + s[nt][1];
-      rs1 += s[nt][2] + s[nt][3];
-    }
-    l0 = l0 * a0 + rs0;
-    l1 = l1 * a1 + rs1;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      o[i][0] *= a0;
-      o[i][1] *= a0;
-      o[i][2] *= a1;
-      o[i][3] *= a1;
-    }
+    float a0, a1;
+    softmax_tile<BN>(s, ki, p.scale_log2, lane, m0, m1, l0, l1, a0, a1);
+    rescale_out<D>(o, a0, a1);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       uint32_t pa[4];
-      pa[0] = Elem<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-      pa[1] = Elem<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-      pa[2] = Elem<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[3] = Elem<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      pack_p<T, BN>(pa, s, kk);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t vf[4];
@@ -173,30 +245,136 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
   }
   cp_async_wait<0>();
 
-  /* epilogue */
-  l0 = quad_sum(l0);
-  l1 = quad_sum(l1);
-  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
-  const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  const int lr0 = warp * 16 + (lane >> 2), lr1 = lr0 + 8;
-  T* obase = p.out + b * p.ob + h * p.oh;
-  if (lr0 < nrows) {
-    T* orow = obase + (int64_t)(row0 + lr0) * p.os + (lane & 3) * 2;
+  store_out_lse<T, D>(p, o, m0, m1, l0, l1, b, h, row0, nrows, warp, lane);
+}
+
+/* S = Q K^T for one key tile on wgmma: D / 16 steps of k16 over swizzled Q (64 rows) and K (BN
+ * rows) tiles; step kk reads column block kk / 4 (rows x 128 bytes) at byte 32 (kk % 4). */
+template <typename T, int D, int BN>
+__device__ __forceinline__ void wg_scores(float (&s)[BN / 8][4], uint64_t qdesc, uint64_t kdesc) {
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-      *reinterpret_cast<uint32_t*>(orow + i * 8) = Elem<T>::pack(o[i][0] * inv0, o[i][1] * inv0);
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint32_t qo = (kk >> 2) * (64 * 128) + (kk & 3) * 32;
+    const uint32_t ko = (kk >> 2) * (BN * 128) + (kk & 3) * 32;
+    Wgmma<T, BN>::ss(&s[0][0], wg_desc_add(qdesc, qo), wg_desc_add(kdesc, ko), kk > 0);
   }
-  if (lr1 < nrows) {
-    T* orow = obase + (int64_t)(row0 + lr1) * p.os + (lane & 3) * 2;
+}
+
+/* O += P V for one key tile on wgmma: BN / 16 steps of k16 (16 keys), P from registers, V as
+ * the transposed (MN-major) B operand; step kk starts at key row 16 kk = byte 2048 kk. */
+template <typename T, int D, int BN>
+__device__ __forceinline__ void wg_pv(float (&o)[D / 8][4], const float (&s)[BN / 8][4],
+                                      uint64_t vdesc) {
+  uint32_t pa[BN / 16][4];
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-      *reinterpret_cast<uint32_t*>(orow + i * 8) = Elem<T>::pack(o[i][2] * inv1, o[i][3] * inv1);
+  for (int kk = 0; kk < BN / 16; ++kk) pack_p<T, BN>(pa[kk], s, kk);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk)
+    Wgmma<T, D>::rs_bt(&o[0][0], pa[kk], wg_desc_add(vdesc, kk * 2048), 1);
+}
+
+/* The same forward on Hopper warpgroup MMAs (wgmma, sm_90a): one warpgroup (4 warps, 128
+ * threads) per chunk of 64 queries. The gathered Q, K and V tiles are stored 128-byte swizzled
+ * (wgmma.cuh); S = Q K^T reads Q and K from shared memory, O += P V takes P from registers and V
+ * from shared memory, so each gathered tile is read once per warpgroup instead of once per warp
+ * as with ldmatrix + mma.sync. The online softmax and the epilogue are those of the kernel
+ * above (the accumulator fragments have the same layout). cp.async writes the tiles, so each
+ * thread fences them to the async proxy before the barrier that precedes the MMAs. Per tile:
+ * gather-wait, S, softmax, P V, one after the other; the other CTAs on the SM (4 with 32-key
+ * tiles) fill the gaps. (Computing the scores of tile t + 1 during the softmax of tile t, with
+ * two score register sets and more stages, measured slower: fewer CTAs fit; PERF_LOG v6.) */
+template <typename T, int D, int BN, int NS, int MINB>
+__global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const FwdParams<T> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int BM = 64, NT = 128;
+  constexpr int QE = BM * D, KE = BN * D; /* elements of a Q tile, of a K or V tile */
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  /* the swizzle pattern repeats every 1024 bytes: start the tiles on such a boundary */
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  T* Qs = reinterpret_cast<T*>(smem);
+  T* Ks = Qs + QE;       /* [NS][BN x D] */
+  T* Vs = Ks + NS * KE;  /* [NS][BN x D] */
+  float* kbias = reinterpret_cast<float*>(Vs + NS * KE); /* [NS][BN]: 0 or -inf per key */
+  int* qidx = reinterpret_cast<int*>(kbias + NS * BN);   /* [BM] */
+
+  const int g = blockIdx.x / p.chunks;
+  const int chunk = blockIdx.x - g * p.chunks;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int row0 = g * p.G + chunk * BM;
+  const int row_end = min(g * p.G + p.G, p.S);
+  const int nrows = min(BM, row_end - row0);
+  if (nrows <= 0) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  int count = __ldg(p.kv_count + (size_t)b * p.H + h);
+  count = count < 0 ? 0 : (count > p.kmax ? p.kmax : count);
+  const int* list = p.kv_index + (((size_t)b * p.H + h) * p.NG + g) * p.kmax;
+  const T* qbase = p.q + b * p.qb + h * p.qh;
+  const T* kbase = p.k + b * p.kb + h * p.kh;
+  const T* vbase = p.v + b * p.vb + h * p.vh;
+
+  for (int r = tid; r < BM; r += NT) qidx[r] = r < nrows ? row0 + r : -1;
+  __syncthreads();
+  gather_rows_async<T, D, NT, BM, true>(Qs, qbase, p.qs, qidx, BM);
+  const int ntiles = (count + BN - 1) / BN;
+  /* NS-stage cp.async pipeline as in the kernel above: group s of the prologue holds tile s
+   * (group 0 also the Q tile), one group is committed per tile, list entries one tile ahead */
+  KeyGather<T, D, NT, BN, true> ix;
+  ix.init(kbase, p.ks, vbase, p.vs);
+  const uint32_t ks0 = smem_u32(Ks), vs0 = smem_u32(Vs); /* stage 0's K and V tiles */
+#pragma unroll
+  for (int st = 0; st < NS - 1; ++st) {
+    if (st < ntiles) {
+      ix.load(list, st * BN, count);
+      ix.issue(ks0 + st * KE * 2, vs0 + st * KE * 2, p.S, kbias + st * BN);
+    }
+    cp_async_commit();
   }
-  if ((lane & 3) == 0) {
-    float* lrow = p.lse + ((size_t)b * p.H + h) * p.S + row0;
-    if (lr0 < nrows) lrow[lr0] = l0 > 0.f ? (m0 + log2f(l0)) * DSV_LN2 : -INFINITY;
-    if (lr1 < nrows) lrow[lr1] = l1 > 0.f ? (m1 + log2f(l1)) * DSV_LN2 : -INFINITY;
+  ix.load(list, (NS - 1) * BN, count);
+
+  float o[D / 8][4];
+  float s[BN / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  /* descriptors of the Q tile and of stage 0's K (K-major) and V (MN-major) tiles */
+  const uint64_t qdesc = wg_desc(smem_u32(Qs), 16, 1024);
+  const uint64_t kdesc0 = wg_desc(ks0, 16, 1024);
+  const uint64_t vdesc0 = wg_desc(vs0, BN * 128, 1024);
+
+  for (int t = 0; t < ntiles; ++t) {
+    const int buf = t % NS;
+    cp_async_wait<NS - 2>();
+    fence_proxy_async_smem(); /* this thread's cp.async writes -> visible to the tensor cores */
+    __syncthreads();
+    {
+      const int tn = t + NS - 1;
+      if (tn < ntiles) {
+        const int nb = tn % NS;
+        ix.issue(ks0 + nb * KE * 2, vs0 + nb * KE * 2, p.S, kbias + nb * BN);
+        ix.load(list, (tn + 1) * BN, count);
+      }
+      cp_async_commit();
+    }
+    wg_fence();
+    wg_scores<T, D, BN>(s, qdesc, wg_desc_add(kdesc0, buf * KE * 2));
+    wg_commit();
+    wg_wait<0>();
+    wg_fence_regs<BN / 2>(&s[0][0]);
+    float a0, a1;
+    softmax_tile<BN>(s, kbias + buf * BN, p.scale_log2, lane, m0, m1, l0, l1, a0, a1);
+    rescale_out<D>(o, a0, a1);
+    wg_pv<T, D, BN>(o, s, wg_desc_add(vdesc0, buf * KE * 2));
+    wg_commit();
+    wg_wait<0>(); /* before the next barrier, after which stage buf may be refilled */
+    wg_fence_regs<D / 2>(&o[0][0]);
   }
+  cp_async_wait<0>();
+  store_out_lse<T, D>(p, o, m0, m1, l0, l1, b, h, row0, nrows, warp, lane);
+#endif
 }
 
 template <typename T, int D, int BM, int BN, int NS>
@@ -213,30 +391,70 @@ static int launch_fwd(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStr
   return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
 }
 
-/* Key-tile configuration (BN keys per tile, NS pipeline stages) for D <= 128; the environment
- * variable DSV_ATTN_FWD_TILE ("32x2" default, "64x2", "32x3", "32x4", "32x5") overrides it, for
- * tuning. Measured at S = 64k, D = 128, sparsity 0.9 (session 2, list entries prefetched):
- * G = 64: 32x2 26.0 ms, 64x2 28.0, 32x3 26.3, 32x4 30.5, 32x5 30.4; G = 32 (BM = 32): 32x2 36.5,
- * 64x2 66.0, 32x3 48.5, 32x4 65.0 (the small tiles let 5 CTAs share an SM). */
-static int fwd_tile_cfg() {
+template <typename T, int D, int BN, int NS, int MINB = 1>
+static int launch_fwd_wg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStream_t stream) {
+  const size_t smem =
+      1024 + (size_t)(64 + 2 * NS * BN) * D * sizeof(T) + NS * BN * sizeof(float) + 64 * sizeof(int);
+  auto kern = sparse_attn_fwd_wg_kernel<T, D, BN, NS, MINB>;
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+      cudaSuccess)
+    return DSV_ERR_CUDA;
+  dim3 grid((unsigned)(prm.NG * prm.chunks), (unsigned)sh->heads, (unsigned)sh->batch);
+  kern<<<grid, 128, smem, stream>>>(prm);
+  return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
+}
+
+/* Key-tile configuration: BN keys per tile x NS pipeline stages. The environment variable
+ * DSV_ATTN_FWD_TILE selects one, for tuning and tests: "w32x2", "w32x3", "w64x2", "w32x4" run
+ * the wgmma kernel (where it applies: an sm_90a build on a
+ * compute capability 9.0 device, D 64 or 128, G >= 64, row strides below 2^32; elsewhere they
+ * fall back to mma.sync 32x2), "32x2", "64x2", "32x3", "32x4", "32x5" the mma.sync kernel (for
+ * D <= 128). Unset: wgmma w32x2 (4 CTAs per SM, registers capped at 128) where it applies, else
+ * mma.sync 32x2. Measured at S = 64k, H = 24, D = 128, G = 64, sparsity 0.9, random lists
+ * (session 4, same run): w32x2 15.7 ms, w32x3 16.2, w64x2 16.3, w32x4 19.0 (a pipelined
+ * variant, PERF_LOG v6: 19.1 / 23.5); mma.sync 32x2 25.7, 64x2 27.1, 32x3 26.7, 32x4 30.4, 32x5 31.6. mma.sync, G = 32
+ * (BM = 32, session 2): 32x2 36.5, 64x2 66.0, 32x3 48.5, 32x4 65.0 (5 CTAs per SM). */
+enum FwdTile { FT_DEFAULT, FT_32x2, FT_64x2, FT_32x3, FT_32x4, FT_32x5, FT_W32x2, FT_W32x3,
+               FT_W64x2, FT_W32x4 };
+
+static FwdTile fwd_tile_cfg() {
+  static const struct { const char* name; FwdTile t; } names[] = {
+      {"32x2", FT_32x2},   {"64x2", FT_64x2},   {"32x3", FT_32x3},   {"32x4", FT_32x4},
+      {"32x5", FT_32x5},   {"w32x2", FT_W32x2}, {"w32x3", FT_W32x3}, {"w64x2", FT_W64x2},
+      {"w32x4", FT_W32x4}};
   const char* e = getenv("DSV_ATTN_FWD_TILE");
-  if (e && !strcmp(e, "64x2")) return 0;
-  if (e && !strcmp(e, "32x4")) return 1;
-  if (e && !strcmp(e, "32x5")) return 2;
-  if (e && !strcmp(e, "32x3")) return 3;
-  return 4; /* 32x2 */
+  if (e)
+    for (const auto& n : names)
+      if (!strcmp(e, n.name)) return n.t;
+  return FT_DEFAULT;
+}
+
+/* The wgmma kernel needs sm_90a code (setup.py defines DSV_WGMMA when it builds for
+ * compute_90a) and a device that runs it. */
+static bool wgmma_device() {
+#if defined(DSV_WGMMA)
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+    return false;
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
 }
 
 template <typename T, int D, int BM>
-static int fwd_launch_cfg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStream_t stream) {
+static int fwd_launch_cfg(const dsv_attn_shape* sh, const FwdParams<T>& prm, FwdTile cfg,
+                          cudaStream_t stream) {
   if constexpr (D > 128) {
     return launch_fwd<T, D, BM, 32, 2>(sh, prm, stream);
   } else {
-    switch (fwd_tile_cfg()) {
-      case 1: return launch_fwd<T, D, BM, 32, 4>(sh, prm, stream);
-      case 2: return launch_fwd<T, D, BM, 32, 5>(sh, prm, stream);
-      case 0: return launch_fwd<T, D, BM, 64, 2>(sh, prm, stream);
-      case 3: return launch_fwd<T, D, BM, 32, 3>(sh, prm, stream);
+    switch (cfg) {
+      case FT_32x4: return launch_fwd<T, D, BM, 32, 4>(sh, prm, stream);
+      case FT_32x5: return launch_fwd<T, D, BM, 32, 5>(sh, prm, stream);
+      case FT_64x2: return launch_fwd<T, D, BM, 64, 2>(sh, prm, stream);
+      case FT_32x3: return launch_fwd<T, D, BM, 32, 3>(sh, prm, stream);
       default: return launch_fwd<T, D, BM, 32, 2>(sh, prm, stream);
     }
   }
@@ -245,18 +463,32 @@ static int fwd_launch_cfg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cud
 template <typename T, int D>
 static int fwd_dispatch_bm(const dsv_attn_shape* sh, FwdParams<T>& prm, cudaStream_t stream) {
   const int G = prm.G;
+  const FwdTile cfg = fwd_tile_cfg();
+  if constexpr (D == 64 || D == 128) {
+    const bool wg_cfg = cfg == FT_DEFAULT || cfg >= FT_W32x2;
+    const int64_t lim = (int64_t)UINT32_MAX; /* KeyGather's 32-bit row strides */
+    if (wg_cfg && G >= 64 && prm.ks <= lim && prm.vs <= lim && wgmma_device()) {
+      prm.chunks = (G + 63) / 64;
+      switch (cfg) {
+        case FT_W32x3: return launch_fwd_wg<T, D, 32, 3>(sh, prm, stream);
+        case FT_W64x2: return launch_fwd_wg<T, D, 64, 2>(sh, prm, stream);
+        case FT_W32x4: return launch_fwd_wg<T, D, 32, 4>(sh, prm, stream);
+        default: return launch_fwd_wg<T, D, 32, 2, 4>(sh, prm, stream); /* w32x2 */
+      }
+    }
+  }
   if (G <= 32) {
     prm.chunks = 1;
-    return fwd_launch_cfg<T, D, 32>(sh, prm, stream);
+    return fwd_launch_cfg<T, D, 32>(sh, prm, cfg, stream);
   }
   if constexpr (D <= 128) {
     if (G % 128 == 0) {
       prm.chunks = G / 128;
-      return fwd_launch_cfg<T, D, 128>(sh, prm, stream);
+      return fwd_launch_cfg<T, D, 128>(sh, prm, cfg, stream);
     }
   }
   prm.chunks = (G + 63) / 64;
-  return fwd_launch_cfg<T, D, 64>(sh, prm, stream);
+  return fwd_launch_cfg<T, D, 64>(sh, prm, cfg, stream);
 }
 
 template <typename T>
