@@ -222,7 +222,7 @@ __device__ __forceinline__ void gather_keys_pre(T* ktile, T* vtile, const T* kba
  * positions are fixed and computed once per kernel instead of once per tile (the wgmma forward
  * is issue-bound: the generic loop of gather_keys_pre cost it ~290 instructions per tile and
  * warp, mostly 64-bit address arithmetic). RS is a multiple of 8, so row r0 + k RS keeps the
- * swizzle phase of row r0 and lies k RS rows further. Row strides must be below 2^32 elements
+ * swizzle phase of row r0 and lies k RS rows further. Row strides must be below 2^32 bytes
  * (the callers check): a row's address is one 32 x 32 -> 64-bit multiply-add. load() reads the
  * list entries of a tile one tile ahead (as KeyTileIdx); issue() copies the K and V rows
  * (entries outside [0, hi) give zero rows) and records, for each row, 0 or -inf in `bias` (the
@@ -232,9 +232,9 @@ struct KeyGather {
   static constexpr int CH = D / 8, RS = NT / CH, N = BN / RS;
   static constexpr int ROW = SWZ ? 64 : D + 8; /* elements from row r to row r + 1 in a block */
   static_assert(NT % CH == 0 && BN % RS == 0 && RS % 8 == 0, "one chunk per thread and row");
-  const T* kb;      /* kbase + c * 8 */
-  const T* vb;
-  uint32_t ks, vs;  /* row strides (elements) */
+  const char* kb;   /* kbase + c * 8 elements */
+  const char* vb;
+  uint32_t ks, vs;  /* row strides in bytes */
   int r0, off0;     /* first row, its element offset in the tile */
   bool writer;      /* c == 0: writes the rows' bias entries */
   int v[N];
@@ -244,10 +244,10 @@ struct KeyGather {
     r0 = threadIdx.x / CH;
     off0 = tile_off<D, BN, SWZ>(r0, c);
     writer = c == 0;
-    kb = kbase + c * 8;
-    vb = vbase + c * 8;
-    ks = (uint32_t)kstride;
-    vs = (uint32_t)vstride;
+    kb = reinterpret_cast<const char*>(kbase + c * 8);
+    vb = reinterpret_cast<const char*>(vbase + c * 8);
+    ks = (uint32_t)(kstride * (int64_t)sizeof(T));
+    vs = (uint32_t)(vstride * (int64_t)sizeof(T));
   }
   __device__ __forceinline__ void load(const int* list, int j0, int end) {
 #pragma unroll
@@ -288,6 +288,15 @@ __device__ __forceinline__ void bulk_wait_read0() {
 }
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/* 2^x on the special-function unit, subnormal results flushed to zero (exp2f adds a range
+ * check and two multiplies around the same instruction to keep them: 4 more instructions per
+ * score in the softmax loops, and probabilities below 2^-126 do not matter there). */
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 __device__ __forceinline__ float quad_max(float x) {

@@ -467,10 +467,10 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
     for (int nt = 0; nt < BN / 8; ++nt) {
       const int col = nt * 8 + (lane & 3) * 2;
       const bool v0 = ki[col] >= 0, v1 = ki[col + 1] >= 0;
-      const float p0 = v0 ? exp2f(s[nt][0] * p.scale_log2 - ls0) : 0.f;
-      const float p1 = v1 ? exp2f(s[nt][1] * p.scale_log2 - ls0) : 0.f;
-      const float p2 = v0 ? exp2f(s[nt][2] * p.scale_log2 - ls1) : 0.f;
-      const float p3 = v1 ? exp2f(s[nt][3] * p.scale_log2 - ls1) : 0.f;
+      const float p0 = v0 ? fast_exp2(s[nt][0] * p.scale_log2 - ls0) : 0.f;
+      const float p1 = v1 ? fast_exp2(s[nt][1] * p.scale_log2 - ls0) : 0.f;
+      const float p2 = v0 ? fast_exp2(s[nt][2] * p.scale_log2 - ls1) : 0.f;
+      const float p3 = v1 ? fast_exp2(s[nt][3] * p.scale_log2 - ls1) : 0.f;
       s[nt][0] = p0; s[nt][1] = p1; s[nt][2] = p2; s[nt][3] = p3;
       dp[nt][0] = p0 * (dp[nt][0] - dl0);
       dp[nt][1] = p1 * (dp[nt][1] - dl0);
@@ -759,10 +759,10 @@ __global__ void __launch_bounds__(128) bwd_kmajor_kernel(const BwdParams<T> p) {
       const int col = nt * 8 + (lane & 3) * 2;
       const float l0 = ls[col], l1 = ls[col + 1];
       const float d0 = dl[col], d1 = dl[col + 1];
-      const float p0 = kv0 ? exp2f(st[nt][0] * p.scale_log2 - l0) : 0.f;
-      const float p1 = kv0 ? exp2f(st[nt][1] * p.scale_log2 - l1) : 0.f;
-      const float p2 = kv1 ? exp2f(st[nt][2] * p.scale_log2 - l0) : 0.f;
-      const float p3 = kv1 ? exp2f(st[nt][3] * p.scale_log2 - l1) : 0.f;
+      const float p0 = kv0 ? fast_exp2(st[nt][0] * p.scale_log2 - l0) : 0.f;
+      const float p1 = kv0 ? fast_exp2(st[nt][1] * p.scale_log2 - l1) : 0.f;
+      const float p2 = kv1 ? fast_exp2(st[nt][2] * p.scale_log2 - l0) : 0.f;
+      const float p3 = kv1 ? fast_exp2(st[nt][3] * p.scale_log2 - l1) : 0.f;
       st[nt][0] = p0; st[nt][1] = p1; st[nt][2] = p2; st[nt][3] = p3;
       dpt[nt][0] = p0 * (dpt[nt][0] - d0);
       dpt[nt][1] = p1 * (dpt[nt][1] - d1);

@@ -69,17 +69,17 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BN / 8][4], const MaskT*
   const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
   const float mu0 = mn0 == -INFINITY ? 0.f : mn0;
   const float mu1 = mn1 == -INFINITY ? 0.f : mn1;
-  a0 = exp2f(m0 - mu0);
-  a1 = exp2f(m1 - mu1);
+  a0 = fast_exp2(m0 - mu0);
+  a1 = fast_exp2(m1 - mu1);
   m0 = mn0;
   m1 = mn1;
   float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
   for (int nt = 0; nt < BN / 8; ++nt) {
-    s[nt][0] = exp2f(s[nt][0] - mu0);
-    s[nt][1] = exp2f(s[nt][1] - mu0);
-    s[nt][2] = exp2f(s[nt][2] - mu1);
-    s[nt][3] = exp2f(s[nt][3] - mu1);
+    s[nt][0] = fast_exp2(s[nt][0] - mu0);
+    s[nt][1] = fast_exp2(s[nt][1] - mu0);
+    s[nt][2] = fast_exp2(s[nt][2] - mu1);
+    s[nt][3] = fast_exp2(s[nt][3] - mu1);
     rs0 += s[nt][0] + s[nt][1];
     rs1 += s[nt][2] + s[nt][3];
   }
@@ -407,7 +407,7 @@ static int launch_fwd_wg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cuda
 /* Key-tile configuration: BN keys per tile x NS pipeline stages. The environment variable
  * DSV_ATTN_FWD_TILE selects one, for tuning and tests: "w32x2", "w32x3", "w64x2", "w32x4" run
  * the wgmma kernel (where it applies: an sm_90a build on a
- * compute capability 9.0 device, D 64 or 128, G >= 64, row strides below 2^32; elsewhere they
+ * compute capability 9.0 device, D 64 or 128, G >= 64, row strides below 4 GB; elsewhere they
  * fall back to mma.sync 32x2), "32x2", "64x2", "32x3", "32x4", "32x5" the mma.sync kernel (for
  * D <= 128). Unset: wgmma w32x2 (4 CTAs per SM, registers capped at 128) where it applies, else
  * mma.sync 32x2. Measured at S = 64k, H = 24, D = 128, G = 64, sparsity 0.9, random lists
@@ -466,7 +466,7 @@ static int fwd_dispatch_bm(const dsv_attn_shape* sh, FwdParams<T>& prm, cudaStre
   const FwdTile cfg = fwd_tile_cfg();
   if constexpr (D == 64 || D == 128) {
     const bool wg_cfg = cfg == FT_DEFAULT || cfg >= FT_W32x2;
-    const int64_t lim = (int64_t)UINT32_MAX; /* KeyGather's 32-bit row strides */
+    const int64_t lim = (int64_t)UINT32_MAX / (int64_t)sizeof(T); /* KeyGather's 32-bit strides */
     if (wg_cfg && G >= 64 && prm.ks <= lim && prm.vs <= lim && wgmma_device()) {
       prm.chunks = (G + 63) / 64;
       switch (cfg) {
