@@ -13,4 +13,4 @@ run flex   --S 65536 --D 128 --G 64 --sparsity 0.9 0.95 --dist random --flex
 run random --S 16384 32768 65536 131072 --D 128 --G 64 --sparsity 0.8 0.9 0.95 0.98 --dist random
 run d64g32 --S 65536 --D 64 --G 32 64 --sparsity 0.9 --dist random
 run g32    --S 65536 --D 128 --G 32 --sparsity 0.9 --dist random
-[ -n "${GRID_SMOOTH:-}" ] && run smooth --S 65536 --D 128 --G 64 --sparsity 0.8 0.95 0.98 --dist smooth
+[ -n "${GRID_SMOOTH:-}" ] && run smooth --S 65536 --D 128 --G 64 --sparsity 0.8 0.9 0.95 0.98 --dist smooth
