@@ -221,22 +221,28 @@ __device__ __forceinline__ void gather_keys_pre(T* ktile, T* vtile, const T* kba
  * r0 + k RS (r0 = tid / CH, RS = NT / CH, k < N), so that its destination offsets and list
  * positions are fixed and computed once per kernel instead of once per tile (the wgmma forward
  * is issue-bound: the generic loop of gather_keys_pre cost it ~290 instructions per tile and
- * warp, mostly 64-bit address arithmetic). RS is a multiple of 8, so row r0 + k RS keeps the
- * swizzle phase of row r0 and lies k RS rows further. Row strides must be below 2^32 bytes
- * (the callers check): a row's address is one 32 x 32 -> 64-bit multiply-add. load() reads the
- * list entries of a tile one tile ahead (as KeyTileIdx); issue() copies the K and V rows
- * (entries outside [0, hi) give zero rows) and records, for each row, 0 or -inf in `bias` (the
- * score mask of the softmax). */
-template <typename T, int D, int NT, int BN, bool SWZ>
+ * warp, mostly 64-bit address arithmetic). RS is a multiple of 8 (KeyGatherFits), so row
+ * r0 + k RS keeps the swizzle phase of row r0 and lies k RS rows further. A row's address is one
+ * 32 x 32 -> 64-bit multiply-add when the row strides are below 4 GB (the caller checks), or
+ * two with WIDE. load() reads the list entries of a tile one tile ahead (as KeyTileIdx);
+ * issue() copies the K and V rows (entries outside [lo, hi) give zero rows) and records each
+ * row's mask: MaskT float: 0 or -inf (a score bias), int: the position or -1. */
+template <int D, int NT, int BN>
+struct KeyGatherFits {
+  static constexpr int CH = D / 8, RS = NT / CH;
+  static constexpr bool value = NT % CH == 0 && RS % 8 == 0 && BN % RS == 0;
+};
+
+template <typename T, int D, int NT, int BN, bool SWZ, typename MaskT = float, bool WIDE = false>
 struct KeyGather {
   static constexpr int CH = D / 8, RS = NT / CH, N = BN / RS;
   static constexpr int ROW = SWZ ? 64 : D + 8; /* elements from row r to row r + 1 in a block */
-  static_assert(NT % CH == 0 && BN % RS == 0 && RS % 8 == 0, "one chunk per thread and row");
+  static_assert(KeyGatherFits<D, NT, BN>::value, "one chunk per thread and row");
   const char* kb;   /* kbase + c * 8 elements */
   const char* vb;
-  uint32_t ks, vs;  /* row strides in bytes */
+  uint64_t ks, vs;  /* row strides in bytes */
   int r0, off0;     /* first row, its element offset in the tile */
-  bool writer;      /* c == 0: writes the rows' bias entries */
+  bool writer;      /* c == 0: writes the rows' mask entries */
   int v[N];
   __device__ __forceinline__ void init(const T* kbase, int64_t kstride, const T* vbase,
                                        int64_t vstride) {
@@ -246,8 +252,8 @@ struct KeyGather {
     writer = c == 0;
     kb = reinterpret_cast<const char*>(kbase + c * 8);
     vb = reinterpret_cast<const char*>(vbase + c * 8);
-    ks = (uint32_t)(kstride * (int64_t)sizeof(T));
-    vs = (uint32_t)(vstride * (int64_t)sizeof(T));
+    ks = (uint64_t)kstride * sizeof(T);
+    vs = (uint64_t)vstride * sizeof(T);
   }
   __device__ __forceinline__ void load(const int* list, int j0, int end) {
 #pragma unroll
@@ -257,16 +263,57 @@ struct KeyGather {
     }
   }
   /* ktile, vtile: shared addresses of the stage's K and V tiles */
-  __device__ __forceinline__ void issue(uint32_t ktile, uint32_t vtile, int hi, float* bias) const {
+  __device__ __forceinline__ void issue(uint32_t ktile, uint32_t vtile, int lo, int hi,
+                                        MaskT* mask) const {
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      const bool valid = (unsigned)v[k] < (unsigned)hi;
+      const bool valid = (unsigned)(v[k] - lo) < (unsigned)(hi - lo);
       const uint32_t row = valid ? (uint32_t)v[k] : 0u;
-      if (writer) bias[r0 + k * RS] = valid ? 0.f : -INFINITY;
+      if (writer) {
+        if constexpr (sizeof(MaskT) == sizeof(float) && (MaskT)0.5f != 0)
+          mask[r0 + k * RS] = valid ? 0.f : -INFINITY;
+        else
+          mask[r0 + k * RS] = valid ? v[k] : -1;
+      }
       const uint32_t so = (uint32_t)(off0 + k * RS * ROW) * (uint32_t)sizeof(T);
-      cp_async16_s(ktile + so, kb + (uint64_t)row * ks, valid);
-      cp_async16_s(vtile + so, vb + (uint64_t)row * vs, valid);
+      const uint64_t ko = WIDE ? (uint64_t)row * ks : (uint64_t)row * (uint32_t)ks;
+      const uint64_t vo = WIDE ? (uint64_t)row * vs : (uint64_t)row * (uint32_t)vs;
+      cp_async16_s(ktile + so, kb + ko, valid);
+      cp_async16_s(vtile + so, vb + vo, valid);
     }
+  }
+};
+
+/* Gather of padded key tiles (ldmatrix kernels) with int masks and any strides: KeyGather where
+ * its fixed per-thread plan fits (D 64 or 128 with 128 threads), else KeyTileIdx +
+ * gather_keys_pre. Same interface: init once, load one tile ahead, issue. */
+template <typename T, int D, int NT, int BN, bool FIXED = KeyGatherFits<D, NT, BN>::value>
+struct PaddedKeyGather {
+  KeyGather<T, D, NT, BN, false, int, true> g;
+  __device__ __forceinline__ void init(const T* kbase, int64_t ks, const T* vbase, int64_t vs) {
+    g.init(kbase, ks, vbase, vs);
+  }
+  __device__ __forceinline__ void load(const int* list, int j0, int end) { g.load(list, j0, end); }
+  __device__ __forceinline__ void issue(T* ktile, T* vtile, int lo, int hi, int* kidx) const {
+    g.issue(smem_u32(ktile), smem_u32(vtile), lo, hi, kidx);
+  }
+};
+template <typename T, int D, int NT, int BN>
+struct PaddedKeyGather<T, D, NT, BN, false> {
+  KeyTileIdx<D, NT, BN> ix;
+  const T* kb;
+  const T* vb;
+  int64_t ks, vs;
+  __device__ __forceinline__ void init(const T* kbase, int64_t kstride, const T* vbase,
+                                       int64_t vstride) {
+    kb = kbase;
+    vb = vbase;
+    ks = kstride;
+    vs = vstride;
+  }
+  __device__ __forceinline__ void load(const int* list, int j0, int end) { ix.load(list, j0, end); }
+  __device__ __forceinline__ void issue(T* ktile, T* vtile, int lo, int hi, int* kidx) const {
+    gather_keys_pre<T, D, NT, BN>(ktile, vtile, kb, ks, vb, vs, ix, lo, hi, kidx);
   }
 };
 

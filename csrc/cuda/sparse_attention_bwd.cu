@@ -403,13 +403,13 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   gather_rows_async<T, D, NT>(dOs, p.dout + b * p.gb + h * p.gh, p.gs, qidx, BM);
   const int ntiles = (j1 - j0 + BN - 1) / BN;
   /* NS-stage pipeline, as in the forward (group 0 also holds the Q and dO tiles) */
-  KeyTileIdx<D, NT, BN> ix; /* list entries loaded one tile ahead, as in the forward */
+  PaddedKeyGather<T, D, NT, BN> ix; /* list entries loaded one tile ahead, as in the forward */
+  ix.init(kbase, p.ks, vbase, p.vs);
 #pragma unroll
   for (int st = 0; st < NS - 1; ++st) {
     if (st < ntiles) {
       ix.load(list, j0 + st * BN, j1);
-      gather_keys_pre<T, D, NT, BN>(Ks + st * BN * LD, Vs + st * BN * LD, kbase, p.ks, vbase, p.vs,
-                                    ix, klo, khi, kidx + st * BN);
+      ix.issue(Ks + st * BN * LD, Vs + st * BN * LD, klo, khi, kidx + st * BN);
     }
     cp_async_commit();
   }
@@ -428,8 +428,7 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
       const int tn = t + NS - 1;
       if (tn < ntiles) {
         const int nb = tn % NS;
-        gather_keys_pre<T, D, NT, BN>(Ks + nb * BN * LD, Vs + nb * BN * LD, kbase, p.ks, vbase,
-                                      p.vs, ix, klo, khi, kidx + nb * BN);
+        ix.issue(Ks + nb * BN * LD, Vs + nb * BN * LD, klo, khi, kidx + nb * BN);
         ix.load(list, j0 + (tn + 1) * BN, j1);
       }
       cp_async_commit();

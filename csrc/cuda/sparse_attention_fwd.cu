@@ -327,7 +327,7 @@ __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const Fwd
   for (int st = 0; st < NS - 1; ++st) {
     if (st < ntiles) {
       ix.load(list, st * BN, count);
-      ix.issue(ks0 + st * KE * 2, vs0 + st * KE * 2, p.S, kbias + st * BN);
+      ix.issue(ks0 + st * KE * 2, vs0 + st * KE * 2, 0, p.S, kbias + st * BN);
     }
     cp_async_commit();
   }
@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const Fwd
       const int tn = t + NS - 1;
       if (tn < ntiles) {
         const int nb = tn % NS;
-        ix.issue(ks0 + nb * KE * 2, vs0 + nb * KE * 2, p.S, kbias + nb * BN);
+        ix.issue(ks0 + nb * KE * 2, vs0 + nb * KE * 2, 0, p.S, kbias + nb * BN);
         ix.load(list, (tn + 1) * BN, count);
       }
       cp_async_commit();
