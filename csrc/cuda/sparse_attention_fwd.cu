@@ -33,6 +33,36 @@ struct FwdParams {
   float scale_log2;
 };
 
+/* The BM queries a CTA handles (blockIdx.x = group x chunks + chunk, blockIdx.y = head,
+ * blockIdx.z = batch): rows [row0, row0 + nrows) of group g (nrows <= 0: none); then (load) the
+ * group's list and clamped key count, and the (batch, head) bases of q, k and v. */
+template <typename T>
+struct FwdChunk {
+  int g, h, b, row0, nrows, count;
+  const int* list;
+  const T *qbase, *kbase, *vbase;
+};
+
+template <typename T, int BM>
+__device__ __forceinline__ void fwd_chunk_rows(const FwdParams<T>& p, FwdChunk<T>& c) {
+  c.g = blockIdx.x / p.chunks;
+  const int chunk = blockIdx.x - c.g * p.chunks;
+  c.h = blockIdx.y;
+  c.b = blockIdx.z;
+  c.row0 = c.g * p.G + chunk * BM;
+  c.nrows = min(BM, min(c.g * p.G + p.G, p.S) - c.row0);
+}
+
+template <typename T>
+__device__ __forceinline__ void fwd_chunk_list(const FwdParams<T>& p, FwdChunk<T>& c) {
+  const int count = __ldg(p.kv_count + (size_t)c.b * p.H + c.h);
+  c.count = count < 0 ? 0 : (count > p.kmax ? p.kmax : count);
+  c.list = p.kv_index + (((size_t)c.b * p.H + c.h) * p.NG + c.g) * p.kmax;
+  c.qbase = p.q + c.b * p.qb + c.h * p.qh;
+  c.kbase = p.k + c.b * p.kb + c.h * p.kh;
+  c.vbase = p.v + c.b * p.vb + c.h * p.vh;
+}
+
 /* Online-softmax step of one key tile for the two rows a lane holds (lane / 4 and lane / 4 + 8
  * of its warp's 16): masks the columns of missing keys (int mask: position -1; float mask: a
  * bias of -inf, 0 for present keys), scales to base 2, updates the
@@ -152,26 +182,16 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
   int* kidx = reinterpret_cast<int*>(Vs + NS * BN * LD); /* [NS][BN] */
   int* qidx = kidx + NS * BN;                            /* [BM] */
 
-  const int g = blockIdx.x / p.chunks;
-  const int chunk = blockIdx.x - g * p.chunks;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int row0 = g * p.G + chunk * BM;
-  const int row_end = min(g * p.G + p.G, p.S);
-  const int nrows = min(BM, row_end - row0);
-  if (nrows <= 0) return;
+  FwdChunk<T> c;
+  fwd_chunk_rows<T, BM>(p, c);
+  if (c.nrows <= 0) return;
+  fwd_chunk_list<T>(p, c);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  int count = __ldg(p.kv_count + (size_t)b * p.H + h);
-  count = count < 0 ? 0 : (count > p.kmax ? p.kmax : count);
-  const int* list = p.kv_index + (((size_t)b * p.H + h) * p.NG + g) * p.kmax;
-  const T* qbase = p.q + b * p.qb + h * p.qh;
-  const T* kbase = p.k + b * p.kb + h * p.kh;
-  const T* vbase = p.v + b * p.vb + h * p.vh;
-
-  for (int r = tid; r < BM; r += NT) qidx[r] = r < nrows ? row0 + r : -1;
+  for (int r = tid; r < BM; r += NT) qidx[r] = r < c.nrows ? c.row0 + r : -1;
   __syncthreads();
-  gather_rows_async<T, D, NT>(Qs, qbase, p.qs, qidx, BM);
-  const int ntiles = (count + BN - 1) / BN;
+  gather_rows_async<T, D, NT>(Qs, c.qbase, p.qs, qidx, BM);
+  const int ntiles = (c.count + BN - 1) / BN;
   /* NS-stage cp.async pipeline: NS - 1 key tiles in flight while one is computed; group s of
    * the prologue holds tile s (group 0 also the Q tile); one group is committed per tile. The
    * list entries of the next tile to gather are loaded one tile ahead (KeyTileIdx). */
@@ -179,13 +199,14 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
 #pragma unroll
   for (int st = 0; st < NS - 1; ++st) {
     if (st < ntiles) {
-      ix.load(list, st * BN, count);
-      gather_keys_pre<T, D, NT, BN>(Ks + st * BN * LD, Vs + st * BN * LD, kbase, p.ks, vbase, p.vs,
+      ix.load(c.list, st * BN, c.count);
+      gather_keys_pre<T, D, NT, BN>(Ks + st * BN * LD, Vs + st * BN * LD, c.kbase, p.ks, c.vbase,
+                                    p.vs,
                                     ix, 0, p.S, kidx + st * BN);
     }
     cp_async_commit();
   }
-  ix.load(list, (NS - 1) * BN, count);
+  ix.load(c.list, (NS - 1) * BN, c.count);
 
   float o[D / 8][4];
 #pragma unroll
@@ -200,9 +221,9 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
       const int tn = t + NS - 1;
       if (tn < ntiles) {
         const int nb = tn % NS;
-        gather_keys_pre<T, D, NT, BN>(Ks + nb * BN * LD, Vs + nb * BN * LD, kbase, p.ks, vbase,
+        gather_keys_pre<T, D, NT, BN>(Ks + nb * BN * LD, Vs + nb * BN * LD, c.kbase, p.ks, c.vbase,
                                       p.vs, ix, 0, p.S, kidx + nb * BN);
-        ix.load(list, (tn + 1) * BN, count);
+        ix.load(c.list, (tn + 1) * BN, c.count);
       }
       cp_async_commit();
     }
@@ -245,7 +266,7 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
   }
   cp_async_wait<0>();
 
-  store_out_lse<T, D>(p, o, m0, m1, l0, l1, b, h, row0, nrows, warp, lane);
+  store_out_lse<T, D>(p, o, m0, m1, l0, l1, c.b, c.h, c.row0, c.nrows, warp, lane);
 }
 
 /* S = Q K^T for one key tile on wgmma: D / 16 steps of k16 over swizzled Q (64 rows) and K (BN
@@ -298,40 +319,30 @@ __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const Fwd
   float* kbias = reinterpret_cast<float*>(Vs + NS * KE); /* [NS][BN]: 0 or -inf per key */
   int* qidx = reinterpret_cast<int*>(kbias + NS * BN);   /* [BM] */
 
-  const int g = blockIdx.x / p.chunks;
-  const int chunk = blockIdx.x - g * p.chunks;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int row0 = g * p.G + chunk * BM;
-  const int row_end = min(g * p.G + p.G, p.S);
-  const int nrows = min(BM, row_end - row0);
-  if (nrows <= 0) return;
+  FwdChunk<T> c;
+  fwd_chunk_rows<T, BM>(p, c);
+  if (c.nrows <= 0) return;
+  fwd_chunk_list<T>(p, c);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  int count = __ldg(p.kv_count + (size_t)b * p.H + h);
-  count = count < 0 ? 0 : (count > p.kmax ? p.kmax : count);
-  const int* list = p.kv_index + (((size_t)b * p.H + h) * p.NG + g) * p.kmax;
-  const T* qbase = p.q + b * p.qb + h * p.qh;
-  const T* kbase = p.k + b * p.kb + h * p.kh;
-  const T* vbase = p.v + b * p.vb + h * p.vh;
-
-  for (int r = tid; r < BM; r += NT) qidx[r] = r < nrows ? row0 + r : -1;
+  for (int r = tid; r < BM; r += NT) qidx[r] = r < c.nrows ? c.row0 + r : -1;
   __syncthreads();
-  gather_rows_async<T, D, NT, BM, true>(Qs, qbase, p.qs, qidx, BM);
-  const int ntiles = (count + BN - 1) / BN;
+  gather_rows_async<T, D, NT, BM, true>(Qs, c.qbase, p.qs, qidx, BM);
+  const int ntiles = (c.count + BN - 1) / BN;
   /* NS-stage cp.async pipeline as in the kernel above: group s of the prologue holds tile s
    * (group 0 also the Q tile), one group is committed per tile, list entries one tile ahead */
   KeyGather<T, D, NT, BN, true> ix;
-  ix.init(kbase, p.ks, vbase, p.vs);
+  ix.init(c.kbase, p.ks, c.vbase, p.vs);
   const uint32_t ks0 = smem_u32(Ks), vs0 = smem_u32(Vs); /* stage 0's K and V tiles */
 #pragma unroll
   for (int st = 0; st < NS - 1; ++st) {
     if (st < ntiles) {
-      ix.load(list, st * BN, count);
+      ix.load(c.list, st * BN, c.count);
       ix.issue(ks0 + st * KE * 2, vs0 + st * KE * 2, 0, p.S, kbias + st * BN);
     }
     cp_async_commit();
   }
-  ix.load(list, (NS - 1) * BN, count);
+  ix.load(c.list, (NS - 1) * BN, c.count);
 
   float o[D / 8][4];
   float s[BN / 8][4];
@@ -355,7 +366,7 @@ __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const Fwd
       if (tn < ntiles) {
         const int nb = tn % NS;
         ix.issue(ks0 + nb * KE * 2, vs0 + nb * KE * 2, 0, p.S, kbias + nb * BN);
-        ix.load(list, (tn + 1) * BN, count);
+        ix.load(c.list, (tn + 1) * BN, c.count);
       }
       cp_async_commit();
     }
@@ -373,7 +384,7 @@ __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const Fwd
     wg_fence_regs<D / 2>(&o[0][0]);
   }
   cp_async_wait<0>();
-  store_out_lse<T, D>(p, o, m0, m1, l0, l1, b, h, row0, nrows, warp, lane);
+  store_out_lse<T, D>(p, o, m0, m1, l0, l1, c.b, c.h, c.row0, c.nrows, warp, lane);
 #endif
 }
 
@@ -394,7 +405,8 @@ static int launch_fwd(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStr
 template <typename T, int D, int BN, int NS, int MINB = 1>
 static int launch_fwd_wg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStream_t stream) {
   const size_t smem =
-      1024 + (size_t)(64 + 2 * NS * BN) * D * sizeof(T) + NS * BN * sizeof(float) + 64 * sizeof(int);
+      1024 + (size_t)(64 + 2 * NS * BN) * D * sizeof(T) + NS * BN * sizeof(float) +
+      64 * sizeof(int);
   auto kern = sparse_attn_fwd_wg_kernel<T, D, BN, NS, MINB>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
@@ -405,15 +417,15 @@ static int launch_fwd_wg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cuda
 }
 
 /* Key-tile configuration: BN keys per tile x NS pipeline stages. The environment variable
- * DSV_ATTN_FWD_TILE selects one, for tuning and tests: "w32x2", "w32x3", "w64x2", "w32x4" run
- * the wgmma kernel (where it applies: an sm_90a build on a
- * compute capability 9.0 device, D 64 or 128, G >= 64, row strides below 4 GB; elsewhere they
- * fall back to mma.sync 32x2), "32x2", "64x2", "32x3", "32x4", "32x5" the mma.sync kernel (for
- * D <= 128). Unset: wgmma w32x2 (4 CTAs per SM, registers capped at 128) where it applies, else
- * mma.sync 32x2. Measured at S = 64k, H = 24, D = 128, G = 64, sparsity 0.9, random lists
- * (session 4, same run): w32x2 15.7 ms, w32x3 16.2, w64x2 16.3, w32x4 19.0 (a pipelined
- * variant, PERF_LOG v6: 19.1 / 23.5); mma.sync 32x2 25.7, 64x2 27.1, 32x3 26.7, 32x4 30.4, 32x5 31.6. mma.sync, G = 32
- * (BM = 32, session 2): 32x2 36.5, 64x2 66.0, 32x3 48.5, 32x4 65.0 (5 CTAs per SM). */
+ * DSV_ATTN_FWD_TILE selects one, for tuning and tests: "w32x2", "w32x3", "w64x2", "w32x4" run the
+ * wgmma kernel (where it applies: an sm_90a build on a compute capability 9.0 device, D 64 or
+ * 128, G >= 64, row strides below 4 GB; elsewhere they fall back to mma.sync 32x2), "32x2",
+ * "64x2", "32x3", "32x4", "32x5" the mma.sync kernel (for D <= 128). Unset: wgmma w32x2 (4 CTAs
+ * per SM, registers capped at 128) where it applies, else mma.sync 32x2. Measured at S = 64k, H =
+ * 24, D = 128, G = 64, sparsity 0.9, random lists (session 4, same run): w32x2 15.7 ms, w32x3
+ * 16.2, w64x2 16.3, w32x4 19.0 (a pipelined variant, PERF_LOG v6: 19.1 / 23.5); mma.sync 32x2
+ * 25.7, 64x2 27.1, 32x3 26.7, 32x4 30.4, 32x5 31.6. mma.sync, G = 32 (BM = 32, session 2): 32x2
+ * 36.5, 64x2 66.0, 32x3 48.5, 32x4 65.0 (5 CTAs per SM). */
 enum FwdTile { FT_DEFAULT, FT_32x2, FT_64x2, FT_32x3, FT_32x4, FT_32x5, FT_W32x2, FT_W32x3,
                FT_W64x2, FT_W32x4 };
 
