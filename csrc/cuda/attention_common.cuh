@@ -189,10 +189,9 @@ struct KeyTileIdx {
   }
 };
 
-/* Gather a key tile (padded, or swizzled with SWZ) with its list entries already in registers
- * (KeyTileIdx::load);
+/* Gather a padded key tile with its list entries already in registers (KeyTileIdx::load);
  * positions outside [lo, hi) become zero rows, kidx[r] records each row's position or -1. */
-template <typename T, int D, int NT, int BN, bool SWZ = false>
+template <typename T, int D, int NT, int BN>
 __device__ __forceinline__ void gather_keys_pre(T* ktile, T* vtile, const T* kbase,
                                                 int64_t kstride, const T* vbase, int64_t vstride,
                                                 const KeyTileIdx<D, NT, BN>& ix, int lo, int hi,
@@ -208,7 +207,7 @@ __device__ __forceinline__ void gather_keys_pre(T* ktile, T* vtile, const T* kba
     if (c == 0) kidx[r] = idx;
     const bool valid = idx >= 0;
     const T* ks = valid ? kbase + (int64_t)idx * kstride + c * 8 : kbase;
-    const int off = tile_off<D, BN, SWZ>(r, c);
+    const int off = tile_off<D, BN, false>(r, c);
     cp_async16(ktile + off, ks, valid);
     if (vtile) {
       const T* vs = valid ? vbase + (int64_t)idx * vstride + c * 8 : vbase;
@@ -267,7 +266,7 @@ struct KeyGather {
                                         MaskT* mask) const {
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      const bool valid = (unsigned)(v[k] - lo) < (unsigned)(hi - lo);
+      const bool valid = (unsigned)v[k] - (unsigned)lo < (unsigned)(hi - lo);
       const uint32_t row = valid ? (uint32_t)v[k] : 0u;
       if (writer) {
         if constexpr (sizeof(MaskT) == sizeof(float) && (MaskT)0.5f != 0)
