@@ -12,6 +12,7 @@ Environment:
   MAX_JOBS         parallel compile jobs (ninja), as for any PyTorch extension.
 """
 import glob
+import json
 import os
 import shutil
 
@@ -63,6 +64,14 @@ if with_cuda:
     # the kernels use the half / bfloat16 intrinsics and operators directly
     nvcc_flags += ["-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
+
+# What this build contains, for `python -m dsv_ext.info` (written next to the package at every
+# build; git-ignored).
+with open(os.path.join(ROOT, "dsv_ext", "_build_info.json"), "w") as f:
+    json.dump({"cuda_kernels": with_cuda, "cuda_arch": " ".join(cuda_arch) if with_cuda else None,
+               "wgmma": with_cuda and "-DDSV_WGMMA" in nvcc_flags, "torch": torch.__version__,
+               "torch_cuda": torch.version.cuda}, f, indent=1)
+    f.write("\n")
 
 Extension = CUDAExtension if with_cuda else CppExtension
 ext = Extension(

@@ -28,6 +28,7 @@ _LAZY = {
     "DSVController": "controller",
     "DSVConfig": "config",
     "convert": "convert",
+    "build_info": "info",
     "parallel": None,
     "models": None,
 }
