@@ -44,8 +44,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dsv_ext  # noqa: E402
+from bench_common import provenance  # noqa: E402
 import dsv_ext.parallel as P  # noqa: E402
 from dsv_ext.parallel import local as _local  # noqa: E402
 
@@ -249,6 +251,7 @@ def main():
 
     log(f"[bench_cp] N={n} device={dev_kind} dtype={dtype} H={H} D={D} G={G} r={r} seqlens={seqlens} methods={methods}")
     t_start = time.time()
+    prov = provenance() if me == 0 else {}
     def write_results():
         """Rank 0 writes JSON + Markdown of what ran so far (called after every record)."""
         # speedups against dense Ulysses of the same configuration
@@ -264,7 +267,7 @@ def main():
                         torch=torch.__version__, dtype=str(dtype), heads=H, head_dim=D, group_size=G, rank=r,
                         sparsity=args.sparsity, iters=args.iters, warmup=args.warmup,
                         date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
-                        wall_s=time.time() - t_start)
+                        wall_s=time.time() - t_start, provenance=prov)
             with open(os.path.join(args.out, name + ".json"), "w") as f:
                 json.dump(dict(meta=meta, records=records), f, indent=1)
             lines = [f"# bench_cp: {n} x {meta['device']}, B=1, H={H}, D={D}, {dtype}, G={G}, r={r}, target sparsity {args.sparsity}",
@@ -288,7 +291,8 @@ def main():
                              f"{' / '.join('%.1f' % c for c in x['compute_ms_per_rank'])} | {x['imbalance'] * 100:.1f}% | "
                              f"{max(x['bytes_sent_per_rank']) / 2**20:.1f} | {x['peak_mem_gb']:.2f} | {pl} | {un} | {kr} |")
             lines.append("")
-            lines.append(f"wall time {meta['wall_s']:.0f} s, {meta['date']}, torch {meta['torch']}")
+            lines.append(f"wall time {meta['wall_s']:.0f} s, {meta['date']}, torch {meta['torch']}, "
+                         f"commit {prov.get('commit', '?')} (csrc {prov.get('csrc', '?')})")
             with open(os.path.join(args.out, name + ".md"), "w") as f:
                 f.write("\n".join(lines) + "\n")
                 return os.path.join(args.out, name)
