@@ -32,6 +32,16 @@ def cuda_time_ms(fn: Callable[[], object], warmup: int = 1, reps: int = 10) -> D
             "iters": reps}
 
 
+def add_shape_args(parser, heads: int) -> None:
+    """The one-shape options of the single-run drivers: ``--S``, ``--heads`` (default
+    ``heads``), ``--D``, ``--G``, ``--sparsity`` (default 64k tokens, D 128, G 64, 0.9)."""
+    parser.add_argument("--S", type=int, default=65536)
+    parser.add_argument("--heads", type=int, default=heads)
+    parser.add_argument("--D", type=int, default=128)
+    parser.add_argument("--G", type=int, default=64)
+    parser.add_argument("--sparsity", type=float, default=0.9)
+
+
 def add_seq_grid_args(parser) -> None:
     """``--seq`` (token counts, default 32k and 64k) and ``--grid`` (T,H,W per --seq entry)."""
     parser.add_argument("--seq", type=int, nargs="+", default=[32768, 65536])

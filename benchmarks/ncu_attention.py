@@ -19,15 +19,12 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_kernels as BK  # noqa: E402
+from bench_common import add_shape_args  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--S", type=int, default=65536)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--G", type=int, default=64)
-    ap.add_argument("--sparsity", type=float, default=0.9)
+    add_shape_args(ap, heads=4)
     ap.add_argument("--dist", default="random", choices=["random", "smooth"])
     ap.add_argument("--warmup", type=int, default=1)
     a = ap.parse_args()

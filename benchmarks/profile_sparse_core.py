@@ -14,18 +14,16 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import add_shape_args  # noqa: E402
 from dsv_ext.attention import sparse_core  # noqa: E402
 from dsv_ext.grouping import cube_permutation  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--S", type=int, default=65536)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--G", type=int, default=64)
+    add_shape_args(ap, heads=16)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--sparsity", type=float, default=0.9)
     ap.add_argument("--iters", type=int, default=5)
     a = ap.parse_args()
     dev = "cuda"

@@ -308,6 +308,13 @@ def _check_rows(rows, S: int, device: torch.device, check_values: bool) -> torch
     return rows
 
 
+try:
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+except ImportError:  # pragma: no cover
+    def _is_fake(t: torch.Tensor) -> bool:
+        return False
+
+
 def _misaligned(t: torch.Tensor) -> bool:
     """Whether 16-byte row loads of t would be misaligned. The strides are checked always; under
     torch.compile nothing else (storage_offset() and data_ptr() break the graph there, and the
@@ -324,13 +331,6 @@ def _misaligned(t: torch.Tensor) -> bool:
         return t.data_ptr() % 16 != 0
     except RuntimeError:  # other tensor subclasses without storage
         return (t.storage_offset() * es) % 16 != 0
-
-
-try:
-    from torch._subclasses.fake_tensor import is_fake as _is_fake
-except ImportError:  # pragma: no cover
-    def _is_fake(t: torch.Tensor) -> bool:
-        return False
 
 
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:

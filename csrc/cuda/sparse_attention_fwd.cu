@@ -34,8 +34,8 @@ struct FwdParams {
 };
 
 /* The BM queries a CTA handles (blockIdx.x = group x chunks + chunk, blockIdx.y = head,
- * blockIdx.z = batch): rows [row0, row0 + nrows) of group g (nrows <= 0: none); then (load) the
- * group's list and clamped key count, and the (batch, head) bases of q, k and v. */
+ * blockIdx.z = batch): rows [row0, row0 + nrows) of group g, the group's list and clamped key
+ * count, and the (batch, head) bases of q, k and v. */
 template <typename T>
 struct FwdChunk {
   int g, h, b, row0, nrows, count;
@@ -43,16 +43,19 @@ struct FwdChunk {
   const T *qbase, *kbase, *vbase;
 };
 
+/* The chunk's rows; false when it has none (past the end of a partial last group). */
 template <typename T, int BM>
-__device__ __forceinline__ void fwd_chunk_rows(const FwdParams<T>& p, FwdChunk<T>& c) {
+__device__ __forceinline__ bool fwd_chunk(const FwdParams<T>& p, FwdChunk<T>& c) {
   c.g = blockIdx.x / p.chunks;
   const int chunk = blockIdx.x - c.g * p.chunks;
   c.h = blockIdx.y;
   c.b = blockIdx.z;
   c.row0 = c.g * p.G + chunk * BM;
   c.nrows = min(BM, min(c.g * p.G + p.G, p.S) - c.row0);
+  return c.nrows > 0;
 }
 
+/* The chunk's list, clamped key count and (batch, head) bases (after fwd_chunk returned true). */
 template <typename T>
 __device__ __forceinline__ void fwd_chunk_list(const FwdParams<T>& p, FwdChunk<T>& c) {
   const int count = __ldg(p.kv_count + (size_t)c.b * p.H + c.h);
@@ -63,11 +66,21 @@ __device__ __forceinline__ void fwd_chunk_list(const FwdParams<T>& p, FwdChunk<T
   c.vbase = p.v + c.b * p.vb + c.h * p.vh;
 }
 
+/* Starts the copy of the chunk's BM query rows into Qs (padded, or swizzled with SWZ; rows past
+ * nrows are zero); qidx is shared scratch of BM ints. */
+template <typename T, int D, int NT, int BM, bool SWZ>
+__device__ __forceinline__ void fwd_load_q(T* Qs, int* qidx, const FwdParams<T>& p,
+                                           const FwdChunk<T>& c) {
+  for (int r = threadIdx.x; r < BM; r += NT) qidx[r] = r < c.nrows ? c.row0 + r : -1;
+  __syncthreads();
+  gather_rows_async<T, D, NT, BM, SWZ>(Qs, c.qbase, p.qs, qidx, BM);
+}
+
 /* Online-softmax step of one key tile for the two rows a lane holds (lane / 4 and lane / 4 + 8
  * of its warp's 16): masks the columns of missing keys (int mask: position -1; float mask: a
- * bias of -inf, 0 for present keys), scales to base 2, updates the
- * running maximum (m0, m1) and sum (l0, l1), leaves P = exp2(s - max) in s and returns the
- * factors (a0, a1) that rescale the output accumulated so far. */
+ * bias of -inf, 0 for present keys), scales to base 2, updates the running maximum (m0, m1)
+ * and sum (l0, l1), leaves P = exp2(s - max) in s and returns the factors (a0, a1) that
+ * rescale the output accumulated so far. */
 template <int BN, typename MaskT>
 __device__ __forceinline__ void softmax_tile(float (&s)[BN / 8][4], const MaskT* mask,
                                              float scale_log2, int lane, float& m0, float& m1,
@@ -183,14 +196,10 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
   int* qidx = kidx + NS * BN;                            /* [BM] */
 
   FwdChunk<T> c;
-  fwd_chunk_rows<T, BM>(p, c);
-  if (c.nrows <= 0) return;
+  if (!fwd_chunk<T, BM>(p, c)) return;
   fwd_chunk_list<T>(p, c);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-
-  for (int r = tid; r < BM; r += NT) qidx[r] = r < c.nrows ? c.row0 + r : -1;
-  __syncthreads();
-  gather_rows_async<T, D, NT>(Qs, c.qbase, p.qs, qidx, BM);
+  fwd_load_q<T, D, NT, BM, false>(Qs, qidx, p, c);
   const int ntiles = (c.count + BN - 1) / BN;
   /* NS-stage cp.async pipeline: NS - 1 key tiles in flight while one is computed; group s of
    * the prologue holds tile s (group 0 also the Q tile); one group is committed per tile. The
@@ -320,14 +329,10 @@ __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const Fwd
   int* qidx = reinterpret_cast<int*>(kbias + NS * BN);   /* [BM] */
 
   FwdChunk<T> c;
-  fwd_chunk_rows<T, BM>(p, c);
-  if (c.nrows <= 0) return;
+  if (!fwd_chunk<T, BM>(p, c)) return;
   fwd_chunk_list<T>(p, c);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-
-  for (int r = tid; r < BM; r += NT) qidx[r] = r < c.nrows ? c.row0 + r : -1;
-  __syncthreads();
-  gather_rows_async<T, D, NT, BM, true>(Qs, c.qbase, p.qs, qidx, BM);
+  fwd_load_q<T, D, NT, BM, true>(Qs, qidx, p, c);
   const int ntiles = (c.count + BN - 1) / BN;
   /* NS-stage cp.async pipeline as in the kernel above: group s of the prologue holds tile s
    * (group 0 also the Q tile), one group is committed per tile, list entries one tile ahead */
