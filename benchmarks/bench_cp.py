@@ -7,8 +7,10 @@ One command (2 GPUs, about 3-5 minutes including start-up; 4/8 GPUs the same wit
 Per sequence length (default 64k and 128k tokens), head-sparsity profile (``uniform``: every
 head at --sparsity; ``skewed``: mean --sparsity, densities spread 0.3x-2.2x, heavy heads first so
 the plain contiguous head split is unbalanced) and index distribution (``smooth``: low-rank
-inputs smooth over the cube-reordered (T, H, W) grid, coherent keys as in video; ``random``:
-scattered keys, the worst case for SCP), and method:
+inputs smooth over the cube-reordered (T, H, W) grid, coherent keys as in video, but periodic,
+so one group's keys lie all over the clip; ``local``: spatio-temporally local heads, each group
+selects the keys nearest to it in (t, y, x) with per-head axis weights, the 3D-window pattern of
+video DiT heads; ``random``: scattered keys, the worst case for SCP), and method:
 
 * ``ulysses``   dense Ulysses: all-to-all to head layout, cuDNN SDPA, all-to-all back;
 * ``hcp_naive`` DSV HCP with the plain contiguous head split;
@@ -62,7 +64,7 @@ def parse():
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--sparsity", type=float, default=0.9)
     ap.add_argument("--profiles", default="uniform,skewed")
-    ap.add_argument("--index", default="smooth,random")
+    ap.add_argument("--index", default="smooth,local,random")
     ap.add_argument("--methods", default="ulysses,hcp_naive,hcp,scp,hybrid,plan")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
@@ -101,7 +103,6 @@ def make_inputs(S, n, me, H, D, r, dist_kind, dtype, device, seed=0):
         q_lr = torch.randn(1, L, H, r, generator=g).to(device, dtype)
         k_lr = torch.randn(1, L, H, r, generator=g).to(device, dtype)
         return q, k, v, q_lr, k_lr
-    # smooth: random Fourier features of the (t, y, x) position of each cube-ordered token
     grid = grid_for(S)
     from dsv_ext.grouping import cube_permutation
 
@@ -110,6 +111,22 @@ def make_inputs(S, n, me, H, D, r, dist_kind, dtype, device, seed=0):
     T, Hh, W = grid
     coord = torch.stack([pos // (Hh * W), (pos // W) % Hh, pos % W], 1).double()  # [L, 3]
     gh = torch.Generator(device="cpu").manual_seed(seed + 7)  # the same on every rank
+    if dist_kind == "local":
+        # spatio-temporally local heads: q_lr . k_lr = sum over axes c of w_hc cos(pi (x_c - y_c) / E_c)
+        # (E_c = the grid extent: one half period, so the score falls monotonically with the
+        # distance along each axis), per-head axis weights w in [1, 4] (some heads reach further
+        # in time, others in space), the other r - 6 components small per-token noise
+        ext = torch.tensor([T, Hh, W], dtype=torch.float64)
+        w = 1.0 + 3.0 * torch.rand(H, 3, generator=gh, dtype=torch.float64)  # [H, 3]
+        ang = math.pi * coord / ext  # [L, 3]
+        cs = torch.cat([ang.cos(), ang.sin()], 1)  # [L, 6]: cos_t, cos_y, cos_x, sin_t, sin_y, sin_x
+        wq = torch.cat([w, w], 1).sqrt()  # [H, 6]
+        feat = cs.unsqueeze(1) * wq.unsqueeze(0)  # [L, H, 6]: feat_q . feat_k = sum w cos(delta)
+        rest = 0.1 * torch.randn(L, H, r - 6, generator=g, dtype=torch.float64)
+        q_lr = torch.cat([feat, rest], -1).unsqueeze(0)
+        k_lr = torch.cat([feat, 0.1 * torch.randn(L, H, r - 6, generator=g, dtype=torch.float64)], -1).unsqueeze(0)
+        return q, k, v, q_lr.to(device, dtype), k_lr.to(device, dtype)
+    # smooth: random Fourier features of the (t, y, x) position of each cube-ordered token
     nf = r // 2
     freq = torch.randn(H, nf, 3, generator=gh, dtype=torch.float64) * torch.tensor([1.0 / T, 1.0 / Hh, 1.0 / W]) * 6.0
     phase = torch.rand(H, nf, generator=gh, dtype=torch.float64) * 2 * math.pi

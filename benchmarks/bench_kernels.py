@@ -301,6 +301,15 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
         os.environ.pop("DSV_KM_RATIO", None)
     else:
         os.environ["DSV_KM_RATIO"] = old
+    old = os.environ.get("DSV_ATTN_RANGES")
+    for R in RANGES:  # the backward with its dK/dV reductions split into R key ranges
+        os.environ["DSV_ATTN_RANGES"] = str(R)
+        variants[f"bwd_ranges{R}_ms"] = bench(bwd, reps, 1)
+        print(f"  S={S} {dist} DSV_ATTN_RANGES={R}: bwd {variants[f'bwd_ranges{R}_ms']:.2f} ms", flush=True)
+    if old is None:
+        os.environ.pop("DSV_ATTN_RANGES", None)
+    else:
+        os.environ["DSV_ATTN_RANGES"] = old
     if TILE_SWEEP and not SWEPT.get((dist, D, G)):
         SWEPT[(dist, D, G)] = True
         print(f"  tile sweep S={S} D={D} G={G} sparsity={sparsity} {dist}:", flush=True)
@@ -324,6 +333,7 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
 
 PROFILE = False
 NO_VARIANTS = False
+RANGES = ()
 PROFILED = {}
 TILE_SWEEP = False
 SWEPT = {}
@@ -432,6 +442,9 @@ def main():
                     help="only merge kernels.json files of earlier runs into one table/plot in --out")
     ap.add_argument("--no-variants", action="store_true",
                     help="skip timing the backward with each dK/dV path forced (saves time on grids)")
+    ap.add_argument("--ranges", type=int, nargs="*",
+                    help="also time the backward with DSV_ATTN_RANGES set to each of these (key ranges of the "
+                         "query-major dK/dV reductions)")
     ap.add_argument("--S", type=int, nargs="*")
     ap.add_argument("--D", type=int, nargs="*")
     ap.add_argument("--G", type=int, nargs="*")
@@ -466,9 +479,10 @@ def main():
     Gs = args.G or Gs
     sps = args.sparsity or sps
     dists = args.dist or dists
-    global PROFILE, TILE_SWEEP, NO_VARIANTS
+    global PROFILE, TILE_SWEEP, NO_VARIANTS, RANGES
     PROFILE = args.profile
     NO_VARIANTS = args.no_variants
+    RANGES = tuple(args.ranges or ())
     TILE_SWEEP = args.tile_sweep
     gen = torch.Generator().manual_seed(0)
     est_name, est = estimate_fn()

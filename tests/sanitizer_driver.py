@@ -40,7 +40,7 @@ def run_sparse_attention():
         scale = 1.0 / math.sqrt(D)
         out, lse = T.attn_fwd(q, k, v, idx, cnt, G, scale)
         dout = torch.randn(q.shape, generator=gen).to(dtype).cuda()
-        for ratio, ranges in (("0", "1"), ("0", "3"), ("1e9", "1")):
+        for ratio, ranges in (("0", "1"), ("0", "3"), ("0", "a4"), ("1e9", "1")):
             os.environ["DSV_KM_RATIO"] = ratio
             os.environ["DSV_ATTN_RANGES"] = ranges
             T.attn_bwd(dout, q, k, v, out, lse, idx, cnt, G, scale)

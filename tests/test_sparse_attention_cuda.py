@@ -295,14 +295,16 @@ def need_backend():
         pytest.skip("no CUDA kernels: build the extension with CUDA or set DSV_ATTN_LIB")
 
 
-@pytest.fixture(params=["qmajor", "qmajor_v4", "qmajor3", "kmajor"])
+@pytest.fixture(params=["qmajor", "qmajor_v4", "qmajor3", "qmajor_a4", "kmajor"])
 def path(request, monkeypatch):
     """The dK/dV path of the backward: 'qmajor' forces the query-major reductions (TMA bulk
     reductions from shared memory, the default), 'qmajor_v4' the same with 16-byte reductions
     from registers (DSV_ATTN_BWD_REDUCE=v4), 'qmajor3' the same split into 3 key ranges,
-    'kmajor' lets every eligible head take the key-major pass."""
+    'qmajor_a4' the automatic per-head choice of key ranges with at most 4 (scattered lists
+    4 ranges, coherent ones 2: what long sequences get), 'kmajor' lets every eligible head take
+    the key-major pass."""
     monkeypatch.setenv("DSV_KM_RATIO", "1e9" if request.param == "kmajor" else "0")
-    monkeypatch.setenv("DSV_ATTN_RANGES", "3" if request.param == "qmajor3" else "1")
+    monkeypatch.setenv("DSV_ATTN_RANGES", {"qmajor3": "3", "qmajor_a4": "a4"}.get(request.param, "1"))
     monkeypatch.setenv("DSV_ATTN_BWD_REDUCE", "v4" if request.param == "qmajor_v4" else "bulk")
     return request.param
 
@@ -379,6 +381,24 @@ def test_coherent_blocks(G, gen, path):
     cnt = torch.full((B, H), kmax, dtype=torch.int32)
     q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
     run_and_check(q, k, v, idx, cnt, G, 1.0 / math.sqrt(D), gen)
+
+
+def test_padded_lists(gen, path):
+    """Lists shorter than the count, padded with trailing -1 (some groups all -1, as the query
+    rows that dsv_ext.parallel's SCP pads): the kernels trim the padding (key-major heads
+    included) and agree with the reference, which skips those entries."""
+    need_backend()
+    B, S, H, D, G, kmax = 1, 500, 3, 128, 64, 160
+    kv_index, kv_count = ref.random_index(B, H, S, G, kmax, counts=kmax, generator=gen)
+    NG = kv_index.shape[2]
+    for h in range(H):
+        for g in range(NG):
+            keep = int(torch.randint(0, kmax + 1, (1,), generator=gen))
+            if g == NG - 1 or (h == 1 and g % 2):
+                keep = 0  # whole groups without keys
+            kv_index[0, h, g, keep:] = -1
+    q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
+    run_and_check(q, k, v, kv_index, kv_count, G, 1.0 / math.sqrt(D), gen)
 
 
 def test_bad_entries_are_skipped(gen, path):

@@ -336,6 +336,30 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+/* A list's length without its trailing negative entries: the -1 padding of lists shorter than
+ * kv_count (query rows padded with all -1 lists, lists of fewer valid keys). Negative entries
+ * are skipped anyway; trimming them saves their tiles. A CTA-wide backward scan, NT entries at
+ * a time, stopping at the first chunk that holds a valid entry (for a full list: one chunk).
+ * Every thread of the CTA must call it; all get the result. */
+template <int NT>
+__device__ __forceinline__ int trim_count(const int* list, int count) {
+  __shared__ int s_last;
+  for (int end = count; end > 0; end -= NT) {
+    const int j = end - 1 - (int)threadIdx.x;
+    const bool ok = j >= 0 && __ldg(list + j) >= 0;
+    if (__syncthreads_or(ok)) {
+      if (threadIdx.x == 0) s_last = -1;
+      __syncthreads();
+      if (ok) atomicMax(&s_last, j);
+      __syncthreads();
+      const int n = s_last + 1;
+      __syncthreads(); /* s_last may be reused by the next call */
+      return n;
+    }
+  }
+  return 0;
+}
+
 /* 2^x on the special-function unit, subnormal results flushed to zero (exp2f adds a range
  * check and two multiplies around the same instruction to keep them: 4 more instructions per
  * score in the softmax loops, and probabilities below 2^-126 do not matter there). */

@@ -47,26 +47,61 @@ int check_attn_args(const dsv_attn_shape* p); /* sparse_attention_fwd.cu */
 constexpr int KB = 64; /* key block of the key-major path */
 
 struct BwdLayout {
-  size_t delta, dkacc, dvacc, dqacc, path, flags, kbcount, kbcursor, kboff, entg, entmask, total;
+  size_t delta, dkacc, dvacc, dqacc, path, flags, nrh, kbcount, kbcursor, kboff, entg, entmask, total;
   int64_t nkb, cap;
   int km_enabled;
 };
 
 static size_t align_up(size_t x) { return (x + 255) & ~(size_t)255; }
 
-/* Key ranges of the query-major reduction path (DSV_ATTN_RANGES, 1..16): R ranges make the
- * CTAs running at one time touch 1/R of a head's K, V and fp32 dK, dV accumulators. Measured
- * at S = 64k, D = 128 (random lists): R = 1, 2, 4: 110 ms, R = 8: 113 ms, so the split does not
- * pay there and is off by default (it also needs an fp32 dQ buffer). */
-static int bwd_nranges(const dsv_attn_shape* p) {
-  int R = 1;
+/* Key ranges of the query-major reduction path. R ranges make the CTAs running at one time touch
+ * 1/R of a head's K, V and fp32 dK, dV accumulators, which then stay in L2; it costs an fp32 dQ
+ * buffer (B H S D floats) and a few empty CTAs. Measured on the H200 (50 MB L2; session 5,
+ * benchmarks/PERF_LOG.md v7), backward ms for R = 1 / 2 / 4 / 8, H = 24, 0.9, G = 64:
+ *   S = 64k,  D = 64:  random 40.9 / 41.9 / 43.0 / 45.2   smooth 40.5 / 41.6 / 42.6 / 44.4
+ *   S = 64k,  D = 128: random 84.5 / 81.7 / 82.9 / 87.0   smooth 79.1 / 81.1 / 82.9 / 86.8
+ *   S = 128k, D = 64:  random 157.5 / 161.7 / 161.5 / 166.4 smooth 159.6 / 159.4 / 161.3 / 166.2
+ *   S = 128k, D = 128: random 438.5 / 358.7 / 316.9 / 323.2 smooth 333.9 / 315.8 / 317.4 / 325.2
+ *   (G = 32, D = 128: 64k random 172.2 / 149.5 / 152.3 / 160.7; 128k 864 / 695 / 582 / 599)
+ * so the split pays once a head's accumulators (S D 8 bytes) exceed the L2, more for scattered
+ * lists (concurrent CTAs touch keys all over the head) than for coherent ones (neighbouring
+ * groups share keys). Automatic choice: Rmax = the power of two <= S D 8 / (0.5 L2), at most 8;
+ * per head (km_scan_kernel) Rmax when its lists are scattered (key-block entries x 64 >
+ * 4 x groups x K: ~10 for random lists, ~1.7 for smooth ones at 0.9), else Rmax / 2.
+ * DSV_ATTN_RANGES = R (1..16) forces R ranges on every head; "aR" the automatic per-head rule
+ * with Rmax = R (for tests). */
+struct RangeCfg {
+  int rmax;   /* ranges in the grid (blockIdx.y = h * rmax + r) */
+  int forced; /* 1: every head uses rmax */
+};
+
+static RangeCfg bwd_ranges(const dsv_attn_shape* p) {
+  RangeCfg c;
+  c.rmax = 1;
+  c.forced = 0;
   const char* re = getenv("DSV_ATTN_RANGES");
-  if (re && *re) R = atoi(re);
-  if (R < 1) R = 1;
-  if (R > 16) R = 16;
-  if (p->heads * R > 65535) R = 1;
-  return R;
+  if (re && *re) {
+    if (*re == 'a') {
+      c.rmax = atoi(re + 1);
+    } else {
+      c.rmax = atoi(re);
+      c.forced = 1;
+    }
+  } else {
+    int dev = 0, l2 = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess &&
+        cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev) == cudaSuccess && l2 > 0) {
+      const double x = (double)p->seqlen * (double)p->head_dim * 8.0 / (0.5 * (double)l2);
+      while (c.rmax < 8 && 2.0 * c.rmax <= x) c.rmax *= 2;
+    }
+  }
+  if (c.rmax < 1) c.rmax = 1;
+  if (c.rmax > 16) c.rmax = 16;
+  if (p->heads * c.rmax > 65535) c.rmax = 1;
+  return c;
 }
+
+static int bwd_nranges(const dsv_attn_shape* p) { return bwd_ranges(p).rmax; }
 
 static BwdLayout bwd_layout(const dsv_attn_shape* p) {
   BwdLayout L;
@@ -86,6 +121,7 @@ static BwdLayout bwd_layout(const dsv_attn_shape* p) {
   /* zeroed together: */
   L.path = o; o = align_up(o + (size_t)BH * sizeof(int));
   L.flags = o; o = align_up(o + (size_t)BH * sizeof(int));
+  L.nrh = o; o = align_up(o + (size_t)BH * sizeof(int));
   L.kbcount = o; o = align_up(o + (size_t)BH * L.nkb * sizeof(int));
   L.kbcursor = o; o = align_up(o + (size_t)BH * L.nkb * sizeof(int));
   L.total = o;
@@ -113,13 +149,15 @@ struct BwdParams {
   float* dqacc;   /* [B, H, S, D], used when nranges > 1 */
   int* path;      /* [B, H] */
   int* flags;     /* [B, H] */
+  int* nrh;       /* [B, H] key ranges of each query-major head (<= nranges) */
   int* kbcount;   /* [B, H, nkb] */
   int* kbcursor;  /* [B, H, nkb] */
   int* kboff;     /* [B, H, nkb] */
   int* entg;      /* [B, H, cap] */
   unsigned long long* entmask;
   int S, H, G, NG, kmax, chunks, nkb, D;
-  int nranges; /* key ranges of the query-major reduction path (see bwd_qmajor_kernel) */
+  int nranges; /* key ranges in the grid of the query-major reduction path (bwd_qmajor_kernel) */
+  int ranges_forced; /* every head uses nranges (else km_scan_kernel picks per head) */
   int64_t cap;
   float scale, scale_log2, km_ratio;
   int km_enabled;
@@ -166,8 +204,9 @@ template <typename T>
 __global__ void km_count_kernel(const BwdParams<T> p) {
   const int g = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const size_t bh = (size_t)b * p.H + h;
-  const int count = clamp_count(__ldg(p.kv_count + bh), p.kmax);
   const int* list = p.kv_index + (bh * p.NG + g) * p.kmax;
+  /* trailing -1 padding is not an error: those entries are not looked at */
+  const int count = trim_count<128>(list, clamp_count(__ldg(p.kv_count + bh), p.kmax));
   int* cnt = p.kbcount + bh * p.nkb;
   bool bad = false;
   for (int i = threadIdx.x; i < count; i += blockDim.x) {
@@ -233,6 +272,15 @@ __global__ void km_scan_kernel(const BwdParams<T> p) {
       path = (count == 0 || km_cost <= (double)p.km_ratio * qm_cost) ? 1 : 0;
     }
     p.path[bh] = path;
+    /* key ranges of the head (see bwd_ranges): all of them for scattered lists */
+    int nr = p.nranges;
+    if (p.flags[bh] != 0) {
+      nr = 1; /* unsorted lists: each range would walk (masked) the whole list */
+    } else if (!p.ranges_forced && nr > 1) {
+      const bool scattered = count > 0 && (double)total * KB > 4.0 * (double)p.NG * count;
+      if (!scattered) nr /= 2;
+    }
+    p.nrh[bh] = nr;
   }
 }
 
@@ -242,8 +290,8 @@ __global__ void km_fill_kernel(const BwdParams<T> p) {
   const int g = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const size_t bh = (size_t)b * p.H + h;
   if (p.path[bh] != 1) return;
-  const int count = clamp_count(__ldg(p.kv_count + bh), p.kmax);
   const int* list = p.kv_index + (bh * p.NG + g) * p.kmax;
+  const int count = trim_count<128>(list, clamp_count(__ldg(p.kv_count + bh), p.kmax));
   int* cur = p.kbcursor + bh * p.nkb;
   const int* off = p.kboff + bh * p.nkb;
   for (int i = threadIdx.x; i < count; i += blockDim.x) {
@@ -353,10 +401,12 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
    * binary search; unsorted lists are masked instead), so the CTAs running at one time touch
    * one range's K, V and dK / dV accumulators, which then stay in L2; dQ is reduced over the
    * ranges with vector reductions into an fp32 buffer. */
-  const int R = ATOMIC ? p.nranges : 1;
-  const int h = blockIdx.y / R, rr = blockIdx.y - h * R, b = blockIdx.z;
+  const int RG = ATOMIC ? p.nranges : 1; /* ranges in the grid */
+  const int h = blockIdx.y / RG, rr = blockIdx.y - h * RG, b = blockIdx.z;
   const size_t bh = (size_t)b * p.H + h;
   if (p.path[bh] != (ATOMIC ? 0 : 1)) return;
+  const int R = ATOMIC ? p.nrh[bh] : 1; /* this head's ranges */
+  if (rr >= R) return;
   const int g = blockIdx.x / p.chunks;
   const int chunk = blockIdx.x - g * p.chunks;
   const int row0 = g * p.G + chunk * BM;
@@ -365,8 +415,8 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   if (nrows <= 0) return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  const int count = clamp_count(__ldg(p.kv_count + bh), p.kmax);
   const int* list = p.kv_index + (bh * p.NG + g) * p.kmax;
+  const int count = trim_count<NT>(list, clamp_count(__ldg(p.kv_count + bh), p.kmax));
   const T* kbase = p.k + b * p.kb + h * p.kh;
   const T* vbase = p.v + b * p.vb + h * p.vh;
   int klo = 0, khi = p.S, j0 = 0, j1 = count;
@@ -602,8 +652,8 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   if (BULK) bulk_wait_read0(); /* shared memory must stay until the bulk reads are done */
   cp_async_wait<0>();
 
-  if (R > 1) {
-    /* partial dQ of this key range: 16-byte reductions (pairs of lanes swap halves) */
+  if (RG > 1) {
+    /* partial dQ of this key range (of every head when the grid has ranges): 16-byte reductions (pairs of lanes swap halves) */
     float* dqa = p.dqacc + bh * (size_t)p.S * D;
     const int tq = lane & 3;
     const bool even = (tq & 1) == 0;
@@ -949,6 +999,7 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   prm.dqacc = (float*)(ws + L.dqacc);
   prm.path = (int*)(ws + L.path);
   prm.flags = (int*)(ws + L.flags);
+  prm.nrh = (int*)(ws + L.nrh);
   prm.kbcount = (int*)(ws + L.kbcount);
   prm.kbcursor = (int*)(ws + L.kbcursor);
   prm.kboff = (int*)(ws + L.kboff);
@@ -970,7 +1021,11 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   if (env && *env) ratio = (float)atof(env);
   prm.km_ratio = ratio;
   prm.km_enabled = L.km_enabled && ratio > 0.f;
-  prm.nranges = bwd_nranges(sh);
+  {
+    const RangeCfg rc = bwd_ranges(sh);
+    prm.nranges = rc.rmax;
+    prm.ranges_forced = rc.forced;
+  }
 
   const int B = (int)sh->batch;
   const int BH = B * prm.H;

@@ -55,12 +55,13 @@ __device__ __forceinline__ bool fwd_chunk(const FwdParams<T>& p, FwdChunk<T>& c)
   return c.nrows > 0;
 }
 
-/* The chunk's list, clamped key count and (batch, head) bases (after fwd_chunk returned true). */
-template <typename T>
+/* The chunk's list, its key count (clamped, trailing -1 padding trimmed) and (batch, head)
+ * bases (after fwd_chunk returned true; every thread of the CTA calls it). */
+template <typename T, int NT>
 __device__ __forceinline__ void fwd_chunk_list(const FwdParams<T>& p, FwdChunk<T>& c) {
   const int count = __ldg(p.kv_count + (size_t)c.b * p.H + c.h);
-  c.count = count < 0 ? 0 : (count > p.kmax ? p.kmax : count);
   c.list = p.kv_index + (((size_t)c.b * p.H + c.h) * p.NG + c.g) * p.kmax;
+  c.count = trim_count<NT>(c.list, count < 0 ? 0 : (count > p.kmax ? p.kmax : count));
   c.qbase = p.q + c.b * p.qb + c.h * p.qh;
   c.kbase = p.k + c.b * p.kb + c.h * p.kh;
   c.vbase = p.v + c.b * p.vb + c.h * p.vh;
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
 
   FwdChunk<T> c;
   if (!fwd_chunk<T, BM>(p, c)) return;
-  fwd_chunk_list<T>(p, c);
+  fwd_chunk_list<T, NT>(p, c);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   fwd_load_q<T, D, NT, BM, false>(Qs, qidx, p, c);
   const int ntiles = (c.count + BN - 1) / BN;
@@ -330,7 +331,7 @@ __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const Fwd
 
   FwdChunk<T> c;
   if (!fwd_chunk<T, BM>(p, c)) return;
-  fwd_chunk_list<T>(p, c);
+  fwd_chunk_list<T, NT>(p, c);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   fwd_load_q<T, D, NT, BM, true>(Qs, qidx, p, c);
   const int ntiles = (c.count + BN - 1) / BN;
