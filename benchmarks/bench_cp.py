@@ -16,6 +16,7 @@ video DiT heads; ``random``: scattered keys, the worst case for SCP), and method
 * ``hcp_naive`` DSV HCP with the plain contiguous head split;
 * ``hcp``       DSV HCP with the LPT head assignment (uneven all-to-all);
 * ``scp``       DSV SCP (sparse all-to-all of critical K/V rows);
+* ``scp_budget`` SCP with ``remote_budget = 1 - sparsity`` (the most requested remote keys only);
 * ``hybrid``    DSV hybrid with g_h = N/2 (N >= 4 only);
 * ``plan``      the plan solver's choice (g_h, g_s and assignment), run through cp_attention;
 
@@ -65,7 +66,7 @@ def parse():
     ap.add_argument("--sparsity", type=float, default=0.9)
     ap.add_argument("--profiles", default="uniform,skewed")
     ap.add_argument("--index", default="smooth,local,random")
-    ap.add_argument("--methods", default="ulysses,hcp_naive,hcp,scp,hybrid,plan")
+    ap.add_argument("--methods", default="ulysses,hcp_naive,hcp,scp,scp_budget,hybrid,plan")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -292,21 +293,24 @@ def main():
                      "Time of one attention layer forward+backward (all-to-alls, estimation and index building included; "
                      "max over ranks). compute/rank: the rank's attention kernels replayed alone; imbalance = max/mean - 1 "
                      "of that. sent: bytes one rank sends, forward+backward (max over ranks). SCP kv/dense: K/V row bytes "
-                     "sent / K/V bytes of dense sequence parallelism (all-gather).",
+                     "sent / K/V bytes of dense sequence parallelism (all-gather). kept: fraction of the exact "
+                     "top-K list entries the lists keep (1 for exact SCP; scp_budget fetches at most 1 - sparsity "
+                     "of each other rank's keys per head, the most requested, and drops the rest from the lists).",
                      "",
-                     "| S | profile | index | method | step ms | vs Ulysses | compute ms/rank | imbalance | sent MiB/rank | peak GiB | plan | SCP union | SCP kv/dense |",
-                     "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                     "| S | profile | index | method | step ms | vs Ulysses | compute ms/rank | imbalance | sent MiB/rank | peak GiB | plan | SCP union | SCP kv/dense | kept |",
+                     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for x in records:
                 if not x.get("ok"):
-                    lines.append(f"| {x['S']} | {x['profile']} | {x['index']} | {x['method']} | failed: {x['error'][:80]} |||||||||")
+                    lines.append(f"| {x['S']} | {x['profile']} | {x['index']} | {x['method']} | failed: {x['error'][:80]} ||||||||||")
                     continue
                 pl = f"g_h={x['plan']['g_h']} g_s={x['plan']['g_s']}" if "plan" in x else ""
                 un = f"{max(x['scp_union_fraction']):.2f}" if "scp_union_fraction" in x else ""
                 kr = f"{x['scp_kv_bytes_ratio']:.3f}" if "scp_kv_bytes_ratio" in x else ""
+                kf = f"{min(x['scp_kept_fraction']):.3f}" if "scp_kept_fraction" in x else ""
                 lines.append(f"| {x['S']} | {x['profile']} | {x['index']} | {x['method']} | {x['step_ms']:.2f} | "
                              f"{x.get('speedup_vs_ulysses', float('nan')):.2f}x | "
                              f"{' / '.join('%.1f' % c for c in x['compute_ms_per_rank'])} | {x['imbalance'] * 100:.1f}% | "
-                             f"{max(x['bytes_sent_per_rank']) / 2**20:.1f} | {x['peak_mem_gb']:.2f} | {pl} | {un} | {kr} |")
+                             f"{max(x['bytes_sent_per_rank']) / 2**20:.1f} | {x['peak_mem_gb']:.2f} | {pl} | {un} | {kr} | {kf} |")
             lines.append("")
             lines.append(f"wall time {meta['wall_s']:.0f} s, {meta['date']}, torch {meta['torch']}, "
                          f"commit {prov.get('commit', '?')} (csrc {prov.get('csrc', '?')})")
@@ -340,6 +344,10 @@ def main():
                         fn = lambda q, k, v, **kw: P.hcp_attention(q, k, v, ql, kl, kv_count, G, **kw)
                     elif method == "scp":
                         fn = lambda q, k, v, **kw: P.scp_attention(q, k, v, ql, kl, kv_count, G, **kw)
+                    elif method == "scp_budget":
+                        bud = 1.0 - args.sparsity
+                        fn = lambda q, k, v, bud=bud, **kw: P.scp_attention(q, k, v, ql, kl, kv_count, G,
+                                                                            remote_budget=bud, **kw)
                     elif method == "hybrid":
                         fn = lambda q, k, v, **kw: P.hybrid_attention(q, k, v, ql, kl, kv_count, G, g_h=n // 2, **kw)
                     elif method == "plan":
@@ -398,7 +406,8 @@ def main():
                                         float(stats.get("scp_kv_bytes_sent_fwd", 0)),
                                         float(stats.get("scp_dense_kv_bytes", 0)),
                                         float(stats.get("scp_union_fraction", float("nan"))),
-                                        float(stats.get("scp_query_pad", float("nan")))], dtype=torch.float64, device=device)
+                                        float(stats.get("scp_query_pad", float("nan"))),
+                                        float(stats.get("scp_kept_fraction", float("nan")))], dtype=torch.float64, device=device)
                     allv = [torch.empty_like(vec) for _ in range(n)]
                     dist.all_gather(allv, vec)
                     allv = torch.stack(allv).cpu()
@@ -415,10 +424,11 @@ def main():
                                  imbalance=(max(comps) / mean_c - 1) if mean_c > 0 else 0.0,
                                  bytes_sent_per_rank=allv[:, 2].tolist(),
                                  peak_mem_gb=float(allv[:, 3].max()) / 2**30)
-                    if method in ("scp", "hybrid", "plan") and float(allv[:, 5].sum()) > 0:
+                    if method in ("scp", "scp_budget", "hybrid", "plan") and float(allv[:, 5].sum()) > 0:
                         rec_d["scp_kv_bytes_ratio"] = float(allv[:, 4].sum() / allv[:, 5].sum())
                         rec_d["scp_union_fraction"] = allv[:, 6].tolist()
                         rec_d["scp_query_pad"] = allv[:, 7].tolist()
+                        rec_d["scp_kept_fraction"] = allv[:, 8].tolist()
                     if plan is not None:
                         rec_d["plan"] = dict(g_h=plan.g_h, g_s=plan.g_s, assignment=[list(x) for x in plan.assignment],
                                              model_ms=plan.max_time * 1e3, mode=plan.mode,
@@ -432,6 +442,7 @@ def main():
                         f"imbalance {rec_d['imbalance'] * 100:5.1f}%  sent/rank {max(rec_d['bytes_sent_per_rank']) / 2**20:8.1f} MiB"
                         + (f"  plan g_h={plan.g_h} g_s={plan.g_s}" if plan is not None else "")
                         + (f"  union {max(rec_d['scp_union_fraction']):.2f} kv-bytes/dense {rec_d['scp_kv_bytes_ratio']:.3f}"
+                           f" kept {min(rec_d['scp_kept_fraction']):.3f}"
                            if "scp_kv_bytes_ratio" in rec_d else ""))
                     write_results()  # a run cut short keeps what it measured
                     del out, rec

@@ -127,6 +127,53 @@ def _sc_scp_pad(rank, world):
     return _compare(x, rank, _run_cp(P.scp_attention, x, rank, estimate="pad"))
 
 
+def _sc_scp_budget(rank, world, budget=0.25):
+    """SCP with remote_budget: the lists it used (all-gathered) are subsets of the exact ones,
+    each rank fetched at most ceil(budget L) keys per other rank and head, and its result equals
+    single-process sparse attention with those lists."""
+    import math
+
+    import torch.distributed as dist
+
+    import dsv_ext
+    import dsv_ext.parallel as P
+
+    x = _inputs(world, H=3, seed=8)
+    stats = {"scp_keep_index": True}
+    got = _run_cp(P.scp_attention, x, rank, stats=stats, remote_budget=budget)
+    used = stats["scp_kv_index"].contiguous()  # [B, H, L/G, kmax], global positions
+    parts = [torch.empty_like(used) for _ in range(world)]
+    dist.all_gather(parts, used)
+    used_all = torch.cat(parts, 2)
+    cnt = x["cnt"]
+    exact = dsv_ext.topk_estimate(x["q_lr"], x["k_lr"], cnt, G, kmax=int(cnt.max()))
+    subset = True
+    for b in range(B):
+        for h in range(used_all.shape[1]):
+            c = int(cnt[b, h].clamp(max=world * L))
+            for g in range(used_all.shape[2]):
+                u = set(used_all[b, h, g].tolist()) - {-1}
+                subset &= u <= set(exact[b, h, g, :c].tolist())
+    # remote keys this rank used, per (b, h, owner)
+    mine = used[used >= 0]
+    fetched = 0
+    for b in range(B):
+        for h in range(used.shape[1]):
+            keys = set(used[b, h][used[b, h] >= 0].tolist())
+            for o in range(world):
+                if o != rank:
+                    fetched = max(fetched, sum(1 for kk in keys if o * L <= kk < (o + 1) * L))
+    q, k, v = (x[n_].clone().requires_grad_(True) for n_ in "qkv")
+    out = dsv_ext.sparse_attention(q, k, v, used_all, cnt, G, check_index=False)  # -1: dropped entries
+    (out * x["w"]).sum().backward()
+    sl = slice(rank * L, (rank + 1) * L)
+    errs = {name: float((c - r[:, sl]).abs().max())
+            for name, r, c in zip(("out", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), got)}
+    errs.update(subset=bool(subset), fetched=fetched, cap=max(1, math.ceil(budget * L)),
+                kept=stats["scp_kept_fraction"], union=stats["scp_union_fraction"], n_used=int(mine.numel()))
+    return errs
+
+
 def _sc_hybrid(rank, world, g_h=2):
     import dsv_ext.parallel as P
 
@@ -212,6 +259,10 @@ def _sc_errors(rank, world):
     res["g_h_mismatch"] = _expect_error(
         lambda: P.hybrid_attention(*args, x["cnt"], G, g_h=1 if rank == bad else min(world, H)), "g_h(checksum) differs")
 
+    # 7. one rank passes an invalid remote_budget: every rank raises, naming the argument
+    res["remote_budget_invalid"] = _expect_error(
+        lambda: P.scp_attention(*args, x["cnt"], G, remote_budget=1.5 if rank == bad else 0.5), "remote_budget")
+
     # the group still works after all of that
     t = torch.tensor([rank], dtype=torch.int64)
     dist.all_reduce(t)
@@ -260,6 +311,7 @@ SCENARIOS = {
     "hcp_naive": _sc_hcp_naive,
     "scp": _sc_scp,
     "scp_pad": _sc_scp_pad,
+    "scp_budget": _sc_scp_budget,
     "hybrid": _sc_hybrid,
     "hybrid4": functools.partial(_sc_hybrid, g_h=4),
     "plan": _sc_plan,
@@ -311,8 +363,8 @@ def _spawn(world, names):
 
 
 _BY_WORLD = {
-    2: ("hcp", "hcp_naive", "scp", "scp_pad", "plan", "errors", "controller_agree"),
-    4: ("hcp", "scp", "hybrid", "plan", "errors"),
+    2: ("hcp", "hcp_naive", "scp", "scp_pad", "scp_budget", "plan", "errors", "controller_agree"),
+    4: ("hcp", "scp", "scp_budget", "hybrid", "plan", "errors"),
     8: ("hcp", "scp", "hybrid", "hybrid4", "errors"),
     3: ("calibrate",),
 }
@@ -356,6 +408,17 @@ def test_scp_matches_single_process(world):
     _check_numeric(world, "scp")
     for e in _results(world, "scp"):
         assert 0.0 < e["union"] <= 1.0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_scp_remote_budget(world):
+    """remote_budget = 0.25: a subset of the exact lists, at most ceil(0.25 L) keys fetched per
+    other rank and head, and the result of single-process sparse attention on those lists."""
+    _check_numeric(world, "scp_budget")
+    for r, e in enumerate(_results(world, "scp_budget")):
+        assert e["subset"], f"rank {r}: lists not a subset of the exact ones (DSV_TEST_SEED={SEED})"
+        assert 0 < e["fetched"] <= e["cap"], f"rank {r}: fetched {e['fetched']} > cap {e['cap']} (DSV_TEST_SEED={SEED})"
+        assert e["union"] <= 0.25 + 1e-9 and 0.0 < e["kept"] < 1.0, (e, SEED)
 
 
 @pytest.mark.parametrize("world", [2])

@@ -40,8 +40,9 @@ __all__ = [
 
 def cp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, plan: Plan, *, group=None,
                  scale: Optional[float] = None, validate: bool = True, stats: Optional[dict] = None,
-                 estimate: str = "auto"):
-    """Run ``plan`` (from :func:`solve_plan` / :class:`Planner`) on this rank's shard."""
+                 estimate: str = "auto", remote_budget: Optional[float] = None):
+    """Run ``plan`` (from :func:`solve_plan` / :class:`Planner`) on this rank's shard.
+    ``remote_budget``: see :func:`scp_attention` (SCP and hybrid plans)."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
@@ -49,4 +50,4 @@ def cp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, plan: Plan, *, 
         raise ValueError(f"plan: made for {plan.world_size} ranks, the group has {n}")
     return hybrid_attention(q, k, v, q_lr, k_lr, kv_count, group_size, g_h=plan.g_h,
                             assignment=plan.assignment, group=group, scale=scale, validate=validate,
-                            stats=stats, estimate=estimate)
+                            stats=stats, estimate=estimate, remote_budget=remote_budget)

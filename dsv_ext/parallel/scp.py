@@ -21,6 +21,7 @@ reverse all-to-all and are scatter-added into the owner's dK/dV (the backward of
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -76,18 +77,66 @@ def estimate_local(q_lr_local, k_lr_full, kv_count, group_size: int, rank: int, 
     return idx[:, :, rank * L // G:(rank + 1) * L // G].contiguous()
 
 
+def _budget_error(remote_budget) -> Optional[str]:
+    if remote_budget is None:
+        return None
+    try:
+        b = float(remote_budget)
+    except (TypeError, ValueError):
+        return f"remote_budget: expected None or a number in (0, 1], got {remote_budget!r}"
+    if not (0.0 < b <= 1.0):
+        return f"remote_budget: expected None or a number in (0, 1], got {remote_budget!r}"
+    return None
+
+
+def _apply_budget(idx64, valid, p: int, n: int, L: int, S: int, budget: float):
+    """Per (batch, head, owner rank) keep only the ceil(budget L) remote keys that most of this
+    rank's groups selected (ties: lower position first); drop the other remote entries from the
+    lists. Returns the new ``valid`` mask."""
+    B, H = idx64.shape[:2]
+    votes = torch.zeros(B, H, S + 1, dtype=torch.int32, device=idx64.device)
+    votes.scatter_add_(2, idx64.view(B, H, -1), valid.view(B, H, -1).to(torch.int32))
+    votes = votes[:, :, :S].view(B, H, n, L).clone()
+    votes[:, :, p] = 0  # local keys are free
+    cap = max(1, min(L, int(math.ceil(budget * L))))
+    # rank the keys of each owner by votes (stable: ties keep the lower position)
+    order = torch.argsort(votes, dim=3, descending=True, stable=True)[..., :cap]
+    keep = torch.zeros(B, H, n, L, dtype=torch.bool, device=idx64.device)
+    keep.scatter_(3, order, votes.gather(3, order) > 0)
+    keep[:, :, p] = True
+    keep = torch.cat([keep.view(B, H, S), keep.new_zeros(B, H, 1)], 2)
+    return valid & keep.gather(2, idx64.view(B, H, -1)).view_as(valid)
+
+
+def _compact(idx, valid):
+    """Lists with the invalid entries removed, order kept, -1 padded at the end (the kernels trim
+    trailing padding)."""
+    pos = valid.to(torch.int64).cumsum(-1) - 1
+    km = idx.shape[-1]
+    out = idx.new_full(idx.shape[:-1] + (km + 1,), -1)
+    out.scatter_(-1, torch.where(valid, pos, torch.full_like(pos, km)), idx)
+    return out[..., :km]
+
+
 def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None, scale: Optional[float] = None,
-                  validate: bool = True, stats: Optional[dict] = None, estimate: str = "auto", _prepared=None,
-                  _kv_count_host=None):
+                  validate: bool = True, stats: Optional[dict] = None, estimate: str = "auto",
+                  remote_budget: Optional[float] = None, _prepared=None, _kv_count_host=None):
     """Sequence-wise CP attention of this rank's shard. Returns ``[B, S/N, H, D]``.
 
     Arguments as :func:`dsv_ext.parallel.hcp_attention` (kv_count the same on every rank).
     Heads whose count is >= S run through the same path with all keys (correct but it moves
     the whole K/V: prefer HCP for dense heads). Differentiable in q, k, v.
+
+    ``remote_budget`` (None: exact): at most this fraction of each other rank's keys is fetched
+    per head, those that most of this rank's query groups selected; the groups' other remote
+    keys are dropped from their lists (an approximation: each group attends to fewer keys, see
+    ``stats["scp_kept_fraction"]``). With ``remote_budget = 1 - sparsity`` SCP sends at most
+    that fraction of the K/V bytes of dense sequence parallelism. The same on every rank.
     """
     if _prepared is None:
         prep = prepare("scp_attention", q, k, v, q_lr, k_lr, kv_count, group_size, group, scale, validate,
-                       extra={"estimate": estimate})
+                       extra={"estimate": estimate, "remote_budget": remote_budget},
+                       local_error=_budget_error(remote_budget))
         cnt_host = prep.kv_count_host
     else:
         prep = _prepared
@@ -113,6 +162,12 @@ def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None,
         idx = estimate_local(q_lr.detach(), k_lr_full, cnt, G, p, kmax, estimate)  # [B, H, L/G, kmax], -1 padded
     valid = idx >= 0
     idx64 = torch.where(valid, idx, torch.full_like(idx, S)).long()
+    n_entries = int(valid.sum()) if stats is not None else 0
+    if remote_budget is not None and float(remote_budget) < 1.0:
+        valid = _apply_budget(idx64, valid, p, n, L, S, float(remote_budget))
+        idx = _compact(idx, valid)
+        valid = idx >= 0
+        idx64 = torch.where(valid, idx, torch.full_like(idx, S)).long()
 
     # 2. which keys are needed; extended-table position of every global key (per b, h)
     needed = torch.zeros(B, H, S + 1, dtype=torch.bool, device=dev)
@@ -178,4 +233,7 @@ def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None,
         stats["scp_union_per_head"] = per_head.tolist()
         stats["scp_table_len"] = S_pad
         stats["scp_query_pad"] = S_pad / L - 1.0
+        stats["scp_kept_fraction"] = int(valid.sum()) / max(1, n_entries)
+        if stats.get("scp_keep_index"):
+            stats["scp_kv_index"] = idx  # the lists used (global key positions), for inspection
     return out

@@ -51,9 +51,12 @@ def _local_errors(q, k, v, q_lr, k_lr, kv_count, group_size) -> Optional[str]:
     return None
 
 
-def prepare(what, q, k, v, q_lr, k_lr, kv_count, group_size, group, scale, validate: bool, extra=None) -> Prepared:
+def prepare(what, q, k, v, q_lr, k_lr, kv_count, group_size, group, scale, validate: bool, extra=None,
+            local_error: Optional[str] = None) -> Prepared:
+    """Checks this rank's arguments and (with ``validate``) that every rank agrees; a problem on
+    any rank raises on all of them. ``local_error``: a caller's own check of extra arguments."""
     n, me = group_size_rank(group)
-    err = _local_errors(q, k, v, q_lr, k_lr, kv_count, group_size)
+    err = local_error or _local_errors(q, k, v, q_lr, k_lr, kv_count, group_size)
     cnt_host: List[List[int]] = []
     if err is None:
         cnt_host = kv_count.detach().to("cpu", torch.int64).tolist()
