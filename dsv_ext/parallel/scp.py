@@ -94,9 +94,10 @@ def _apply_budget(idx64, valid, p: int, n: int, L: int, S: int, budget: float):
     rank's groups selected (ties: lower position first); drop the other remote entries from the
     lists. Returns the new ``valid`` mask."""
     B, H = idx64.shape[:2]
-    votes = torch.zeros(B, H, S + 1, dtype=torch.int32, device=idx64.device)
-    votes.scatter_add_(2, idx64.view(B, H, -1), valid.view(B, H, -1).to(torch.int32))
-    votes = votes[:, :, :S].view(B, H, n, L).clone()
+    # votes per key: a bincount of the valid entries only (a scatter-add would pile the padding
+    # entries' atomics onto one address)
+    bh = torch.arange(B * H, device=idx64.device).view(B, H, 1, 1)
+    votes = torch.bincount((bh * S + idx64)[valid], minlength=B * H * S).view(B, H, n, L)
     votes[:, :, p] = 0  # local keys are free
     cap = max(1, min(L, int(math.ceil(budget * L))))
     # rank the keys of each owner by votes (stable: ties keep the lower position)
@@ -111,11 +112,11 @@ def _apply_budget(idx64, valid, p: int, n: int, L: int, S: int, budget: float):
 def _compact(idx, valid):
     """Lists with the invalid entries removed, order kept, -1 padded at the end (the kernels trim
     trailing padding)."""
-    pos = valid.to(torch.int64).cumsum(-1) - 1
     km = idx.shape[-1]
-    out = idx.new_full(idx.shape[:-1] + (km + 1,), -1)
-    out.scatter_(-1, torch.where(valid, pos, torch.full_like(pos, km)), idx)
-    return out[..., :km]
+    n_valid = valid.sum(-1, keepdim=True)
+    out = torch.full_like(idx, -1)
+    out[torch.arange(km, device=idx.device) < n_valid] = idx[valid]  # both in row-major order
+    return out
 
 
 def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None, scale: Optional[float] = None,
