@@ -133,13 +133,16 @@ def test_plan_prefers_scp_when_heads_do_not_split_and_comm_is_free():
     assert hcp.max_time > p.max_time and hcp.imbalance == pytest.approx(2 / 1.5 - 1)
 
 
-def test_scp_query_padding_is_modelled():
-    # union 1 on 2 ranks: the SCP key table is twice the shard, the padded queries double compute
+def test_scp_query_padding_costs_no_compute():
+    # union 1 on 2 ranks: the SCP key table is twice the shard; the padded query rows have empty
+    # lists, which the kernels trim (measured: padded 152 vs unpadded 131 ms, est + fwd + bwd
+    # of a rank at 128k, benchmarks/scp_local_profile.py), so only their memory is modelled
     c = CostModel(union_factor=100.0)
     scp = solve_plan([0.9] * 16, 2, 131072, cost=c, modes=("scp",))
     c2 = CostModel(union_factor=100.0, scp_query_padding=False)
     scp2 = solve_plan([0.9] * 16, 2, 131072, cost=c2, modes=("scp",))
-    assert scp.rank_compute[0] > 1.8 * scp2.rank_compute[0]
+    assert scp.rank_compute[0] == pytest.approx(scp2.rank_compute[0])
+    assert scp.rank_memory[0] > scp2.rank_memory[0]
 
 
 def test_plan_prefers_hcp_when_remote_keys_are_not_sparse():

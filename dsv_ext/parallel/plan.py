@@ -113,7 +113,8 @@ class CostModel:
     benchmark measures it (``scp`` stats ``union_fraction``) and :meth:`Planner.observe_union`
     feeds the measurement back. ``scp_query_padding``: the sparse kernel takes one length for
     queries and keys, so SCP pads a rank's L queries up to its key-table length (about
-    ``union x S`` when that exceeds L) and the padded rows cost as much as real ones.
+    ``union x S`` when that exceeds L); the padded rows hold memory (q, out and their
+    gradients) but no compute (their lists are empty and the kernels trim them).
 
     Defaults: H200 numbers from SPEC section 3 (cuDNN dense 560 TFLOP/s fwd+bwd; sparse kernels
     at about 350 TFLOP/s of useful work; NVLink all-to-all about 150 GB/s per rank and direction).
@@ -135,19 +136,16 @@ class CostModel:
     def dense_time(self, sq: float, sk: float, d: int) -> float:
         return self.overhead + 14.0 * sq * sk * d / self.dense_flops
 
-    def sparse_time(self, sq: float, sk: float, kv: float, d: int, group_size: int, rank: int,
-                    pad: float = 1.0) -> float:
-        """``pad``: the kernel runs ``pad x sq`` query rows (SCP query padding, see scp.py)."""
+    def sparse_time(self, sq: float, sk: float, kv: float, d: int, group_size: int, rank: int) -> float:
         est = 2.0 * (sq / group_size) * sk * rank / self.estimate_flops
-        return self.overhead + 14.0 * pad * sq * kv * d / self.sparse_flops + est
+        return self.overhead + 14.0 * sq * kv * d / self.sparse_flops + est
 
-    def head_time(self, sparsity: float, sq: float, sk: float, d: int, group_size: int, rank: int,
-                  pad: float = 1.0) -> float:
+    def head_time(self, sparsity: float, sq: float, sk: float, d: int, group_size: int, rank: int) -> float:
         density = max(1.0 - float(sparsity), 0.0)
         dense = self.dense_time(sq, sk, d)
         if density > self.sparse_max_density:
             return dense
-        return min(dense, self.sparse_time(sq, sk, density * sk, d, group_size, rank, pad))
+        return min(dense, self.sparse_time(sq, sk, density * sk, d, group_size, rank))
 
     def union_fraction(self, sparsity: float) -> float:
         return min(1.0, self.union_factor * max(1.0 - float(sparsity), 0.0))
@@ -343,7 +341,7 @@ def evaluate(world_size: int, g_h: int, assignment: Sequence[Sequence[int]], spa
         if g_s > 1 and cost.scp_query_padding and hs:
             u_max = max(union[h] if union is not None else cost.union_fraction(sparsity[h]) for h in hs)
             pad = max(1.0, u_max * g_s)
-        c = sum(cost.head_time(sparsity[h], L, S, D, group_size, rank, pad) for h in hs) * batch
+        c = sum(cost.head_time(sparsity[h], L, S, D, group_size, rank) for h in hs) * batch
         nb = 0.0
         calls = 0
         if g_h > 1:
