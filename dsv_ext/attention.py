@@ -251,6 +251,8 @@ class SparseAttention(nn.Module):
         self.index_refresh: int = 1
         self._index_cache: Optional[Tuple[tuple, torch.Tensor]] = None
         self._index_calls: int = 0
+        # context parallelism (dsv_ext.parallel.enable): None = this rank holds whole sequences
+        self._cp = None
 
     # ---------------------------------------------------------------- configuration
     def set_grid(self, grid: Optional[Sequence[int]]) -> None:
@@ -325,6 +327,9 @@ class SparseAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Optional[Sequence[int]] = None,
                 scale: Optional[float] = None) -> torch.Tensor:
         self._check(q, k, v)
+        if self._cp is not None:  # context parallel (dsv_ext.parallel.enable): q, k, v are shards
+            from .parallel.module import cp_forward
+            return cp_forward(self, q, k, v, scale)
         grid = self.grid if grid is None else tuple(grid)
         if self.training and (self._train_now or self._profile_now):
             self._side_tasks(q, k, grid, scale)
@@ -373,9 +378,12 @@ class SparseAttention(nn.Module):
         return new if cur is None else cur + new
 
     @torch._dynamo.disable
-    def _side_tasks(self, q: torch.Tensor, k: torch.Tensor, grid, scale: Optional[float]) -> None:
+    def _side_tasks(self, q: torch.Tensor, k: torch.Tensor, grid, scale: Optional[float],
+                    rows: Optional[torch.Tensor] = None) -> None:
         """Predictor training step (loss + backward into predictor .grad) and profiling, on
-        detached q, k. Skipped while autograd recomputes a checkpointed forward."""
+        detached q, k. Skipped while autograd recomputes a checkpointed forward. ``rows``: the
+        sampled query rows (default: every row_sample_stride-th; context parallelism passes the
+        rank's own)."""
         if torch._C._current_graph_task_id() != -1:  # inside backward (activation recompute)
             return
         cfg = self.config
@@ -392,7 +400,8 @@ class SparseAttention(nn.Module):
         q, k = q.detach().to(kdt), k.detach().to(kdt)
         B, S, H, D = q.shape
         self._seq_len, self._batch, self._dtype = S, B, q.dtype
-        rows = self._rows(S, q.device)
+        if rows is None:
+            rows = self._rows(S, q.device)
         # identity saved-tensor hooks: the predictor-loss graph must stay invisible to activation
         # checkpointing (whose own hooks would otherwise count these tensors) and to offloading
         with torch.autocast(device_type=q.device.type, enabled=False), \

@@ -174,6 +174,110 @@ def _sc_scp_budget(rank, world, budget=0.25):
     return errs
 
 
+def _sc_module(rank, world):
+    """dsv_ext.parallel.enable on a SparseAttention: forward/backward on shards equal the
+    single-process module on the whole sequence in stage 1 (dense), stage 2 (sparse heads and a
+    dense one) and on a predictor training + profiling step (gradients, loss, sparsity and
+    recall averaged over the ranks, as DSVController does)."""
+    import copy
+
+    import torch.distributed as dist
+
+    import dsv_ext
+    import dsv_ext.parallel as P
+    from dsv_ext.config import DSVConfig
+
+    H = 3
+    S = world * L
+    cfg = DSVConfig(group_size=G, rank=R, row_sample_stride=4, k_multiple=G, min_density=0.0)
+    torch.manual_seed(SEED + 11)  # the same predictor weights on every rank
+    ref = dsv_ext.SparseAttention(H, D, config=cfg, name="blk").double()
+    cpm = copy.deepcopy(ref)
+    n_switched = P.enable(cpm)
+    x = _inputs(world, H=H, seed=9)
+    sl = slice(rank * L, (rank + 1) * L)
+
+    def run(mod, shard):
+        q, k, v = (x[n_][:, sl if shard else slice(None)].clone().requires_grad_(True) for n_ in "qkv")
+        out = mod(q, k, v)
+        (out * x["w"][:, sl if shard else slice(None)]).sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad
+
+    def errs(a, b):
+        return max(float((c - r[:, sl]).abs().max()) for r, c in zip(a, b))
+
+    res = {"switched": n_switched}
+    res["stage1"] = errs(run(ref, False), run(cpm, True))
+    for m in (ref, cpm):
+        m.stage, m.use_sparse = 2, True
+        m.set_density([1.0, 0.5, 0.25], S)
+    res["stage2"] = errs(run(ref, False), run(cpm, True))
+    res["k"] = ref.head_k
+    # a predictor training + profiling step
+    for m in (ref, cpm):
+        m._train_now = m._profile_now = True
+    run(ref, False)
+    run(cpm, True)
+    g_ref, g_cp = ref.pop_grads(), cpm.pop_grads()
+    p_ref, p_cp = ref.pop_pending(), cpm.pop_pending()
+    for name, a, b in zip(("grad_wq", "grad_wk", "loss", "sparsity", "recall"), list(g_ref) + list(p_ref),
+                          list(g_cp) + list(p_cp)):
+        b = b.clone()
+        dist.all_reduce(b)
+        res[name] = float((b / world - a).abs().max())
+        res[name + "_dtype"] = str(a.dtype)
+    res["seq_len"] = cpm._seq_len
+    return res
+
+
+def _sc_controller_cp(rank, world):
+    """Two DSVAttention layers driven by DSVController through stage 1, the switch and stage 2:
+    the context-parallel copy (controller over the world) matches a single-process copy on each
+    rank (controller over a one-rank group) in outputs, predictor weights, stage, per-head K and
+    sparse blocks."""
+    import copy
+
+    import torch.distributed as dist
+
+    import dsv_ext
+    import dsv_ext.parallel as P
+    from dsv_ext.config import DSVConfig
+
+    S = world * L
+    solo = [dist.new_group([r]) for r in range(world)]  # collective: every rank creates all
+    cfg = DSVConfig(group_size=G, rank=R, row_sample_stride=4, k_multiple=G, min_density=0.0,
+                    force_stage2_step=3, profile_every=1, use_calibration=False, dispatch_threshold=0.0)
+    torch.manual_seed(SEED + 21)
+    dim = 2 * D
+    ref = torch.nn.Sequential(dsv_ext.DSVAttention(dim, 2, config=cfg), dsv_ext.DSVAttention(dim, 2, config=cfg))
+    ref = ref.double()
+    cpm = copy.deepcopy(ref)
+    P.enable(cpm)
+    c_ref = dsv_ext.DSVController(ref, cfg, process_group=solo[rank])
+    c_cp = dsv_ext.DSVController(cpm, cfg)
+    g = torch.Generator().manual_seed(SEED + 22)
+    sl = slice(rank * L, (rank + 1) * L)
+    res = {"out": 0.0}
+    for _ in range(6):
+        x = 6.0 * torch.randn(B, S, dim, generator=g, dtype=torch.float64)  # peaked attention: sparse heads
+        o_ref = ref(x)
+        o_ref.square().mean().backward()
+        o_cp = cpm(x[:, sl])
+        (o_cp.square().sum() / o_ref.numel()).backward()
+        res["out"] = max(res["out"], float((o_cp - o_ref[:, sl]).detach().abs().max()))
+        c_ref.step()
+        c_cp.step()
+    res["pred"] = max(float((a - b).abs().max()) for a, b in zip(c_ref.optimizer.param_groups[0]["params"],
+                                                                   c_cp.optimizer.param_groups[0]["params"]))
+    res["stage"] = [c_ref.stage, c_cp.stage]
+    sr, sc = c_ref.block_stats(), c_cp.block_stats()
+    res["head_k"] = [[b["head_k"] for b in sr], [b["head_k"] for b in sc]]
+    res["use_sparse"] = [[b["use_sparse"] for b in sr], [b["use_sparse"] for b in sc]]
+    P.disable(cpm)
+    P.clear_group_cache()
+    return res
+
+
 def _sc_hybrid(rank, world, g_h=2):
     import dsv_ext.parallel as P
 
@@ -312,6 +416,8 @@ SCENARIOS = {
     "scp": _sc_scp,
     "scp_pad": _sc_scp_pad,
     "scp_budget": _sc_scp_budget,
+    "module": _sc_module,
+    "controller_cp": _sc_controller_cp,
     "hybrid": _sc_hybrid,
     "hybrid4": functools.partial(_sc_hybrid, g_h=4),
     "plan": _sc_plan,
@@ -363,8 +469,9 @@ def _spawn(world, names):
 
 
 _BY_WORLD = {
-    2: ("hcp", "hcp_naive", "scp", "scp_pad", "scp_budget", "plan", "errors", "controller_agree"),
-    4: ("hcp", "scp", "scp_budget", "hybrid", "plan", "errors"),
+    2: ("hcp", "hcp_naive", "scp", "scp_pad", "scp_budget", "module", "controller_cp", "plan", "errors",
+        "controller_agree"),
+    4: ("hcp", "scp", "scp_budget", "module", "hybrid", "plan", "errors"),
     8: ("hcp", "scp", "hybrid", "hybrid4", "errors"),
     3: ("calibrate",),
 }
@@ -419,6 +526,30 @@ def test_scp_remote_budget(world):
         assert e["subset"], f"rank {r}: lists not a subset of the exact ones (DSV_TEST_SEED={SEED})"
         assert 0 < e["fetched"] <= e["cap"], f"rank {r}: fetched {e['fetched']} > cap {e['cap']} (DSV_TEST_SEED={SEED})"
         assert e["union"] <= 0.25 + 1e-9 and 0.0 < e["kept"] < 1.0, (e, SEED)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_module_context_parallel(world):
+    """SparseAttention after dsv_ext.parallel.enable: shards in, shards out, the single-process
+    result in stage 1, stage 2 and on a predictor training / profiling step."""
+    for r, e in enumerate(_results(world, "module")):
+        assert e["switched"] == 1, e
+        for key in ("stage1", "stage2", "grad_wq", "grad_wk", "loss", "sparsity", "recall"):
+            # the module keeps its per-step statistics (loss, sparsity, recall) in float32:
+            # averaging two ranks' means instead of one mean rounds differently there
+            tol = TOL if e.get(key + "_dtype", "torch.float64") == "torch.float64" else 1e-6
+            assert e[key] <= tol, f"rank {r} {key}: max error {e[key]:.3e} (DSV_TEST_SEED={SEED})"
+        assert e["seq_len"] == world * L and e["k"][0] == world * L and 0 < e["k"][2] < world * L, e
+
+
+def test_controller_trains_context_parallel_model():
+    """DSVController on a model made context-parallel with dsv_ext.parallel.enable (2 ranks)
+    goes through the stages exactly as the single-process model does."""
+    for r, e in enumerate(_results(2, "controller_cp")):
+        assert e["stage"] == [2, 2], e
+        assert e["out"] <= 1e-9 and e["pred"] <= 1e-9, f"rank {r}: {e} (DSV_TEST_SEED={SEED})"
+        assert e["head_k"][0] == e["head_k"][1] and e["use_sparse"][0] == e["use_sparse"][1], e
+        assert any(e["use_sparse"][1]) and min(k for blk in e["head_k"][1] for k in blk) < 2 * L, e
 
 
 @pytest.mark.parametrize("world", [2])

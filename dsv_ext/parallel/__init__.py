@@ -6,7 +6,9 @@ sequence. Entry points (all differentiable in q, k, v; see docs/PARALLEL.md):
 * :func:`cp_attention` -- runs a :class:`Plan` (HCP, SCP or hybrid) from :func:`solve_plan`;
 * :func:`hcp_attention` -- head-wise CP, LPT head assignment, uneven all-to-all;
 * :func:`scp_attention` -- sequence-wise CP, sparse all-to-all of critical K/V rows;
-* :func:`hybrid_attention` -- ``N = g_h x g_s``, HCP inside head groups, SCP across.
+* :func:`hybrid_attention` -- ``N = g_h x g_s``, HCP inside head groups, SCP across;
+* :func:`enable` -- run a model's DSV attention modules context-parallel (training with
+  DSVController included): each rank's forward takes its sequence shard.
 
 Inputs are validated collectively (one small all_gather): a rank with a non-matching shard or
 configuration makes every rank raise :class:`CPConfigError` instead of hanging.
@@ -29,9 +31,10 @@ from .hybrid import hybrid_attention
 from .plan import (CostModel, Plan, Planner, assignment_loads, head_costs, lpt_assign, naive_assign,
                    solve_plan)
 from .scp import scp_attention
+from .module import CPSettings, disable, enable
 
 __all__ = [
-    "cp_attention", "hcp_attention", "scp_attention", "hybrid_attention",
+    "cp_attention", "hcp_attention", "scp_attention", "hybrid_attention", "enable", "disable", "CPSettings",
     "CostModel", "Plan", "Planner", "solve_plan", "lpt_assign", "naive_assign", "head_costs",
     "assignment_loads", "CPConfigError", "all_to_all_rows", "seq_to_head", "head_to_seq",
     "hybrid_groups", "clear_group_cache",

@@ -1,0 +1,170 @@
+"""Context parallelism inside the DSV modules.
+
+:func:`enable` switches every :class:`dsv_ext.SparseAttention` of a model (the cores of
+``DSVAttention`` layers and of models made by ``dsv_ext.convert``) to context-parallel
+operation over a process group: each rank's forward then receives its contiguous shard
+``[B, S/N, H, D]`` of the (already cube-reordered) sequence and returns its output shard.
+
+* Stage 1 and blocks the dispatcher keeps dense: dense head-wise CP (Ulysses: all-to-all to
+  head layout, SDPA, all-to-all back).
+* Stage 2 sparse blocks: the block's per-head K (from the profiled sparsity, global S = N x the
+  shard length) and its low-rank predictors on the shard, then the plan solver's choice of HCP /
+  SCP / hybrid (:class:`Planner`, re-planned when the profile moves) through
+  :func:`dsv_ext.parallel.cp_attention`.
+* Predictor training and profiling steps (armed by DSVController): the keys are all-gathered
+  (detached, only on those steps) and each rank trains / profiles on its own sampled query rows
+  against all keys; DSVController averages the gradients and statistics over its process group
+  (default: the world), which gives the single-process result when the CP ranks are in it.
+
+Every rank of the group must run the same blocks in the same order (as any CP scheme); the
+controller's decisions are already made collectively.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from .comm import group_size_rank
+from .hcp import hcp_attention
+from .plan import CostModel, Planner
+from .scp import _all_gather_seq, _budget_error
+
+__all__ = ["enable", "disable", "cp_forward", "CPSettings"]
+
+
+@dataclass
+class CPSettings:
+    """What :func:`enable` attaches to each SparseAttention (shared by the model's blocks)."""
+
+    group: object = None
+    cost: Optional[CostModel] = None
+    memory_limit: Optional[float] = None
+    modes: Sequence[str] = ("hcp", "scp", "hybrid")
+    remote_budget: Optional[float] = None
+    validate: bool = True
+    planner: Optional[Planner] = None
+    planners: Dict[tuple, Planner] = field(default_factory=dict)
+
+    def plan_for(self, attn, sparsity, seqlen: int, n: int):
+        if self.planner is not None:
+            return self.planner.plan(_block_key(attn), sparsity, seqlen)
+        cfg = attn.config
+        key = (n, attn.head_dim, cfg.group_size, cfg.rank)
+        pl = self.planners.get(key)
+        if pl is None:
+            pl = Planner(world_size=n, seqlen=seqlen, head_dim=attn.head_dim, cost=self.cost,
+                         memory_limit=self.memory_limit, group_size=cfg.group_size, rank=cfg.rank,
+                         modes=self.modes)
+            self.planners[key] = pl
+        return pl.plan(_block_key(attn), sparsity, seqlen)
+
+
+def _block_key(attn):
+    return attn.name if attn.name is not None else id(attn)
+
+
+def _cores(model):
+    from ..attention import SparseAttention
+
+    if isinstance(model, SparseAttention):
+        return [model]
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    return [m for m in model.modules() if isinstance(m, SparseAttention)]
+
+
+def enable(model, group=None, *, cost: Optional[CostModel] = None, memory_limit: Optional[float] = None,
+           modes: Sequence[str] = ("hcp", "scp", "hybrid"), remote_budget: Optional[float] = None,
+           planner: Optional[Planner] = None, validate: bool = True) -> int:
+    """Run every SparseAttention of ``model`` context-parallel over ``group`` (default: the
+    world). Returns how many modules were switched.
+
+    After this, each rank passes its shard ``[B, S/N, H, D]`` of the cube-reordered sequence (rank r
+    holds tokens ``[r S/N, (r+1) S/N)``; ``S/N`` a multiple of the group size) and gets its output
+    shard; the module's ``grid`` is not used (reorder before sharding, ``dsv_ext.grouping``).
+    ``cost``, ``memory_limit``, ``modes``: for the plan solver (one :class:`Planner` per head
+    shape, or pass your own ``planner``); ``remote_budget``: see :func:`scp_attention`;
+    ``validate``: the collective argument check of every call (one tiny all_gather; turn it off
+    in a tuned loop). ``torch.distributed`` must be initialised.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("dsv_ext.parallel.enable: torch.distributed is not initialised "
+                           "(call torch.distributed.init_process_group first)")
+    err = _budget_error(remote_budget)
+    if err:
+        raise ValueError(err)
+    bad = [m for m in modes if m not in ("hcp", "scp", "hybrid")]
+    if bad or not modes:
+        raise ValueError(f"modes: expected a non-empty subset of ('hcp', 'scp', 'hybrid'), got {tuple(modes)!r}")
+    cores = _cores(model)
+    if not cores:
+        raise ValueError("model: has no dsv_ext.SparseAttention modules (build it with DSVAttention or "
+                         "dsv_ext.convert first)")
+    st = CPSettings(group=group, cost=cost, memory_limit=memory_limit, modes=tuple(modes),
+                    remote_budget=remote_budget, validate=validate, planner=planner)
+    for m in cores:
+        m._cp = st
+        m.reset_index_cache()
+    return len(cores)
+
+
+def disable(model) -> int:
+    """Back to whole sequences per rank; returns how many modules were switched."""
+    cores = _cores(model)
+    for m in cores:
+        m._cp = None
+    return len(cores)
+
+
+@torch._dynamo.disable
+def cp_forward(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
+    """SparseAttention.forward on this rank's shard (see the module docstring)."""
+    from ..attention import _autocast_inputs, kernel_dtype
+
+    st = attn._cp
+    n, p = group_size_rank(st.group)
+    B, L, H, D = q.shape
+    S = n * L
+    cfg = attn.config
+    if attn.training and (attn._train_now or attn._profile_now) and torch._C._current_graph_task_id() == -1:
+        # side tasks on this rank's sampled rows against all keys (q padded to the full length:
+        # only the rows are read)
+        k_full = _all_gather_seq(k.detach(), st.group)
+        q_pad = q.detach().new_zeros((B, S, H, D))
+        q_pad[:, p * L:(p + 1) * L] = q.detach()
+        rows = attn._rows(S, q.device)
+        rows = rows[(rows >= p * L) & (rows < (p + 1) * L)]
+        if rows.numel() > 0:
+            attn._side_tasks(q_pad, k_full, None, scale, rows=rows)
+        del k_full, q_pad
+    q, k, v = _autocast_inputs(q, k, v)
+    out_dtype = q.dtype
+    kdt = kernel_dtype(q)
+    q, k, v = q.to(kdt), k.to(kdt), v.to(kdt)
+    r = cfg.rank
+    if attn.stage == 2 and attn.use_sparse and attn.density is not None:
+        if S != attn._k_seq_len:
+            attn._refresh_counts(S)
+        counts = attn.kv_count.view(1, H).expand(B, H).contiguous()
+        with torch.no_grad():
+            q_lr = torch.einsum("bshd,hdr->bshr", q.detach(), attn.predictor.wq.detach().to(kdt)).contiguous()
+            k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), attn.predictor.wk.detach().to(kdt)).contiguous()
+        sparsity = [1.0 - kk / S for kk in attn.head_k]
+        plan = st.plan_for(attn, sparsity, S, n)
+        from . import cp_attention
+
+        out = cp_attention(q, k, v, q_lr, k_lr, counts, cfg.group_size, plan, group=st.group, scale=scale,
+                           validate=st.validate, remote_budget=st.remote_budget)
+    else:
+        # dense (stage 1, or a block the dispatcher keeps dense): Ulysses through HCP with every
+        # head's count >= S (the low-rank inputs travel along; r / D of q's bytes)
+        counts = torch.full((B, H), S, dtype=torch.int32, device=q.device)
+        z = q.new_zeros((B, L, H, r))
+        out = hcp_attention(q, k, v, z, z, counts, cfg.group_size, group=st.group, scale=scale,
+                            validate=st.validate)
+    return out.to(out_dtype)
