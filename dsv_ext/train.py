@@ -408,13 +408,26 @@ def _resolve_device(device: Optional[str]) -> torch.device:
 def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[int] = None,
           resume: Optional[str] = None, attention: Optional[str] = None,
           device: Optional[str] = None, progress: bool = True,
-          log: Callable[[str], None] = None) -> Dict[str, Any]:
+          log: Callable[[str], None] = None, context_parallel: bool = False) -> Dict[str, Any]:
     """Run (or resume) a training run. Returns ``{"history": [...], "val": [...], "summary": {...}}``.
 
     ``cfg`` is a dict from :func:`load_config`; ``steps`` overrides ``train.steps`` (the total
     step count, also when resuming); ``attention`` overrides ``model.attention``.
+    ``context_parallel``: every rank of the (initialised) default process group trains the same
+    batch, each sequence split over the ranks (``dsv_ext.parallel``); rank 0 writes the outputs.
     """
     log = log or (lambda s: print(s, file=sys.stderr))
+    cp_rank, cp_world = 0, 1
+    if context_parallel:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("context_parallel: torch.distributed is not initialised (launch with "
+                               "torchrun and python -m dsv_ext.train --context-parallel)")
+        cp_rank, cp_world = dist.get_rank(), dist.get_world_size()
+        if cp_rank != 0:
+            progress = False
+            log = (lambda s: None)
     cfg = copy.deepcopy(cfg)
     tcfg = TrainConfig.from_dict(cfg["train"])
     if steps is not None:
@@ -425,9 +438,14 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         torch.set_num_threads(tcfg.threads)
     attention = attention or cfg["model"].get("attention", "dsv")
     cfg["model"]["attention"] = attention
+    if context_parallel and attention != "dsv":
+        raise ValueError("context_parallel: needs attention=dsv (its stage 1 is dense context-parallel "
+                         f"attention), got attention={attention!r}")
     name = cfg.get("name", "run")
     out_dir = out_dir or os.path.join("runs", f"{name}-{attention}")
-    os.makedirs(out_dir, exist_ok=True)
+    writer = cp_rank == 0  # the other context-parallel ranks compute the same numbers
+    if writer:
+        os.makedirs(out_dir, exist_ok=True)
 
     # The DiT weights come from a private generator (VideoDiT.initialize_weights); the global RNG
     # seeds everything else created here (DSV predictor projections).
@@ -435,6 +453,12 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     model, dsv_cfg = build_model(cfg, attention, dev)
     if tcfg.grad_checkpointing and dev.type == "cuda":
         model.grad_checkpointing = True
+    if context_parallel:
+        from . import parallel as _cp
+
+        _cp.enable(model)
+        model.set_context_parallel(True, cube=dsv_cfg.cube)
+        log(f"context parallel: {cp_world} ranks, {model.cfg.num_tokens // cp_world} tokens per rank")
     params = model.dit_parameters()
     opt = torch.optim.AdamW(params, lr=tcfg.lr, betas=tuple(tcfg.betas),
                             weight_decay=tcfg.weight_decay,
@@ -449,6 +473,19 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     fwd_model = model
     if tcfg.compile and dev.type == "cuda":
         fwd_model = torch.compile(model)
+
+    def sync_grads():
+        """Context parallelism: each rank holds its shard's part of the DiT gradients."""
+        if cp_world > 1:
+            import torch.distributed as dist
+
+            gs = [p_.grad for p_ in params if p_.grad is not None]
+            flat = torch.cat([g_.reshape(-1) for g_ in gs])
+            dist.all_reduce(flat)
+            off = 0
+            for g_ in gs:
+                g_.copy_(flat[off:off + g_.numel()].view_as(g_))
+                off += g_.numel()
 
     start = 0
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
@@ -474,7 +511,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         start = int(ck["step"])
         log_window = ck.get("log_window")
         # Drop metric lines past the checkpoint (a crashed run may have logged further).
-        if os.path.exists(metrics_path):
+        if writer and os.path.exists(metrics_path):
             kept = []
             with open(metrics_path) as f:
                 for line in f:
@@ -486,22 +523,29 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
                         kept.append(line if line.endswith("\n") else line + "\n")
             with open(metrics_path, "w") as f:
                 f.writelines(kept)
-    else:
+    elif writer:
         open(metrics_path, "w").close()
     import yaml
 
-    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(cfg, f, sort_keys=False)
+    if writer:
+        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(cfg, f, sort_keys=False)
 
     ds = make_dataset(cfg["data"], "train", seed=tcfg.seed)
     stream = _Stream(ds, tcfg.batch_size, tcfg.seed)
     valset = _ValSet(cfg, tcfg)
     tokens_per_sample = model.cfg.num_tokens
-    mf = open(metrics_path, "a")
+    mf = open(metrics_path, "a") if writer else None
 
     def write(rec):
-        mf.write(json.dumps(rec) + "\n")
-        mf.flush()
+        if mf is not None:
+            mf.write(json.dumps(rec) + "\n")
+            mf.flush()
+
+    def save(path, step_):
+        if writer:
+            _save_checkpoint(path, step_, model, opt, controller, cfg, attention, history[-3:],
+                             (win_tokens, win_time, win_loss, win_n))
 
     def run_val(step):
         t0 = time.perf_counter()
@@ -549,6 +593,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             with _autocast(dev, tcfg.precision):
                 loss = flow_matching_loss(fwd_model, x0, noise, t)
             loss.backward()
+            sync_grads()
             gnorm = None
             if tcfg.grad_clip > 0:
                 gnorm = torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
@@ -594,24 +639,19 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
                 bar.update(1)
             if tcfg.val_every > 0 and done % tcfg.val_every == 0 and done < tcfg.steps:
                 last_val = run_val(done)
-                _save_checkpoint(os.path.join(out_dir, "ckpt_last.pt"), done, model, opt,
-                                 controller, cfg, attention, history[-3:],
-                                 (win_tokens, win_time, win_loss, win_n))
+                save(os.path.join(out_dir, "ckpt_last.pt"), done)
             if tcfg.ckpt_every > 0 and done % tcfg.ckpt_every == 0 and done < tcfg.steps:
-                _save_checkpoint(os.path.join(out_dir, f"ckpt_{done}.pt"), done, model, opt,
-                                 controller, cfg, attention, history[-3:],
-                                 (win_tokens, win_time, win_loss, win_n))
+                save(os.path.join(out_dir, f"ckpt_{done}.pt"), done)
         final_step = max(start, tcfg.steps)
         if start < tcfg.steps or not vals:
             last_val = run_val(final_step)
-        _save_checkpoint(os.path.join(out_dir, "ckpt_last.pt"), final_step, model, opt,
-                         controller, cfg, attention, history[-3:],
-                         (win_tokens, win_time, win_loss, win_n))
+        save(os.path.join(out_dir, "ckpt_last.pt"), final_step)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         if bar is not None:
             bar.close()
-        mf.close()
+        if mf is not None:
+            mf.close()
 
     st = _controller_stats(controller)
     n_trained = max(tcfg.steps - start, 0)
@@ -627,10 +667,12 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         "stage2_tokens_per_s": stage2_tokens / stage2_time if stage2_time > 0 else None,
         "stage2_steps": round(stage2_tokens / (tcfg.batch_size * tokens_per_sample)),
         "parameters": sum(p.numel() for p in params),
+        "context_parallel_ranks": cp_world if context_parallel else None,
         **{f"dsv_{k}": v for k, v in st.items()},
     }
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    if writer:
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
     return {"history": history, "val": vals, "summary": summary, "out_dir": out_dir}
 
 
@@ -647,12 +689,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SEC.KEY=VALUE",
                    help="override a config value, e.g. --set train.lr=1e-4 (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--context-parallel", action="store_true",
+                   help="split each sequence over the ranks started by torchrun (gloo on the CPU, NCCL "
+                        "on GPUs: one GPU per rank); e.g. torchrun --nproc_per_node=2 -m dsv_ext.train "
+                        "--config configs/tiny.yaml --context-parallel")
     a = p.parse_args(argv)
 
     def body() -> int:
         cfg = load_config(a.config, a.overrides)
-        res = train(cfg, out_dir=a.out, steps=a.steps, resume=a.resume, attention=a.attention,
-                    device=a.device, progress=not a.no_progress)
+        device = a.device
+        if a.context_parallel:
+            device = _init_context_parallel(device)
+        try:
+            res = train(cfg, out_dir=a.out, steps=a.steps, resume=a.resume, attention=a.attention,
+                        device=device, progress=not a.no_progress, context_parallel=a.context_parallel)
+        finally:
+            if a.context_parallel:
+                import torch.distributed as dist
+
+                from .parallel import clear_group_cache
+
+                clear_group_cache()
+                dist.destroy_process_group()
+        if a.context_parallel and res["summary"]["context_parallel_ranks"] and int(os.environ["RANK"]) != 0:
+            return 0
         s = res["summary"]
         keys = ("final_val_loss", "final_train_loss", "tokens_per_s", "stage2_tokens_per_s",
                 "wall_time_s", "dsv_stage", "dsv_sparsity", "dsv_recall")
@@ -661,6 +721,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
 
     return run_command(p.prog, body)
+
+
+def _init_context_parallel(device: Optional[str]) -> str:
+    """The process group of a torchrun launch; returns the device of this rank."""
+    import torch.distributed as dist
+
+    from . import parallel  # noqa: F401  (imports torch._dynamo before init_process_group: docs/PARALLEL.md)
+
+    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(f"--context-parallel: launch with torchrun (environment lacks {', '.join(missing)}), "
+                           "e.g. torchrun --nproc_per_node=2 -m dsv_ext.train --config C --context-parallel")
+    dev = _resolve_device(device)
+    if dev.type == "cuda":
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return str(dev)
 
 
 if __name__ == "__main__":

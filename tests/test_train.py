@@ -207,3 +207,58 @@ def test_compare_reports_the_actual_switch_step(tmp_path):
     assert res["dsv"]["dsv_switch_step"] == 3
     assert res["switch_step"] == 3
     assert "stage 2 at step 3." in open(tmp_path / "compare.md").read()
+
+
+def _cp_train_worker(rank, world, init_file, out_root, result_file):
+    import importlib
+
+    import torch.distributed as dist
+
+    importlib.import_module("torch._dynamo")  # before init_process_group (docs/PARALLEL.md)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        res = train(micro_config(steps=6), out_dir=os.path.join(out_root, f"rank{rank}"), attention="dsv",
+                    device="cpu", progress=False, context_parallel=True)
+        if rank == 0:
+            with open(result_file, "w") as f:
+                json.dump({"history": res["history"], "summary": res["summary"]}, f)
+    finally:
+        from dsv_ext.parallel import clear_group_cache
+
+        clear_group_cache()
+        dist.destroy_process_group()
+
+
+@needs_dsv
+def test_context_parallel_training_matches_single_process(tmp_path):
+    """train(context_parallel=True) on 2 gloo ranks (each sequence split in two) logs the losses,
+    stage switch and validation loss of the single-process run; only rank 0 writes files."""
+    import torch.multiprocessing as mp
+
+    ref = train(micro_config(steps=6), out_dir=str(tmp_path / "single"), attention="dsv", device="cpu",
+                progress=False)
+    out = tmp_path / "cp"
+    result = tmp_path / "cp.json"
+    mp.spawn(_cp_train_worker, args=(2, str(tmp_path / "init"), str(out), str(result)), nprocs=2, join=True)
+    with open(result) as f:
+        got = json.load(f)
+    assert got["summary"]["context_parallel_ranks"] == 2
+    for a, b in zip(ref["history"], got["history"]):
+        assert a["step"] == b["step"] and a["stage"] == b["stage"], (a, b)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6), (a, b)
+    assert got["summary"]["dsv_stage"] == 2 == ref["summary"]["dsv_stage"]
+    assert got["summary"]["final_val_loss"] == pytest.approx(ref["summary"]["final_val_loss"], rel=1e-5)
+    assert os.path.exists(out / "rank0" / "metrics.jsonl") and not os.path.exists(out / "rank1")
+
+
+def test_context_parallel_needs_a_process_group(tmp_path, capsys, monkeypatch):
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        train(micro_config(), out_dir=str(tmp_path), attention="dsv", device="cpu", progress=False,
+              context_parallel=True)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(micro_config()))
+    assert main(["--config", str(cfg), "--context-parallel", "--out", str(tmp_path / "o")]) == 2
+    assert "launch with torchrun" in capsys.readouterr().err

@@ -295,7 +295,19 @@ class VideoDiT(nn.Module):
         pt, ph, pw = cfg.patch
         self.final = FinalLayer(h, pt * ph * pw * c)
         self.grad_checkpointing = cfg.grad_checkpointing
+        self._cp = None  # context parallelism: (group, cube) or None
         self.initialize_weights(seed)
+
+    def set_context_parallel(self, enabled: bool, group=None, cube: Sequence[int] = (2, 4, 4)) -> None:
+        """Split each sequence over the ranks of ``group`` (default: the world). Every rank passes
+        the same ``x`` and ``t`` and gets the whole output; in between the tokens are put in
+        ``cube`` order once (use the DSV config's cube), each rank runs the blocks on its
+        contiguous shard and the final layer's output is all-gathered
+        (:func:`dsv_ext.parallel.gather_sequence`). Apply :func:`dsv_ext.parallel.enable` to the
+        model too (its DSV attention then works on shards), and sum the DiT parameters' gradients
+        over the group after ``backward`` (each rank holds its shard's part). ``dsv_ext.train
+        --context-parallel`` does all of this."""
+        self._cp = (group, tuple(int(c) for c in cube)) if enabled else None
 
     # -- init -----------------------------------------------------------------------------------
     def _own_modules(self):
@@ -364,12 +376,29 @@ class VideoDiT(nn.Module):
             raise ValueError(f"t: expected shape [{x.shape[0]}], got {tuple(t.shape)}")
         tok = self.patchify(x) + self.pos_embed.to(x.dtype)
         c = self.t_embed(t)
+        inv = None
+        if self._cp is not None:
+            from dsv_ext.grouping import cube_permutation
+            from dsv_ext.parallel.comm import group_size_rank
+
+            n, p = group_size_rank(self._cp[0])
+            S = tok.shape[1]
+            if S % n:
+                raise ValueError(f"context parallelism: {S} tokens do not split over {n} ranks")
+            perm, inv = cube_permutation(self.cfg.grid, self._cp[1], S, tok.device)
+            L = S // n
+            tok = tok.index_select(1, perm[p * L:(p + 1) * L])  # this rank's shard, cube order
         for blk in self.blocks:
             if self.grad_checkpointing and self.training and torch.is_grad_enabled():
                 tok = checkpoint(blk, tok, c, use_reentrant=False)
             else:
                 tok = blk(tok, c)
-        return self.unpatchify(self.final(tok, c))
+        y = self.final(tok, c)
+        if inv is not None:
+            from dsv_ext.parallel.module import gather_sequence
+
+            y = gather_sequence(y, self._cp[0]).index_select(1, inv)
+        return self.unpatchify(y)
 
     def dit_parameters(self):
         """Parameters trained by the DiT optimizer (everything except DSV predictors)."""

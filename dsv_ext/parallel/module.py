@@ -32,7 +32,37 @@ from .hcp import hcp_attention
 from .plan import CostModel, Planner
 from .scp import _all_gather_seq, _budget_error
 
-__all__ = ["enable", "disable", "cp_forward", "CPSettings"]
+__all__ = ["enable", "disable", "cp_forward", "CPSettings", "gather_sequence"]
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along the sequence; the backward keeps this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        n, p = group_size_rank(group)
+        ctx.p, ctx.L = p, x.shape[1]
+        if n == 1:
+            return x.clone()
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[:, ctx.p * ctx.L:(ctx.p + 1) * ctx.L].contiguous(), None
+
+
+def gather_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``[B, S/N, ...]`` shards -> ``[B, S, ...]`` on every rank, differentiable. The backward
+    returns this rank's slice of the incoming gradient without reducing it, which is exact when
+    every rank computes the same function of the gathered tensor (the same loss on the same
+    batch, as context-parallel training does); the replicated parameters' gradients are then
+    partial per rank and must be summed over the group (``all_reduce``)."""
+    return _GatherSeq.apply(x, group)
 
 
 @dataclass
