@@ -70,7 +70,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -351,7 +351,8 @@ def sample(checkpoint: str, out_dir: str, steps: int = 30, num_samples: int = 4,
            scale: Optional[int] = None, view: str = "first3", normalize: str = "auto",
            show_data: int = 0, dsv_overrides: Optional[Dict[str, Any]] = None,
            threads: Optional[int] = None, progress: bool = True,
-           log: Optional[Callable[[str], None]] = None, index_refresh: int = 1) -> Dict[str, Any]:
+           log: Optional[Callable[[str], None]] = None, index_refresh: int = 1,
+           context_parallel: bool = False) -> Dict[str, Any]:
     """Sample ``num_samples`` clips and write them to ``out_dir`` (see the module docstring).
     Returns the ``sampling.json`` record (with ``"latents"``: the float32 ``[K, C, T, H, W]``
     tensor added, not written to the JSON).
@@ -363,8 +364,24 @@ def sample(checkpoint: str, out_dir: str, steps: int = 30, num_samples: int = 4,
     them in between (1: every evaluation; see the module docstring).
 
     ``threads``: torch CPU threads while sampling (None: the checkpoint's ``train.threads`` when
-    > 0, else torch's default); the previous setting is restored on return."""
+    > 0, else torch's default); the previous setting is restored on return.
+
+    ``context_parallel``: split each clip's token sequence over the ranks of the (initialised)
+    default process group (``dsv_ext.parallel``; every rank computes the same latents, rank 0
+    writes the files; ``index_refresh`` must be 1)."""
     log = log or (lambda s: print(s, file=sys.stderr))
+    writer = True
+    if context_parallel:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("context_parallel: torch.distributed is not initialised (launch with "
+                               "torchrun and python -m dsv_ext.sample --context-parallel)")
+        if index_refresh != 1:
+            raise ValueError(f"index_refresh: must be 1 with context parallelism, got {index_refresh!r}")
+        writer = dist.get_rank() == 0
+        if not writer:
+            progress, log = False, (lambda s: None)
     if not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples: expected an integer >= 1, got {num_samples!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -379,6 +396,14 @@ def sample(checkpoint: str, out_dir: str, steps: int = 30, num_samples: int = 4,
         raise ValueError(f"index_refresh: expected an integer >= 1, got {index_refresh!r}")
     timestep_grid(steps, shift)  # validates steps / shift before any work
     sm = load_for_sampling(checkpoint, device, full_attention, dsv_overrides)
+    if context_parallel:
+        if sm.attention != "dsv":
+            raise ValueError(f"checkpoint: context parallelism needs a DSV checkpoint (attention=dsv), "
+                             f"{checkpoint} was trained with attention={sm.attention!r}")
+        from . import parallel as _cp
+
+        _cp.enable(sm.model)
+        sm.model.set_context_parallel(True, cube=_cp_cube(sm))
     for n in sm.notes:
         log(f"note: {n}")
     if threads is None:
@@ -391,14 +416,20 @@ def sample(checkpoint: str, out_dir: str, steps: int = 30, num_samples: int = 4,
     try:
         return _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch_size,
                        shift, precision, fps, scale, view, normalize, show_data, dsv_overrides,
-                       progress, checkpoint, index_refresh)
+                       progress, checkpoint, index_refresh, writer)
     finally:
         torch.set_num_threads(old_threads)
 
 
+def _cp_cube(sm) -> Tuple[int, int, int]:
+    from .config import DSVConfig
+
+    return tuple(DSVConfig.from_dict(dict(sm.config.get("dsv") or {})).cube)
+
+
 def _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch_size, shift,
             precision, fps, scale, view, normalize, show_data, dsv_overrides, progress,
-            checkpoint, index_refresh=1) -> Dict[str, Any]:
+            checkpoint, index_refresh=1, writer=True) -> Dict[str, Any]:
     from .attention import set_index_refresh
 
     model, dev, cfg = sm.model, sm.device, sm.config
@@ -408,7 +439,8 @@ def _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch
     if normalize == "auto":
         rgb_data = dcfg.get("source", "procedural") == "folder" or dcfg.get("mode") == "pixels"
         normalize = "joint" if (rgb_data and view == "first3") else "channel"
-    os.makedirs(out_dir, exist_ok=True)
+    if writer:
+        os.makedirs(out_dir, exist_ok=True)
 
     g = torch.Generator().manual_seed(int(seed))
     noise = torch.stack([torch.randn(shape, generator=g) for _ in range(num_samples)])
@@ -445,6 +477,8 @@ def _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch
         if bar is not None:
             bar.close()
     latents = torch.cat(outs).float()
+    if not writer:  # another context-parallel rank: the same latents, rank 0 writes them
+        return {"latents": latents, "mode": sm.mode, "sampling_time_s": sum(times)}
 
     files = []
     stats = []
@@ -534,15 +568,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: the checkpoint's train.threads, else torch's)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--context-parallel", action="store_true",
+                   help="split each clip over the ranks started by torchrun (long videos on several GPUs), e.g. "
+                        "torchrun --nproc_per_node=2 -m dsv_ext.sample --checkpoint C --out D --context-parallel")
     a = p.parse_args(argv)
 
     def body() -> int:
+        if a.context_parallel:
+            from .train import _init_context_parallel
+
+            a.device = _init_context_parallel(a.device)
+            try:
+                return run()
+            finally:
+                import torch.distributed as dist
+
+                from .parallel import clear_group_cache
+
+                clear_group_cache()
+                dist.destroy_process_group()
+        return run()
+
+    def run() -> int:
         rec = sample(a.checkpoint, a.out, steps=a.steps, num_samples=a.num_samples, seed=a.seed,
                      full_attention=a.full_attention, device=a.device, solver=a.solver,
                      batch_size=a.batch_size, shift=a.shift, precision=a.precision, fps=a.fps,
                      scale=a.scale, view=a.view, normalize=a.normalize, show_data=a.show_data,
                      dsv_overrides=_parse_overrides(a.overrides), threads=a.threads,
-                     progress=not a.no_progress, index_refresh=a.index_refresh)
+                     progress=not a.no_progress, index_refresh=a.index_refresh,
+                     context_parallel=a.context_parallel)
+        if "files" not in rec:  # a context-parallel rank other than 0
+            return 0
         print(json.dumps({k: rec[k] for k in ("mode", "dsv_stage", "sparse_blocks", "solver", "steps",
                                               "num_samples", "sampling_time_s", "seconds_per_sample")}))
         print(f"wrote {len(rec['files'])} files to {a.out}")

@@ -411,3 +411,46 @@ def test_index_refresh_arguments_and_training_mode(ckpt):
     torch.testing.assert_close(o1, o2, atol=0, rtol=0)
     m(q[:, :256], k[:, :256], v[:, :256], grid=(4, 8, 8))  # another length: estimated again
     assert m._index_cache[0][0][1] == 256
+
+
+def _cp_sample_worker(rank, world, init_file, ckpt_path, out_root, result_file):
+    import importlib
+
+    import torch.distributed as dist
+
+    importlib.import_module("torch._dynamo")  # before init_process_group (docs/PARALLEL.md)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        rec = _run(ckpt_path, os.path.join(out_root, f"rank{rank}"), context_parallel=True)
+        torch.save(rec["latents"], result_file + f".{rank}")
+    finally:
+        from dsv_ext.parallel import clear_group_cache
+
+        clear_group_cache()
+        dist.destroy_process_group()
+
+
+@needs_dsv
+def test_context_parallel_sampling_matches(active_ckpt, tmp_path):
+    """sample(context_parallel=True) on 2 gloo ranks (each clip's 512 tokens split in two, sparse
+    blocks through the plan solver's CP) gives the single-process latents on every rank; rank 0
+    writes the files."""
+    import torch.multiprocessing as mp
+
+    ref = _run(active_ckpt, tmp_path / "single")
+    assert ref["mode"] == "dsv" and ref["sparse_blocks"] > 0
+    res = str(tmp_path / "lat")
+    mp.spawn(_cp_sample_worker, args=(2, str(tmp_path / "init"), active_ckpt, str(tmp_path / "cp"), res),
+             nprocs=2, join=True)
+    for r in range(2):
+        got = torch.load(res + f".{r}")
+        assert got.shape == ref["latents"].shape
+        # float32 on the CPU; the CP path sums keys in cube order: differences at rounding level
+        assert float((got - ref["latents"]).abs().max()) <= 1e-5 * float(ref["latents"].abs().max())
+    assert (tmp_path / "cp" / "rank0" / "sampling.json").exists() and not (tmp_path / "cp" / "rank1").exists()
+
+
+def test_context_parallel_sampling_needs_a_process_group(ckpt, tmp_path):
+    with pytest.raises(RuntimeError, match="not initialised"):
+        _run(ckpt, tmp_path, context_parallel=True)
