@@ -471,7 +471,10 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         if not getattr(controller, "modules", None):
             log("warning: DSVController found no SparseAttention modules (dense fallback in use)")
     fwd_model = model
-    if tcfg.compile and dev.type == "cuda":
+    if tcfg.compile and dev.type == "cuda" and context_parallel:
+        log("note: train.compile is ignored with context parallelism (the attention layers' "
+            "collectives run eagerly)")
+    elif tcfg.compile and dev.type == "cuda":
         fwd_model = torch.compile(model)
 
     def sync_grads():
