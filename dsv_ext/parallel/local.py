@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-import torch.nn.functional as F
 
 import dsv_ext
 
@@ -19,8 +18,11 @@ def dense_heads(kv_count_host: List[List[int]], num_keys: int) -> List[bool]:
 
 
 def _sdpa(q, k, v, scale):
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
-    return o.transpose(1, 2)
+    """Dense heads: SDPA with the single-GPU stage 1's backend order (cuDNN first on CUDA: on the
+    H200 it is 1.7x FlashAttention-2's speed at 64k tokens, benchmarks/results/kernels.md)."""
+    from ..attention import dense_core
+
+    return dense_core(q, k, v, scale, "auto")
 
 
 def local_attention(q, k, v, q_lr, k_lr, kv_count, kv_count_host, group_size: int, scale: Optional[float]):
