@@ -59,8 +59,8 @@ static size_t align_up(size_t x) { return (x + 255) & ~(size_t)255; }
 
 /* Key ranges of the query-major reduction path. R ranges make the CTAs running at one time touch
  * 1/R of a head's K, V and fp32 dK, dV accumulators, which then stay in L2; it costs an fp32 dQ
- * buffer (B H S D floats) and a few empty CTAs. Measured on the H200 (50 MB L2; session 5,
- * benchmarks/PERF_LOG.md v7), backward ms for R = 1 / 2 / 4 / 8, H = 24, 0.9, G = 64:
+ * buffer (B H S D floats) and a few empty CTAs. Measured on the H200 (L2 reported as 60 MiB;
+ * session 5, benchmarks/PERF_LOG.md v7), backward ms for R = 1 / 2 / 4 / 8, H = 24, 0.9, G = 64:
  *   S = 64k,  D = 64:  random 40.9 / 41.9 / 43.0 / 45.2   smooth 40.5 / 41.6 / 42.6 / 44.4
  *   S = 64k,  D = 128: random 84.5 / 81.7 / 82.9 / 87.0   smooth 79.1 / 81.1 / 82.9 / 86.8
  *   S = 128k, D = 64:  random 157.5 / 161.7 / 161.5 / 166.4 smooth 159.6 / 159.4 / 161.3 / 166.2
@@ -656,7 +656,8 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   cp_async_wait<0>();
 
   if (RG > 1) {
-    /* partial dQ of this key range (of every head when the grid has ranges): 16-byte reductions (pairs of lanes swap halves) */
+    /* partial dQ of this key range (every head's, once the grid has ranges): 16-byte
+     * reductions (pairs of lanes swap halves) */
     float* dqa = p.dqacc + bh * (size_t)p.S * D;
     const int tq = lane & 3;
     const bool even = (tq & 1) == 0;
