@@ -735,7 +735,7 @@ def _init_context_parallel(device: Optional[str]) -> str:
     missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise ValueError(f"--context-parallel: launch with torchrun (environment lacks {', '.join(missing)}), "
-                           "e.g. torchrun --nproc_per_node=2 -m dsv_ext.train --config C --context-parallel")
+                         "e.g. torchrun --nproc_per_node=2 -m dsv_ext.train --config C --context-parallel")
     dev = _resolve_device(device)
     if dev.type == "cuda":
         local = int(os.environ["LOCAL_RANK"])

@@ -133,6 +133,8 @@ def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None,
     keys are dropped from their lists (an approximation: each group attends to fewer keys, see
     ``stats["scp_kept_fraction"]``). With ``remote_budget = 1 - sparsity`` SCP sends at most
     that fraction of the K/V bytes of dense sequence parallelism. The same on every rank.
+    ``stats`` receives bytes, the union fraction, the kept fraction and, when it holds
+    ``"scp_keep_index": True``, the lists used (``"scp_kv_index"``, global key positions).
     """
     if _prepared is None:
         prep = prepare("scp_attention", q, k, v, q_lr, k_lr, kv_count, group_size, group, scale, validate,
