@@ -379,11 +379,13 @@ class SparseAttention(nn.Module):
 
     @torch._dynamo.disable
     def _side_tasks(self, q: torch.Tensor, k: torch.Tensor, grid, scale: Optional[float],
-                    rows: Optional[torch.Tensor] = None) -> None:
+                    rows: Optional[torch.Tensor] = None, weight: float = 1.0) -> None:
         """Predictor training step (loss + backward into predictor .grad) and profiling, on
         detached q, k. Skipped while autograd recomputes a checkpointed forward. ``rows``: the
-        sampled query rows (default: every row_sample_stride-th; context parallelism passes the
-        rank's own)."""
+        sampled query rows, positions in the cube order of ``grid`` (the query groups' order;
+        default: every row_sample_stride-th); ``weight`` scales this call's
+        gradients and statistics (context parallelism passes the rank's own rows, weighted by
+        their share, so that the average over ranks is the single-process value)."""
         if torch._C._current_graph_task_id() != -1:  # inside backward (activation recompute)
             return
         cfg = self.config
@@ -402,6 +404,11 @@ class SparseAttention(nn.Module):
         self._seq_len, self._batch, self._dtype = S, B, q.dtype
         if rows is None:
             rows = self._rows(S, q.device)
+        # every task samples the same rows of the cube-ordered queries (what the query groups and
+        # a context-parallel rank's shard see)
+        perm, _ = self._perm(grid, S, q.device)
+        if perm is not None:
+            q = q.index_select(1, perm)
         # identity saved-tensor hooks: the predictor-loss graph must stay invisible to activation
         # checkpointing (whose own hooks would otherwise count these tensors) and to offloading
         with torch.autocast(device_type=q.device.type, enabled=False), \
@@ -413,13 +420,13 @@ class SparseAttention(nn.Module):
                     q_lr, k_lr = self.predictor(q, k, wq, wk)
                     loss = ops.predictor_loss(q, k, q_lr, k_lr, rows, scale, cfg.cos_weight,
                                               cfg.norm_weight, check_rows=False)
-                    gq, gk = torch.autograd.grad(loss.mean(0).sum(), (wq, wk))
+                    gq, gk = torch.autograd.grad(loss.mean(0).sum() * weight, (wq, wk))
                 if self._grad_acc is None:
                     self._grad_acc = [gq, gk]
                 else:
                     self._grad_acc[0] += gq
                     self._grad_acc[1] += gk
-                self._pending_loss = self._accumulate(self._pending_loss, loss.detach().float().mean(0))
+                self._pending_loss = self._accumulate(self._pending_loss, loss.detach().float().mean(0) * weight)
                 self._pending_loss_n += 1
             if self._profile_now:
                 with torch.no_grad():
@@ -427,19 +434,18 @@ class SparseAttention(nn.Module):
                     if cfg.measure_recall and self.density is not None:
                         if S != self._k_seq_len:
                             self._refresh_counts(S)
-                        perm, _ = self._perm(grid, S, q.device)
-                        qp = q.index_select(1, perm) if perm is not None else q
-                        q_lr, k_lr = self.predictor(qp, k)
+                        q_lr, k_lr = self.predictor(q, k)
                         counts = self.kv_count.view(1, H).expand(B, H).contiguous()
                         index = ops.topk_estimate(q_lr, k_lr, counts, cfg.group_size, self.kmax)
-                        prof = ops.profile_attention(qp, k, rows, cfg.theta, index, counts, cfg.group_size, scale)
+                        prof = ops.profile_attention(q, k, rows, cfg.theta, index, counts, cfg.group_size, scale)
                         recall = prof.recall
                     else:
                         prof = ops.profile_attention(q, k, rows, cfg.theta, scale=scale)
-                self._pending_sparsity = self._accumulate(self._pending_sparsity, prof.sparsity.float().mean(0))
+                self._pending_sparsity = self._accumulate(self._pending_sparsity,
+                                                          prof.sparsity.float().mean(0) * weight)
                 self._pending_sparsity_n += 1
                 if recall is not None:
-                    self._pending_recall = self._accumulate(self._pending_recall, recall.float().mean(0))
+                    self._pending_recall = self._accumulate(self._pending_recall, recall.float().mean(0) * weight)
                     self._pending_recall_n += 1
 
     def sparse_supported(self) -> bool:

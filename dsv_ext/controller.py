@@ -165,7 +165,7 @@ class DSVController:
                 self.sparsity_ema[i] = list(new) if old is None else [a * o + (1 - a) * n for o, n in zip(old, new)]
             ridx = [i for i, r in enumerate(recalls) if r is not None]
             if ridx:
-                rhost = self._split(torch.cat([recalls[i].reshape(-1) for i in ridx]),
+                rhost = self._split(self._sync_stats(torch.cat([recalls[i].reshape(-1) for i in ridx])),
                                     [recalls[i].numel() for i in ridx])
                 for i, r in zip(ridx, rhost):
                     self.recall[i] = list(r)

@@ -113,17 +113,20 @@ def test_side_tasks_train_predictor_without_touching_the_model_graph():
     gq, gk = m.pop_grads()
     assert m.pop_grads() is None
     loss, sp, rec = m.pop_pending()
+    # the sampled rows are positions of the cube-ordered queries (what the query groups see)
     rows = torch.arange(3, S, 4)
+    perm, _ = cube_permutation(GRID, cfg.cube, S)
+    qc = q.detach()[:, perm]
     wq = m.predictor.wq.detach().double().requires_grad_()
     wk = m.predictor.wk.detach().double().requires_grad_()
-    q_lr = torch.einsum("bshd,hdr->bshr", q.detach(), wq)
+    q_lr = torch.einsum("bshd,hdr->bshr", qc, wq)
     k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), wk)
-    lref = ref.predictor_loss_ref(q, k, q_lr, k_lr, rows)
+    lref = ref.predictor_loss_ref(qc, k, q_lr, k_lr, rows)
     eq, ek = torch.autograd.grad(lref.mean(0).sum(), (wq, wk))
     torch.testing.assert_close(gq, eq, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(gk, ek, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(loss.double(), lref.mean(0), rtol=1e-6, atol=1e-7)
-    want_sp = ref.profile_ref(q, k, rows, 0.9).sparsity.mean(0)
+    want_sp = ref.profile_ref(qc, k, rows, 0.9).sparsity.mean(0)
     torch.testing.assert_close(sp.double(), want_sp, rtol=1e-6, atol=1e-6)
     assert rec is None  # no sparsity estimate yet -> no recall
     # eval mode: no side work even when armed

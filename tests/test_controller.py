@@ -110,8 +110,9 @@ def test_profiler_reports_sparsity_and_ema():
     model(x)
     ctl.step()  # step 0: profiled (schedule: 0, 3, 6, ...)
     q, k = seen[-1]
-    rows = torch.arange(0, S, 4)  # offset (0 * 7) % 4
-    s0 = ref.profile_ref(q, k, rows, 0.9).sparsity.mean(0)
+    rows = torch.arange(0, S, 4)  # offset (0 * 7) % 4; positions of the cube-ordered queries
+    perm, _ = cube_permutation(GRID, cfg.cube, S)
+    s0 = ref.profile_ref(q[:, perm], k, rows, 0.9).sparsity.mean(0)
     torch.testing.assert_close(torch.tensor(ctl.sparsity_ema[0], dtype=torch.float64), s0, rtol=1e-5, atol=1e-6)
     assert 0.0 < ctl.mean_sparsity() < 1.0
     for _ in range(2):  # steps 1, 2: not profiled

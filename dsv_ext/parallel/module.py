@@ -163,14 +163,19 @@ def cp_forward(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: O
     cfg = attn.config
     if attn.training and (attn._train_now or attn._profile_now) and torch._C._current_graph_task_id() == -1:
         # side tasks on this rank's sampled rows against all keys (q padded to the full length:
-        # only the rows are read)
+        # only the rows are read). The rows are the cube-order positions the single-process
+        # module samples; each rank's share is weighted so that the controller's average over
+        # the ranks is the single-process value.
         k_full = _all_gather_seq(k.detach(), st.group)
         q_pad = q.detach().new_zeros((B, S, H, D))
         q_pad[:, p * L:(p + 1) * L] = q.detach()
         rows = attn._rows(S, q.device)
+        n_all = rows.numel()
         rows = rows[(rows >= p * L) & (rows < (p + 1) * L)]
-        if rows.numel() > 0:
-            attn._side_tasks(q_pad, k_full, None, scale, rows=rows)
+        weight = rows.numel() * n / n_all
+        if rows.numel() == 0:  # no sampled row here: contribute zeros (every rank must report)
+            rows, weight = torch.full((1,), p * L, dtype=torch.int32, device=q.device), 0.0
+        attn._side_tasks(q_pad, k_full, None, scale, rows=rows, weight=weight)
         del k_full, q_pad
     q, k, v = _autocast_inputs(q, k, v)
     out_dtype = q.dtype
