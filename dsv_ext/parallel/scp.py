@@ -109,6 +109,12 @@ def _apply_budget(idx64, valid, p: int, n: int, L: int, S: int, budget: float):
     return valid & keep.gather(2, idx64.view(B, H, -1)).view_as(valid)
 
 
+def _positions(idx, S: int) -> torch.Tensor:
+    """int64 copy of the lists with the padding (negative entries) at position S."""
+    idx64 = idx.long()
+    return idx64.masked_fill_(idx64 < 0, S)
+
+
 def _compact(idx, valid):
     """Lists with the invalid entries removed, order kept, -1 padded at the end (the kernels trim
     trailing padding)."""
@@ -164,13 +170,13 @@ def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None,
     with torch.no_grad():
         idx = estimate_local(q_lr.detach(), k_lr_full, cnt, G, p, kmax, estimate)  # [B, H, L/G, kmax], -1 padded
     valid = idx >= 0
-    idx64 = torch.where(valid, idx, torch.full_like(idx, S)).long()
+    idx64 = _positions(idx, S)
     n_entries = int(valid.sum()) if stats is not None else 0
     if remote_budget is not None and float(remote_budget) < 1.0:
         valid = _apply_budget(idx64, valid, p, n, L, S, float(remote_budget))
         idx = _compact(idx, valid)
         valid = idx >= 0
-        idx64 = torch.where(valid, idx, torch.full_like(idx, S)).long()
+        idx64 = _positions(idx, S)
 
     # 2. which keys are needed; extended-table position of every global key (per b, h)
     needed = torch.zeros(B, H, S + 1, dtype=torch.bool, device=dev)
@@ -180,8 +186,10 @@ def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None,
     local[p * L:(p + 1) * L] = True
     remote = needed & ~local
     # the table holds only the needed keys (local and remote), in global order, so the remapped
-    # lists stay sorted and the summation order equals the single-process kernel's
-    ext = needed.to(torch.int64).cumsum(2) - 1  # [B, H, S]
+    # lists stay sorted and the summation order equals the single-process kernel's; ext_pad: the
+    # table position of every global key, and -1 in an extra column for the padding (position S)
+    ext_pad = torch.cat([needed.to(torch.int64).cumsum(2) - 1, needed.new_full((B, H, 1), -1, dtype=torch.int64)], 2)
+    ext = ext_pad[:, :, :S]  # [B, H, S]
     S_need = int(needed.sum(2).max())
     S_pad = -(-max(S_need, L) // G) * G  # the kernel takes one length for queries and keys
 
@@ -210,8 +218,7 @@ def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None,
     k_ext, v_ext = kv_ext[..., :D], kv_ext[..., D:]
 
     # 4. remapped index; queries padded to the table length (the kernel takes one length)
-    idx_ext = torch.where(valid, ext.gather(2, idx64.clamp(max=S - 1).view(B, H, -1)).view_as(idx),
-                          torch.full_like(idx64, -1)).to(torch.int32)
+    idx_ext = ext_pad.gather(2, idx64.view(B, H, -1)).view_as(idx).to(torch.int32)
     ng = L // G
     if S_pad > L:
         idx_ext = torch.cat([idx_ext, idx_ext.new_full((B, H, S_pad // G - ng, idx.shape[-1]), -1)], 2)
