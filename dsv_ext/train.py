@@ -435,7 +435,8 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         cfg["train"]["steps"] = int(steps)
     dev = _resolve_device(device)
     if dev.type == "cpu" and tcfg.threads > 0:
-        torch.set_num_threads(tcfg.threads)
+        # context-parallel ranks on one machine share its cores
+        torch.set_num_threads(max(1, tcfg.threads // cp_world))
     attention = attention or cfg["model"].get("attention", "dsv")
     cfg["model"]["attention"] = attention
     if context_parallel and attention != "dsv":
