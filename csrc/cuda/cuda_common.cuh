@@ -30,7 +30,8 @@
 
 #define DSV_FULL_MASK 0xffffffffu
 
-static inline int64_t dsv_cdiv64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+/* ceil(a / b) for a >= 0, b > 0, without the overflow of a + b - 1 */
+static inline int64_t dsv_cdiv64(int64_t a, int64_t b) { return a <= 0 ? 0 : (a - 1) / b + 1; }
 static inline size_t dsv_align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 static inline int dsv_ptr_aligned(const void* p, size_t a) {
   return ((uintptr_t)p % a) == 0;

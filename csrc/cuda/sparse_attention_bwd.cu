@@ -313,6 +313,50 @@ __global__ void km_fill_kernel(const BwdParams<T> p) {
   }
 }
 
+/* Pass 3, deterministic mode (DSV_FLAG_DETERMINISTIC): the same (group, mask) entries, written
+ * in ascending group order, so that bwd_kmajor_kernel sums dK / dV in the same order on every
+ * run (km_fill_kernel's atomicAdd positions order a key block's entries by arrival). One warp
+ * per (b, h, key block): its lanes take 32 groups at a time, each finds the group's run of keys
+ * in the block by binary search (a key-major head's list is strictly ascending and in range up
+ * to its trimmed count, then negative), and a ballot ranks the groups that have one. grid
+ * (ceil(nkb / 4), H, B), 128 threads. */
+template <typename T>
+__global__ void km_fill_ordered_kernel(const BwdParams<T> p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kb = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
+  if (kb >= p.nkb) return;
+  const size_t bh = (size_t)b * p.H + h;
+  if (p.path[bh] != 1) return;
+  const int count = clamp_count(__ldg(p.kv_count + bh), p.kmax);
+  const int lo = kb * KB, hi = lo + KB;
+  int pos = p.kboff[bh * p.nkb + kb];
+  for (int g0 = 0; g0 < p.NG; g0 += 32) {
+    const int g = g0 + lane;
+    unsigned long long mask = 0ull;
+    if (g < p.NG) {
+      const int* list = p.kv_index + (bh * p.NG + g) * p.kmax;
+      int a = 0, e = count; /* first entry that is negative or >= lo */
+      while (a < e) {
+        const int m = (a + e) >> 1;
+        const int x = __ldg(list + m);
+        if (x >= 0 && x < lo) a = m + 1; else e = m;
+      }
+      for (int j = a; j < count; ++j) {
+        const int x = __ldg(list + j);
+        if (x < lo || x >= hi) break; /* negative (padding) or past the block */
+        mask |= 1ull << (x - lo);
+      }
+    }
+    const unsigned has = __ballot_sync(0xffffffffu, mask != 0ull);
+    if (mask != 0ull) {
+      const int at = pos + __popc(has & ((1u << lane) - 1u));
+      p.entg[bh * p.cap + at] = g;
+      p.entmask[bh * p.cap + at] = mask;
+    }
+    pos += __popc(has);
+  }
+}
+
 /* Zero the fp32 accumulators of query-major heads. grid (chunks, B*H). */
 template <typename T>
 __global__ void zero_acc_kernel(const BwdParams<T> p, int BH) {
@@ -1020,15 +1064,18 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   prm.cap = L.cap;
   prm.scale = (float)sh->scale;
   prm.scale_log2 = (float)(sh->scale * 1.4426950408889634);
+  const bool deterministic = (sh->flags & DSV_FLAG_DETERMINISTIC) != 0;
   float ratio = 1.15f;
   const char* env = getenv("DSV_KM_RATIO");
   if (env && *env) ratio = (float)atof(env);
+  if (deterministic) ratio = 3.0e38f; /* key-major for every head whose lists allow it */
   prm.km_ratio = ratio;
   prm.km_enabled = L.km_enabled && ratio > 0.f;
   {
     const RangeCfg rc = bwd_ranges(sh);
-    prm.nranges = rc.rmax;
-    prm.ranges_forced = rc.forced;
+    /* deterministic: one key range, so that dQ is summed in registers (no fp32 reductions) */
+    prm.nranges = deterministic ? 1 : rc.rmax;
+    prm.ranges_forced = deterministic ? 1 : rc.forced;
   }
 
   const int B = (int)sh->batch;
@@ -1046,7 +1093,12 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
     dim3 g3((unsigned)prm.NG, (unsigned)prm.H, (unsigned)B);
     km_count_kernel<T><<<g3, 128, 0, stream>>>(prm);
     km_scan_kernel<T><<<(unsigned)BH, 1024, 0, stream>>>(prm);
-    if (prm.km_enabled) km_fill_kernel<T><<<g3, 128, 0, stream>>>(prm);
+    if (prm.km_enabled && deterministic) {
+      dim3 gf((unsigned)((prm.nkb + 3) / 4), (unsigned)prm.H, (unsigned)B);
+      km_fill_ordered_kernel<T><<<gf, 128, 0, stream>>>(prm);
+    } else if (prm.km_enabled) {
+      km_fill_kernel<T><<<g3, 128, 0, stream>>>(prm);
+    }
     if (cudaGetLastError() != cudaSuccess) return DSV_ERR_CUDA;
   }
   {
@@ -1098,6 +1150,8 @@ extern "C" int dsv_sparse_attention_bwd_cuda(const dsv_attn_shape* p, dsv_bshd q
     return DSV_ERR_UNSUPPORTED;
   if (!kv_count || !lse || (p->kmax > 0 && !kv_index)) return DSV_ERR_INVALID;
   if (!workspace || workspace_bytes < bwd_layout(p).total) return DSV_ERR_NOMEM;
+  /* deterministic: the key-major path for every head, which exists for head_dim <= 128 */
+  if ((p->flags & DSV_FLAG_DETERMINISTIC) && p->head_dim > 128) return DSV_ERR_UNSUPPORTED;
   cudaStream_t s = (cudaStream_t)stream;
   if (p->dtype == DSV_BFLOAT16)
     return bwd_run<__nv_bfloat16>(p, q, k, v, out, dout, lse, kv_index, kv_count, dq, dk, dv,

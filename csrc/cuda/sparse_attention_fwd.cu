@@ -162,8 +162,11 @@ __device__ __forceinline__ void store_out_lse(const FwdParams<T>& p, const float
                                               int row0, int nrows, int warp, int lane) {
   l0 = quad_sum(l0);
   l1 = quad_sum(l1);
-  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
-  const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  /* l == 0: no key (an empty list) -> 0 and lse -inf. A NaN or +inf score makes l NaN (the
+   * running maximum ignores NaN, exp2(NaN) and exp2(inf - inf) do not): out and lse are NaN
+   * then, as with softmax, and the backward turns a NaN lse into NaN gradients. */
+  const float inv0 = l0 == 0.f ? 0.f : 1.f / l0;
+  const float inv1 = l1 == 0.f ? 0.f : 1.f / l1;
   const int lr0 = warp * 16 + (lane >> 2), lr1 = lr0 + 8;
   T* obase = p.out + b * p.ob + h * p.oh;
   if (lr0 < nrows) {
@@ -180,8 +183,8 @@ __device__ __forceinline__ void store_out_lse(const FwdParams<T>& p, const float
   }
   if ((lane & 3) == 0) {
     float* lrow = p.lse + ((size_t)b * p.H + h) * p.S + row0;
-    if (lr0 < nrows) lrow[lr0] = l0 > 0.f ? (m0 + log2f(l0)) * DSV_LN2 : -INFINITY;
-    if (lr1 < nrows) lrow[lr1] = l1 > 0.f ? (m1 + log2f(l1)) * DSV_LN2 : -INFINITY;
+    if (lr0 < nrows) lrow[lr0] = l0 == 0.f ? -INFINITY : (m0 + log2f(l0)) * DSV_LN2;
+    if (lr1 < nrows) lrow[lr1] = l1 == 0.f ? -INFINITY : (m1 + log2f(l1)) * DSV_LN2;
   }
 }
 
@@ -552,7 +555,8 @@ int check_attn_args(const dsv_attn_shape* p) {
   if (p->batch < 0 || p->seqlen < 0 || p->heads < 0 || p->head_dim <= 0 || p->group_size <= 0 ||
       p->kmax < 0)
     return DSV_ERR_INVALID;
-  if (p->num_groups != (p->seqlen + p->group_size - 1) / p->group_size) return DSV_ERR_INVALID;
+  if (p->num_groups != (p->seqlen == 0 ? 0 : (p->seqlen - 1) / p->group_size + 1))
+    return DSV_ERR_INVALID;
   if (p->dtype != DSV_BFLOAT16 && p->dtype != DSV_FLOAT16) return DSV_ERR_UNSUPPORTED;
   if (p->head_dim != 64 && p->head_dim != 96 && p->head_dim != 128 && p->head_dim != 256)
     return DSV_ERR_UNSUPPORTED;
