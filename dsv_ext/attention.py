@@ -125,7 +125,8 @@ def sparse_supported(device: torch.device, head_dim: int, rank: int) -> bool:
 def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                 perm: Optional[torch.Tensor], inv: Optional[torch.Tensor], kv_count: torch.Tensor,
                 kmax: int, group_size: int, scale: Optional[float] = None,
-                index: Optional[torch.Tensor] = None, return_index: bool = False):
+                index: Optional[torch.Tensor] = None, return_index: bool = False,
+                deterministic: Optional[bool] = None):
     """Stage-2 attention on [B, S, H, D]: cube-reorder the queries, low-rank projections (detached
     from the model graph), top-K estimation of each query group's keys, sparse attention,
     inverse reorder. Keys/values stay in their original order (kv_index addresses them there),
@@ -135,7 +136,7 @@ def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Ten
     kv_count: int32 [H] per-head K (<= kmax); kmax: Python int, the index list length.
     index: a kv_index [B, H, groups, kmax] from an earlier call with the same shapes, perm and
     kv_count, used instead of estimating again (inference index reuse); return_index: return
-    (out, index)."""
+    (out, index); deterministic: see dsv_ext.sparse_attention."""
     ops = _need_ops()
     q, k, v = _autocast_inputs(q, k, v)
     out_dtype = q.dtype
@@ -149,7 +150,8 @@ def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Ten
             q_lr = torch.einsum("bshd,hdr->bshr", qp.detach(), wq.detach().to(q.dtype)).contiguous()
             k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), wk.detach().to(k.dtype)).contiguous()
         index = ops.topk_estimate(q_lr, k_lr, counts, group_size, kmax)
-    out = ops.sparse_attention(qp, k, v, index, counts, group_size, scale, check_index=False)
+    out = ops.sparse_attention(qp, k, v, index, counts, group_size, scale, check_index=False,
+                               deterministic=deterministic)
     out = out.index_select(1, inv) if inv is not None else out
     out = out.to(out_dtype)
     return (out, index) if return_index else out
@@ -340,7 +342,8 @@ class SparseAttention(nn.Module):
             perm, inv = self._perm(grid, S, q.device)
             if self.training or self.index_refresh <= 1:
                 return sparse_core(q, k, v, self.predictor.wq, self.predictor.wk, perm, inv,
-                                   self.kv_count, self.kmax, self.config.group_size, scale)
+                                   self.kv_count, self.kmax, self.config.group_size, scale,
+                                   deterministic=self.config.deterministic)
             return self._reuse_index_core(q, k, v, grid, perm, inv, scale)
         return dense_core(q, k, v, scale, self.config.dense_backend)
 
@@ -355,7 +358,7 @@ class SparseAttention(nn.Module):
             self._index_calls = 0  # a (re-)estimate starts a new cycle
         out, index = sparse_core(q, k, v, self.predictor.wq, self.predictor.wk, perm, inv,
                                  self.kv_count, self.kmax, self.config.group_size, scale,
-                                 index=index, return_index=True)
+                                 index=index, return_index=True, deterministic=self.config.deterministic)
         self._index_cache = (key, index)
         self._index_calls += 1
         return out

@@ -133,6 +133,12 @@ class DSVConfig:
     """Stage-1 SDPA backend: "auto" (CUDA: cuDNN > Flash > memory-efficient > math by priority;
     CPU: torch's default) or "default" (leave torch's choice alone)."""
 
+    # ---------------------------------------------------------------- reproducibility
+    deterministic: Optional[bool] = None
+    """Bit-identical sparse-attention gradients from run to run (ordered reductions, no float
+    atomics; CUDA head_dim <= 128; some backward speed). None follows
+    torch.are_deterministic_algorithms_enabled(). See docs/API.md, "Determinism"."""
+
     def __post_init__(self) -> None:
         for name, conv in (("cube", int), ("predictor_betas", float)):
             v = getattr(self, name)
@@ -185,6 +191,8 @@ class DSVConfig:
         frac("predictor_weight_decay", hi=float("inf"))
         if self.force_stage2_step is not None:
             pos_int("force_stage2_step", allow_zero=True)
+        if self.deterministic is not None and not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic: expected true, false or null, got {self.deterministic!r}")
         if self.dense_backend not in ("auto", "default"):
             raise ValueError(f"dense_backend: expected 'auto' or 'default', got {self.dense_backend!r}")
 
