@@ -26,8 +26,10 @@
  *  - NaN / inf: a query row whose scores (scale q . k over its list) contain a NaN or +inf, or
  *    are all -inf, gets a NaN output row, a NaN lse and NaN gradients (dq of the row, dk / dv of
  *    every key of its list), as softmax and torch's scaled_dot_product_attention do; a -inf
- *    score among finite ones has weight 0. An empty list (count 0) still gives 0 and -inf.
- *    (CUDA: a row whose every score is -inf gives 0 there, like an empty list.)
+ *    score among finite ones has weight 0. A list without a valid entry (count 0, or only
+ *    entries outside [0, S)) still gives 0 and lse -inf. top-K ranks a NaN score last (tied
+ *    with -inf); the predictor loss and the profile are NaN for a (batch, head) whose sampled
+ *    rows see a NaN (profile: or +inf) score, and the loss of a row outside [0, S) is NaN.
  *  - Every function returns DSV_OK (0) or a negative dsv_status; dsv_status_string() names it.
  *    CUDA functions only enqueue work on `stream` (a cudaStream_t passed as void*); they return
  *    DSV_ERR_CUDA when a launch fails.

@@ -189,7 +189,9 @@ def check_topk(q_lr, k_lr, cnt, G, kmax=None):
                         continue
                     s = scores[b, h, g]
                     a_, w_ = s[gs[gs >= 0].long()].sort().values, s[ws[ws >= 0].long()].sort().values
-                    if torch.isnan(s).any() or (a_ - w_).abs().max() > 1e-3 * (1 + s.abs().max()):
+                    # float32 CPU scores: 1e-4; CUDA scores from half-precision group means: 3e-2
+                    tol = 1e-4 if q_lr.dtype in (torch.float32, torch.float64) and not q_lr.is_cuda else 3e-2
+                    if torch.isnan(s).any() or (a_ - w_).abs().max() > tol * (1 + s.abs().max()):
                         raise AssertionError(f"topk list ({b}, {h}, {g}) differs: {gs.tolist()} vs {ws.tolist()}")
 
 
