@@ -422,7 +422,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
         deterministic: bit-identical dq, dk, dv from run to run (ordered reductions, no float
             atomics; see docs/API.md, "Determinism"). ``None`` (default) follows
             ``torch.are_deterministic_algorithms_enabled()``. The CPU backward is always
-            deterministic; on CUDA it needs head_dim <= 128 and costs some backward speed.
+            deterministic; on CUDA it needs head_dim <= 128, distinct entries in ascending order
+            (as topk_estimate writes them; with check_index=True other lists are sorted here)
+            and costs some backward speed.
 
     Returns:
         ``[B, S, H, D]``, the same dtype as q; differentiable in q, k and v. A query row whose
@@ -452,8 +454,13 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
     if deterministic and q.is_cuda:
         if D > 128:
             raise ValueError(f"deterministic: the deterministic CUDA backward needs head_dim <= 128, got {D}")
-        if kv_index.numel():
-            kv_index = _sorted_lists(kv_index, kv_count, S)
+        # the deterministic backward needs ascending lists (topk_estimate's are); with
+        # check_index (already a host sync) unsorted ones are sorted here, without it the caller
+        # vouches for the order (an unsorted head falls back to the non-deterministic path)
+        if check_index and kv_index.numel() and kv_index.shape[3] > 1:
+            used = torch.arange(1, kv_index.shape[3], device=q.device) < kv_count[:, :, None, None]
+            if bool((used & (kv_index[..., 1:] <= kv_index[..., :-1])).any()):
+                kv_index = _sorted_lists(kv_index, kv_count, S)
     out, _ = _ops.sparse_attention_fwd(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), kv_index,
                                        kv_count, group_size, scale, deterministic)
     return out

@@ -21,7 +21,7 @@ from dsv_ext.reference import make_qkv, random_index, sparse_attention_ref
 
 def _grads(q, k, v, idx, cnt, G, dout, deterministic):
     qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    out = dsv_ext.sparse_attention(qq, kk, vv, idx, cnt, G, check_index=False, deterministic=deterministic)
+    out = dsv_ext.sparse_attention(qq, kk, vv, idx, cnt, G, deterministic=deterministic)
     out.backward(dout)
     return out.detach(), qq.grad, kk.grad, vv.grad
 
