@@ -336,6 +336,21 @@ def cases(device="cpu", seed=0):
     for shape in ((0, 8, 2), (2, 0, 2), (2, 8, 0), (0, 0, 0)):
         a = E.attn_args(B=shape[0], S=shape[1], H=shape[2], G=4)
         acc(f"sa/empty-{shape}", lambda a=a: check_attention(a))
+    def unchecked(a):
+        bad = a["kv_index"].clone()
+        bad[..., ::2] = torch.randint(-50, 50, bad[..., ::2].shape, generator=E.gen).to(bad.dtype)
+        bad[0, 0, 0, :] = 40  # a list with no valid entry
+        q, k, v = (a[n].detach().clone().requires_grad_(True) for n in "qkv")
+        out = dsv_ext.sparse_attention(q, k, v, bad, a["kv_count"], a["group_size"], check_index=False)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64).to(out.dtype)
+        want = attention_ref(q, k, v, bad.long(), a["kv_count"], a["group_size"], 1 / math.sqrt(q.shape[3]), dout)
+        close("out", out, want[0], q.dtype)
+        out.backward(dout.to(out.device))
+        for n, t, r in (("dq", q, want[1]), ("dk", k, want[2]), ("dv", v, want[3])):
+            close(n, t.grad, r, q.dtype)
+    for i in range(2):
+        a = E.attn_args(S=24, G=4)
+        acc(f"sa/check_index-false-{i}", lambda a=a: unchecked(a))
     a = E.attn_args(S=16, G=4)
     acc("sa/counts-zero", lambda a=a: check_attention({**a, "kv_count": torch.zeros_like(a["kv_count"])}))
     acc("sa/kmax-zero", lambda a=a: check_attention({**a, "kv_index": a["kv_index"][..., :0],
@@ -457,6 +472,8 @@ def cases(device="cpu", seed=0):
     rej("pa/count-negative!kv_count", pa(kv_index=pidx, kv_count=-pcnt - 1, group_size=4))
     rej("pa/group_size-0!group_size", pa(kv_index=pidx, kv_count=pcnt, group_size=0))
     rej("pa/k-shape!k", pa(k=pk[:, :4]))
+    rej("pa/scale-nan!scale", pa(scale=NAN))
+    rej("pa/scale-str!scale", pa(scale="0.1"))
     acc("pa/valid", lambda: check_profile(pq, pk, rows, 0.9))
     acc("pa/valid-index", lambda: check_profile(pq, pk, rows, 0.5, pidx, pcnt, 4))
     acc("pa/index-group-np", lambda: check_profile(pq, pk, rows, np.float32(0.75), pidx, pcnt, np.int64(4)))
@@ -518,6 +535,13 @@ def cases(device="cpu", seed=0):
     nsrc[0, 1] = INF
     acc("gr/nan", lambda: check_gather(nsrc, gi))
     acc("sc/valid", lambda: check_scatter(src[:4], gi, 10))
+
+    def unchecked_rows():
+        bi = torch.tensor([3, -1, 12, 2**40], device=dev)
+        close("gather", dsv_ext.gather_rows(src, bi, check_index=False), ref.gather_rows_ref(src, bi), src.dtype)
+        close("scatter", dsv_ext.scatter_add_rows(src[:4], bi, 10, check_index=False),
+              ref.scatter_add_rows_ref(src[:4], bi, 10), src.dtype)
+    acc("gr/check_index-false", unchecked_rows)
     acc("sc/num_rows-np", lambda: check_scatter(src[:4], gi, np.int64(12)))
     acc("sc/empty", lambda: check_scatter(src[:0], gi[:0], 0))
     acc("sc/nan", lambda: check_scatter(nsrc[:4], gi, 10))
