@@ -501,7 +501,10 @@ def topk_estimate(q_lr: torch.Tensor, k_lr: torch.Tensor, kv_count: torch.Tensor
         kmax = _as_int("kmax", kmax, "an int or None")
         if kmax < 0 or kmax > S:
             raise ValueError(f"kmax: must be in [0, S={S}], got {kmax}")
-    if (kmax is None or not kv_count.is_cuda) and kv_count.numel():
+    # with kmax given, CPU counts are checked too (no device sync), except while torch.compile
+    # traces (a host read would break the graph; the kernels clamp counts to [0, kmax])
+    check = kmax is None or not (kv_count.is_cuda or torch.compiler.is_compiling())
+    if check and kv_count.numel():
         lo, hi = (int(x) for x in torch.aminmax(kv_count))
         top = S if kmax is None else kmax
         if lo < 0 or hi > top:
