@@ -35,7 +35,12 @@
  * to 1.15 (measured crossover on the H200 at S = 64k, D = 128: path 0 costs ~110 ms whatever
  * the lists; path 1 ~57 ms of dQ pass + ~41 ms per unit of the ratio) and can be set with the
  * environment variable DSV_KM_RATIO (0 forces path 0, a large value forces path 1 where
- * allowed). Key tiles of the query-major kernels: 32 keys x 2 cp.async stages by default
+ * allowed). Deterministic mode (DSV_FLAG_DETERMINISTIC in dsv_attn_shape.flags): every head
+ * whose lists allow it takes path 1, its (group, mask) entries filled in ascending group order
+ * (km_fill_ordered_kernel: a ballot scan, not atomic positions), and one key range, so dQ is
+ * summed in registers too: no float atomics, bit-identical results run to run. (With ranges
+ * R > 1 the default path sums dQ over the ranges with fp32 reductions in an arbitrary order.)
+ * Key tiles of the query-major kernels: 32 keys x 2 cp.async stages by default
  * (DSV_ATTN_BWD_TILE = 32x2 / 64x2 / 32x3 / 32x4; see bwd_tile_cfg for the measurements).
  */
 #include <stdlib.h>
