@@ -54,7 +54,8 @@ class _AttnShape(ctypes.Structure):
     _fields_ = [("batch", ctypes.c_int64), ("seqlen", ctypes.c_int64), ("heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("group_size", ctypes.c_int64),
                 ("num_groups", ctypes.c_int64), ("kmax", ctypes.c_int64),
-                ("scale", ctypes.c_double), ("dtype", ctypes.c_int)]
+                ("scale", ctypes.c_double), ("dtype", ctypes.c_int),
+                ("flags", ctypes.c_int)]  # dsv_attn_shape.flags (DSV_FLAG_DETERMINISTIC = 1)
 
 
 _DT = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
