@@ -398,7 +398,7 @@ def _sorted_lists(kv_index: torch.Tensor, kv_count: torch.Tensor, S: int) -> tor
     the kernels skip anyway, are dropped): the form the deterministic CUDA backward needs."""
     kmax = kv_index.shape[3]
     used = torch.arange(kmax, device=kv_index.device) < kv_count[:, :, None, None]
-    used &= (kv_index >= 0) & (kv_index < S)
+    used = used & (kv_index >= 0) & (kv_index < S)
     keys = torch.where(used, kv_index, torch.full_like(kv_index, S)).sort(dim=-1).values
     return torch.where(keys >= S, torch.full_like(keys, -1), keys).contiguous()
 

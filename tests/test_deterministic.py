@@ -120,3 +120,20 @@ def test_cuda_deterministic_head_dim_256_refused():
     cnt = torch.ones(1, 1, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="^deterministic:"):
         dsv_ext.sparse_attention(q, q, q, idx, cnt, 64, deterministic=True)
+
+
+def test_sorted_lists_keep_the_used_keys():
+    """The list sort of the deterministic CUDA path (run here on CPU tensors): the same used keys
+    (multiset, as the kernels count them), ascending, then -1; entries outside [0, S) dropped."""
+    from dsv_ext.ops import _sorted_lists
+    from dsv_ext.reference import key_multiplicity
+    g = torch.Generator().manual_seed(0)
+    idx, cnt = random_index(2, 3, 50, 8, 12, generator=g)
+    idx[0, 0, 0, 0] = -1
+    idx[1, 2, 3, 1] = 99
+    s = _sorted_lists(idx, cnt, 50)
+    assert torch.equal(key_multiplicity(idx, cnt, 50), key_multiplicity(s, cnt, 50))
+    used = torch.arange(12) < cnt[:, :, None, None]
+    v = torch.where(used & (s >= 0), s, torch.full_like(s, 10**6))
+    assert (v[..., 1:] >= v[..., :-1]).all()
+    assert ((s >= 0) | (s == -1)).all() and (s < 50).all()
