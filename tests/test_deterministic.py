@@ -87,8 +87,9 @@ def test_cuda_backward_bit_identical_10_runs(S, H, D, G, kmax, lists, dtype):
         ql, kl = (torch.randn(B, S, H, 16, generator=g).to(dtype).cuda() for _ in range(2))
         cnt = torch.randint(kmax // 2, kmax + 1, (B, H), generator=g).to(torch.int32).cuda()
         idx = dsv_ext.topk_estimate(ql, kl, cnt, G, kmax)
-    else:
-        idx, cnt = random_index(B, H, S, G, kmax, generator=g)
+    else:  # every list full and in random order: dsv_ext sorts them for the deterministic path
+        idx, cnt = random_index(B, H, S, G, kmax, counts=kmax, generator=g)
+        idx = idx.gather(-1, torch.rand(idx.shape, generator=g).argsort(dim=-1))
         idx, cnt = idx.cuda(), cnt.cuda()
     dout = torch.randn(B, S, H, D, generator=g).to(dtype).cuda()
     first = _grads(q, k, v, idx, cnt, G, dout, True)
