@@ -59,9 +59,10 @@ def close(name, got, want, dtype, nan_subset=False):
         assert err <= t, f"{name}: max error {err:.3g} > {t:.3g}"
 
 
-def poisoned_grads(*ts):
-    for t in ts:
-        t.grad = None
+def as_dtype(t, dtype):
+    """t converted on the CPU (CUDA casts to the unsigned types are not guaranteed), then moved
+    back: the case gets a tensor of that dtype on t's device."""
+    return t.cpu().to(dtype).to(t.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,8 +279,8 @@ def cases(device="cpu", seed=0):
     rej("sa/index-double!kv_index", sa(base, kv_index=idx.double()))
     rej("sa/index-bool!kv_index", sa(base, kv_index=idx > 0))
     for ut in (torch.uint16, torch.uint32, torch.uint64):
-        rej(f"sa/index-{ut}!kv_index", sa(base, kv_index=idx.to(torch.int64).clamp(min=0).to(ut)))
-        rej(f"sa/count-{ut}!kv_count", sa(base, kv_count=cnt.to(torch.int64).to(ut)))
+        rej(f"sa/index-{ut}!kv_index", sa(base, kv_index=as_dtype(idx.to(torch.int64).clamp(min=0), ut)))
+        rej(f"sa/count-{ut}!kv_count", sa(base, kv_count=as_dtype(cnt.to(torch.int64), ut)))
     rej("sa/index-2**32+3!kv_index", sa(base, kv_index=idx.to(torch.int64) + 2**32))
     rej("sa/index-negative!kv_index", sa(base, kv_index=torch.full_like(idx, -5)))
     rej("sa/index-S!kv_index", sa(base, kv_index=torch.full_like(idx, 20)))
@@ -314,8 +315,8 @@ def cases(device="cpu", seed=0):
         acc(f"sa/layout-{layout}", lambda a=a: check_attention(a))
     a = E.attn_args(S=20, G=4)
     for it in (torch.int64, torch.int16, torch.uint8):
-        acc(f"sa/index-{it}", lambda a=a, it=it: check_attention({**a, "kv_index": a["kv_index"].clamp(min=0).to(it),
-                                                                    "kv_count": a["kv_count"].to(it)}))
+        acc(f"sa/index-{it}", lambda a=a, it=it: check_attention({**a, "kv_index": as_dtype(a["kv_index"].clamp(min=0), it),
+                                                                    "kv_count": as_dtype(a["kv_count"], it)}))
     acc("sa/index-noncontig", lambda a=a: check_attention({**a, "kv_index": torch.stack([a["kv_index"]] * 2, -1)[..., 0]}))
     acc("sa/group_size-np", lambda a=a: check_attention({**a, "group_size": np.int64(4)}))
     acc("sa/scale-np", lambda a=a: check_attention(a, scale=np.float32(0.3)))
@@ -338,7 +339,7 @@ def cases(device="cpu", seed=0):
         acc(f"sa/empty-{shape}", lambda a=a: check_attention(a))
     def unchecked(a):
         bad = a["kv_index"].clone()
-        bad[..., ::2] = torch.randint(-50, 50, bad[..., ::2].shape, generator=E.gen).to(bad.dtype)
+        bad[..., ::2] = torch.randint(-50, 50, bad[..., ::2].shape, generator=E.gen).to(bad.dtype).to(bad.device)
         bad[0, 0, 0, :] = 40  # a list with no valid entry
         q, k, v = (a[n].detach().clone().requires_grad_(True) for n in "qkv")
         out = dsv_ext.sparse_attention(q, k, v, bad, a["kv_count"], a["group_size"], check_index=False)
@@ -371,7 +372,7 @@ def cases(device="cpu", seed=0):
     rej("tk/k_lr-shape!k_lr", tk(k_lr=kl[:, :5]))
     rej("tk/q_lr-3d!q_lr", tk(q_lr=ql[0]))
     rej("tk/count-float!kv_count", tk(kv_count=tc.float()))
-    rej("tk/count-uint64!kv_count", tk(kv_count=tc.to(torch.int64).to(torch.uint64)))
+    rej("tk/count-uint64!kv_count", tk(kv_count=as_dtype(tc.to(torch.int64), torch.uint64)))
     rej("tk/count-negative!kv_count", tk(kv_count=-tc - 1))
     rej("tk/count-above-S!kv_count", tk(kv_count=tc + 50))
     if not E.cuda:
@@ -414,7 +415,7 @@ def cases(device="cpu", seed=0):
         return lambda: dsv_ext.predictor_loss(**a)
 
     rej("pl/rows-float!rows", pl(rows=rows.float()))
-    rej("pl/rows-uint64!rows", pl(rows=rows.to(torch.uint64)))
+    rej("pl/rows-uint64!rows", pl(rows=as_dtype(rows, torch.uint64)))
     rej("pl/rows-2**32!rows", pl(rows=rows + 2**32))
     rej("pl/rows-negative!rows", pl(rows=rows - 10))
     rej("pl/rows-2d!rows", pl(rows=rows[None]))
@@ -464,10 +465,10 @@ def cases(device="cpu", seed=0):
     for th in (0.0, -0.5, 1.5, NAN, INF, "x", None, True):
         rej(f"pa/theta-{th!r}!theta", pa(theta=th))
     rej("pa/rows-float!rows", pa(rows=rows.double()))
-    rej("pa/rows-uint32!rows", pa(rows=rows.to(torch.uint32)))
+    rej("pa/rows-uint32!rows", pa(rows=as_dtype(rows, torch.uint32)))
     rej("pa/rows-S!rows", pa(rows=rows + 20))
     rej("pa/index-partial!kv_index", pa(kv_index=pidx))
-    rej("pa/index-uint64!kv_index", pa(kv_index=pidx.to(torch.int64).clamp(min=0).to(torch.uint64),
+    rej("pa/index-uint64!kv_index", pa(kv_index=as_dtype(pidx.to(torch.int64).clamp(min=0), torch.uint64),
                                        kv_count=pcnt, group_size=4))
     rej("pa/count-negative!kv_count", pa(kv_index=pidx, kv_count=-pcnt - 1, group_size=4))
     rej("pa/group_size-0!group_size", pa(kv_index=pidx, kv_count=pcnt, group_size=0))
@@ -497,8 +498,8 @@ def cases(device="cpu", seed=0):
 
     for f, nm in ((gr, "gr"), (sc, "sc")):
         rej(f"{nm}/index-float!index", f(i=gi.float()))
-        rej(f"{nm}/index-uint64!index", f(i=gi.to(torch.uint64)))
-        rej(f"{nm}/index-uint32!index", f(i=gi.to(torch.uint32)))
+        rej(f"{nm}/index-uint64!index", f(i=as_dtype(gi, torch.uint64)))
+        rej(f"{nm}/index-uint32!index", f(i=as_dtype(gi, torch.uint32)))
         rej(f"{nm}/index-bool!index", f(i=gi > 2))
         rej(f"{nm}/index-2d!index", f(i=gi[None]))
         rej(f"{nm}/index-negative!index", f(i=gi - 5))
