@@ -478,6 +478,10 @@ def cases(device="cpu", seed=0):
     acc("pa/valid", lambda: check_profile(pq, pk, rows, 0.9))
     acc("pa/valid-index", lambda: check_profile(pq, pk, rows, 0.5, pidx, pcnt, 4))
     acc("pa/index-group-np", lambda: check_profile(pq, pk, rows, np.float32(0.75), pidx, pcnt, np.int64(4)))
+    for shape in ((0, 20, 2), (2, 20, 0)):
+        B_, S_, H_ = shape
+        acc(f"pa/empty-{shape}", lambda B_=B_, S_=S_, H_=H_: check_profile(
+            make_act(B_, S_, H_, Dp, tdt, dev, E.gen), make_act(B_, S_, H_, Dp, tdt, dev, E.gen), rows, 0.9))
     for val in (NAN, INF, -INF):
         qn = pq.clone()
         qn[1, 5, 0, 0] = val
@@ -521,8 +525,12 @@ def cases(device="cpu", seed=0):
         close("gather grad", sg.grad, ref.scatter_add_rows_ref(w.to(s.device), i, s.shape[0]), s.dtype)
 
     def check_scatter(s, i, n):
-        out = dsv_ext.scatter_add_rows(s, i, n)
+        sg = s.detach().clone().requires_grad_(True)
+        out = dsv_ext.scatter_add_rows(sg, i, n)
         close("scatter", out, ref.scatter_add_rows_ref(s, i, int(n)), s.dtype)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+        (out * w.to(out.dtype).to(out.device)).sum().backward()
+        close("scatter grad", sg.grad, ref.gather_rows_ref(w.to(s.device), i), s.dtype)
 
     acc("gr/valid", lambda: check_gather(src, gi))
     acc("gr/int32-index", lambda: check_gather(src, gi.to(torch.int32)))
