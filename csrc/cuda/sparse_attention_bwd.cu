@@ -42,6 +42,7 @@
 #include <string.h>
 
 #include "attention_common.cuh"
+#include "sparse_attention_bwd_wg.cuh" /* the query-major backward on wgmma (sm_90a) */
 
 namespace dsv_attn {
 
@@ -951,7 +952,12 @@ template <typename T, int D>
 static int bwd_main(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
   int st;
   /* query-major: dQ of key-major heads (no dK/dV), then dQ + dK/dV reductions of the others */
-  if (prm.G <= 32) {
+  bool wg = false; /* wgmma backward (sparse_attention_bwd_wg.cuh) */
+  if constexpr (D == 64 || D == 128) wg = bwd_wg_applies<T, D>(prm);
+  if (wg) {
+    if constexpr (D == 64 || D == 128)
+      if ((st = bwd_wg_launch<T, D>(sh, prm, stream)) != DSV_OK) return st;
+  } else if (prm.G <= 32) {
     if (prm.km_enabled && (st = qmajor_cfg<T, D, 32, false>(sh, prm, stream)) != DSV_OK) return st;
     if ((st = qmajor_cfg<T, D, 32, true>(sh, prm, stream)) != DSV_OK) return st;
   } else {
