@@ -31,6 +31,19 @@ def rel_err(a, b):
     return float((a - b).abs().max() / rms)
 
 
+def kernel_times(fn, title):
+    """Per-kernel CUDA time (ms) of one call of fn, the 5 longest."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ev = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:5]
+    print(f"  kernels {title}: " + "; ".join(
+        f"{e.key.split('<')[0].split('(')[0][-28:]} {e.device_time_total / 1e3:.2f}" for e in ev), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--S", type=int, nargs="+", default=[65536])
@@ -41,6 +54,7 @@ def main():
     ap.add_argument("--dist", nargs="+", default=["random", "smooth"])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--ranges", default=None, help="DSV_ATTN_RANGES for both kernels")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times (torch.profiler)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     if args.ranges:
@@ -68,17 +82,27 @@ def main():
                         fwd_ms = BK.bench(lambda: T.attn_fwd(q, k, v, kv_index, cnt, G, scale),
                                           args.reps)
                         bwd = lambda: T.attn_bwd(do, q, k, v, out, lse, kv_index, cnt, G, scale)  # noqa: E731
-                        grads, times = {}, {"32x2": [], "w64x2": [], "default": []}
+                        grads, times = {}, {"32x2": [], "w64x2": [], "default": [], "nored": []}
                         for tile in ("32x2", "w64x2"):
                             os.environ["DSV_ATTN_BWD_TILE"] = tile
                             grads[tile] = bwd()
                         for _ in range(3):  # alternate: drift in clocks hits both alike
-                            for tile in ("32x2", "w64x2", "default"):
+                            for tile in ("32x2", "w64x2", "default", "nored"):
                                 if tile == "default":
                                     os.environ.pop("DSV_ATTN_BWD_TILE", None)
+                                elif tile == "nored":  # measurement only: no dK/dV reductions
+                                    os.environ["DSV_ATTN_BWD_TILE"] = "w64x2"
+                                    os.environ["DSV_ATTN_BWD_WG_DIAG"] = "nored"
                                 else:
                                     os.environ["DSV_ATTN_BWD_TILE"] = tile
                                 times[tile].append(BK.bench(bwd, args.reps, 1))
+                                os.environ.pop("DSV_ATTN_BWD_WG_DIAG", None)
+                        if args.profile:
+                            for tile, km in (("32x2", "0"), ("w64x2", "0"), ("32x2", "1e9"), ("w64x2", "1e9")):
+                                os.environ["DSV_ATTN_BWD_TILE"] = tile
+                                os.environ["DSV_KM_RATIO"] = km
+                                kernel_times(bwd, f"{dist} D={D} G={G} tile={tile} km_ratio={km}")
+                            os.environ.pop("DSV_KM_RATIO", None)
                         os.environ.pop("DSV_ATTN_BWD_TILE", None)
                         agree = {n: rel_err(a, b) for n, a, b in
                                  zip(("dq", "dk", "dv"), grads["w64x2"], grads["32x2"])}
@@ -92,6 +116,7 @@ def main():
                         rec = dict(S=S, H=args.H, D=D, G=G, sparsity=sp, dist=dist, K=K,
                                    est_ms=est_ms, fwd_ms=fwd_ms, bwd_mma_ms=ms["32x2"],
                                    bwd_wg_ms=ms["w64x2"], bwd_default_ms=ms["default"],
+                                   bwd_wg_noreductions_ms=ms["nored"],
                                    bwd_all_ms=times, agree_wg_vs_mma=agree, wg_nan=nan,
                                    km_ratio_median=float(ratio.median()),
                                    fp32_reductions=int(valid) * D * 2,
