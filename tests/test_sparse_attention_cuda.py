@@ -296,15 +296,17 @@ def need_backend():
 
 
 @pytest.fixture(params=["qmajor", "qmajor_v4", "qmajor3", "qmajor_a4", "kmajor", "qmajor_wg",
-                        "qmajor_wg3", "kmajor_wg"])
+                        "qmajor_wg3", "kmajor_mma"])
 def path(request, monkeypatch):
     """The dK/dV path of the backward: 'qmajor' forces the query-major reductions (default
     kernel: DSV_ATTN_BWD_TILE unset), 'qmajor_v4' the mma.sync kernel with 16-byte reductions
     from registers (DSV_ATTN_BWD_REDUCE=v4), 'qmajor3' the mma.sync kernel (TMA bulk reductions)
     split into 3 key ranges, 'qmajor_a4' the automatic per-head choice of key ranges with at
     most 4 (scattered lists 4 ranges, coherent ones 2: what long sequences get), 'kmajor' lets
-    every eligible head take the key-major pass; '..._wg' the same on the wgmma backward
-    (DSV_ATTN_BWD_TILE=w64x2; D 64 / 128 and G >= 64 on an H100 / H200, elsewhere mma.sync)."""
+    every eligible head take the key-major pass (its dQ-only pass on wgmma where that applies:
+    D 64 / 128 and G >= 64 on an H100 / H200), 'kmajor_mma' the same with the dQ pass on
+    mma.sync (DSV_ATTN_BWD_TILE=32x2); 'qmajor_wg' / 'qmajor_wg3' the query-major reductions on
+    the wgmma backward (DSV_ATTN_BWD_TILE=w64x2; elsewhere mma.sync)."""
     p = request.param
     monkeypatch.setenv("DSV_KM_RATIO", "1e9" if p.startswith("kmajor") else "0")
     monkeypatch.setenv("DSV_ATTN_RANGES", {"qmajor3": "3", "qmajor_wg3": "3",
@@ -312,7 +314,7 @@ def path(request, monkeypatch):
     monkeypatch.setenv("DSV_ATTN_BWD_REDUCE", "v4" if p == "qmajor_v4" else "bulk")
     if p.endswith("_wg") or p.endswith("_wg3"):
         monkeypatch.setenv("DSV_ATTN_BWD_TILE", "w64x2")
-    elif p in ("qmajor_v4", "qmajor3"):
+    elif p in ("qmajor_v4", "qmajor3", "kmajor_mma"):
         monkeypatch.setenv("DSV_ATTN_BWD_TILE", "32x2")
     else:
         monkeypatch.delenv("DSV_ATTN_BWD_TILE", raising=False)

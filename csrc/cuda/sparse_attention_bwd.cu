@@ -950,19 +950,24 @@ static int launch_kmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream
 
 template <typename T, int D>
 static int bwd_main(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
-  int st;
+  int st = DSV_OK;
   /* query-major: dQ of key-major heads (no dK/dV), then dQ + dK/dV reductions of the others */
-  bool wg = false; /* wgmma backward (sparse_attention_bwd_wg.cuh) */
-  if constexpr (D == 64 || D == 128) wg = bwd_wg_applies<T, D>(prm);
-  if (wg) {
-    if constexpr (D == 64 || D == 128)
-      if ((st = bwd_wg_launch<T, D>(sh, prm, stream)) != DSV_OK) return st;
-  } else if (prm.G <= 32) {
+  int wg = 0; /* wgmma backward (sparse_attention_bwd_wg.cuh): 1 dQ-only pass, 2 both passes */
+  if constexpr (D == 64 || D == 128) wg = bwd_wg_mode<T, D>(prm);
+  if (prm.G <= 32) {
     if (prm.km_enabled && (st = qmajor_cfg<T, D, 32, false>(sh, prm, stream)) != DSV_OK) return st;
     if ((st = qmajor_cfg<T, D, 32, true>(sh, prm, stream)) != DSV_OK) return st;
   } else {
-    if (prm.km_enabled && (st = qmajor_cfg<T, D, 64, false>(sh, prm, stream)) != DSV_OK) return st;
-    if ((st = qmajor_cfg<T, D, 64, true>(sh, prm, stream)) != DSV_OK) return st;
+    if (prm.km_enabled) {
+      if constexpr (D == 64 || D == 128)
+        if (wg > 0) st = bwd_wg_launch_one<T, D, false>(sh, prm, stream);
+      if (wg == 0) st = qmajor_cfg<T, D, 64, false>(sh, prm, stream);
+      if (st != DSV_OK) return st;
+    }
+    if constexpr (D == 64 || D == 128)
+      if (wg == 2) st = bwd_wg_launch_reduce<T, D>(sh, prm, stream);
+    if (wg < 2) st = qmajor_cfg<T, D, 64, true>(sh, prm, stream);
+    if (st != DSV_OK) return st;
   }
   if constexpr (D <= 128) {
     if (prm.km_enabled) {

@@ -2,8 +2,9 @@
  * sparse_attention_bwd_wg.cuh - the query-major backward of sparse grouped attention on Hopper
  * warpgroup MMAs (wgmma, sm_90a). Included by sparse_attention_bwd.cu after its parameter struct
  * (the kernel is templated on it), which launches it through bwd_wg_launch where it applies
- * (bwd_wg_applies: an sm_90a build on a compute capability 9.0 device, D = 64 or 128, G >= 64,
- * row strides of k and v below 4 GB) and DSV_ATTN_BWD_TILE selects it ("w64x2").
+ * (bwd_wg_mode: an sm_90a build on a compute capability 9.0 device, D = 64 or 128, G >= 64,
+ * row strides of k and v below 4 GB): by default for the dQ-only pass of the key-major heads,
+ * for both passes with DSV_ATTN_BWD_TILE = "w64x2".
  *
  * One warpgroup (4 warps, 128 threads) per chunk of 64 queries of a group, the forward's recipe
  * (sparse_attn_fwd_wg_kernel): Q and dO tiles and the gathered K / V tiles (64 keys, 2 cp.async
@@ -351,23 +352,22 @@ static bool bwd_wg_device() {
 #endif
 }
 
-/* DSV_ATTN_BWD_TILE = "w64x2" selects the wgmma backward where it applies; unset: the default
- * below; any other value the mma.sync kernels. */
-constexpr bool kBwdWgDefault = false;
-
-static bool bwd_wg_selected() {
-  const char* e = getenv("DSV_ATTN_BWD_TILE");
-  if (e && *e) return !strcmp(e, "w64x2");
-  return kBwdWgDefault;
-}
-
+/* Where the wgmma backward runs: DSV_ATTN_BWD_TILE = "w64x2" selects it for both query-major
+ * passes; unset, it runs the dQ-only pass of the key-major heads (measured faster in every case:
+ * S = 64k, H = 24, 0.9, D = 128 16.8 vs 27.9 ms, D = 64 9.4 vs 15.1 ms) and the pass with dK / dV
+ * reductions stays on mma.sync (equal within +-2.5%: both are bound by the L2 reductions; PERF_LOG
+ * v8); any other value selects the mma.sync kernels for both. Returns 0 (none), 1 (the dQ-only
+ * pass) or 2 (both passes). */
 template <typename T, int D, typename Prm>
-static bool bwd_wg_applies(const Prm& prm) {
+static int bwd_wg_mode(const Prm& prm) {
   if constexpr (D != 64 && D != 128) {
-    return false;
+    return 0;
   } else {
     const int64_t lim = (int64_t)UINT32_MAX / (int64_t)sizeof(T); /* KeyGather's 32-bit strides */
-    return prm.G >= 64 && prm.ks <= lim && prm.vs <= lim && bwd_wg_selected() && bwd_wg_device();
+    if (prm.G < 64 || prm.ks > lim || prm.vs > lim || !bwd_wg_device()) return 0;
+    const char* e = getenv("DSV_ATTN_BWD_TILE");
+    if (e && *e) return strcmp(e, "w64x2") ? 0 : 2;
+    return 1;
   }
 }
 
@@ -391,19 +391,14 @@ static int bwd_wg_launch_one(const dsv_attn_shape* sh, Prm& prm, cudaStream_t st
 template <typename T> struct BwgIsBf16 { static constexpr bool value = false; };
 template <> struct BwgIsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 
-/* The query-major passes on wgmma: dQ of the key-major heads, then dQ + dK / dV reductions of
- * the others (what bwd_main does with the mma.sync kernels). */
+/* The query-major pass with dK / dV reductions on wgmma (the heads of path 0). */
 template <typename T, int D, typename Prm>
-static int bwd_wg_launch(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
-  int st;
-  if (prm.km_enabled && (st = bwd_wg_launch_one<T, D, false>(sh, prm, stream)) != DSV_OK)
-    return st;
+static int bwd_wg_launch_reduce(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
   if constexpr (D == 128 && BwgIsBf16<T>::value) {
     /* measurement only (wrong dK / dV): DSV_ATTN_BWD_WG_DIAG=nored skips the reductions, to
      * separate their cost from the rest of the kernel (bf16, D = 128) */
     const char* e = getenv("DSV_ATTN_BWD_WG_DIAG");
-    if (e && !strcmp(e, "nored"))
-      return bwd_wg_launch_one<T, D, true, Prm, true>(sh, prm, stream);
+    if (e && !strcmp(e, "nored")) return bwd_wg_launch_one<T, D, true, Prm, true>(sh, prm, stream);
   }
   return bwd_wg_launch_one<T, D, true>(sh, prm, stream);
 }
