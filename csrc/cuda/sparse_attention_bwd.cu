@@ -36,7 +36,9 @@
  * the lists; path 1 ~57 ms of dQ pass + ~41 ms per unit of the ratio) and can be set with the
  * environment variable DSV_KM_RATIO (0 forces path 0, a large value forces path 1 where
  * allowed). Key tiles of the query-major kernels: 32 keys x 2 cp.async stages by default
- * (DSV_ATTN_BWD_TILE = 32x2 / 64x2 / 32x3 / 32x4; see bwd_tile_cfg for the measurements).
+ * (DSV_ATTN_BWD_TILE = 32x2 / 64x2 / 32x3 / 32x4; see bwd_tile_cfg for the measurements). On
+ * H100 / H200 the dQ-only pass runs on wgmma (sparse_attention_bwd_wg.cuh), and so does the pass
+ * with reductions with DSV_ATTN_BWD_TILE = w64x2.
  */
 #include <stdlib.h>
 #include <string.h>

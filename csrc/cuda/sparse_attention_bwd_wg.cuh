@@ -1,7 +1,8 @@
 /*
  * sparse_attention_bwd_wg.cuh - the query-major backward of sparse grouped attention on Hopper
- * warpgroup MMAs (wgmma, sm_90a). Included by sparse_attention_bwd.cu after its parameter struct
- * (the kernel is templated on it), which launches it through bwd_wg_launch where it applies
+ * warpgroup MMAs (wgmma, sm_90a). Included by sparse_attention_bwd.cu (the kernel is templated
+ * on its BwdParams), whose bwd_main launches it (bwd_wg_launch_one / bwd_wg_launch_reduce) where
+ * it applies
  * (bwd_wg_mode: an sm_90a build on a compute capability 9.0 device, D = 64 or 128, G >= 64,
  * row strides of k and v below 4 GB): by default for the dQ-only pass of the key-major heads,
  * for both passes with DSV_ATTN_BWD_TILE = "w64x2".
@@ -22,7 +23,10 @@
  * score gives NaN P and dS, which reach dq, dk and dv (no guards). Key ranges (nranges > 1) are
  * handled as in bwd_qmajor_kernel (binary search of the sorted list, dQ reduced in fp32).
  * Shared memory (D = 128): Q, dO 2 x 16 KB, K / V 2 stages x 2 x 16 KB, P / dS 8 KB, ~106 KB:
- * 2 CTAs per SM (8 warps, as the mma.sync kernel), registers up to 255 (dq, dV_t, dK_t 64 each).
+ * 2 CTAs per SM (8 warps, as the mma.sync kernel), 243 registers (dq, dV_t, dK_t 64 each).
+ * Measured (S = 64k, H = 24, 0.9, D = 128, PERF_LOG v8): 78.8 ms (random lists) / 79.4 (smooth)
+ * against mma.sync's 80.7 / 79.0, both bound by the fp32 reductions (~49 ms of it: without them
+ * this kernel takes ~30 ms); its dQ-only pass 16.7 ms against 27.9.
  */
 #ifndef DSV_SPARSE_ATTENTION_BWD_WG_CUH
 #define DSV_SPARSE_ATTENTION_BWD_WG_CUH
