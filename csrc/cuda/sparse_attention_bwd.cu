@@ -41,12 +41,15 @@
  * summed in registers too: no float atomics, bit-identical results run to run. (With ranges
  * R > 1 the default path sums dQ over the ranges with fp32 reductions in an arbitrary order.)
  * Key tiles of the query-major kernels: 32 keys x 2 cp.async stages by default
- * (DSV_ATTN_BWD_TILE = 32x2 / 64x2 / 32x3 / 32x4; see bwd_tile_cfg for the measurements).
+ * (DSV_ATTN_BWD_TILE = 32x2 / 64x2 / 32x3 / 32x4; see bwd_tile_cfg for the measurements). On
+ * H100 / H200 the dQ-only pass runs on wgmma (sparse_attention_bwd_wg.cuh), and so does the pass
+ * with reductions with DSV_ATTN_BWD_TILE = w64x2.
  */
 #include <stdlib.h>
 #include <string.h>
 
 #include "attention_common.cuh"
+#include "sparse_attention_bwd_wg.cuh" /* the query-major backward on wgmma (sm_90a) */
 
 namespace dsv_attn {
 
@@ -998,14 +1001,24 @@ static int launch_kmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream
 
 template <typename T, int D>
 static int bwd_main(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
-  int st;
+  int st = DSV_OK;
   /* query-major: dQ of key-major heads (no dK/dV), then dQ + dK/dV reductions of the others */
+  int wg = 0; /* wgmma backward (sparse_attention_bwd_wg.cuh): 1 dQ-only pass, 2 both passes */
+  if constexpr (D == 64 || D == 128) wg = bwd_wg_mode<T, D>(prm);
   if (prm.G <= 32) {
     if (prm.km_enabled && (st = qmajor_cfg<T, D, 32, false>(sh, prm, stream)) != DSV_OK) return st;
     if ((st = qmajor_cfg<T, D, 32, true>(sh, prm, stream)) != DSV_OK) return st;
   } else {
-    if (prm.km_enabled && (st = qmajor_cfg<T, D, 64, false>(sh, prm, stream)) != DSV_OK) return st;
-    if ((st = qmajor_cfg<T, D, 64, true>(sh, prm, stream)) != DSV_OK) return st;
+    if (prm.km_enabled) {
+      if constexpr (D == 64 || D == 128)
+        if (wg > 0) st = bwd_wg_launch_one<T, D, false>(sh, prm, stream);
+      if (wg == 0) st = qmajor_cfg<T, D, 64, false>(sh, prm, stream);
+      if (st != DSV_OK) return st;
+    }
+    if constexpr (D == 64 || D == 128)
+      if (wg == 2) st = bwd_wg_launch_reduce<T, D>(sh, prm, stream);
+    if (wg < 2) st = qmajor_cfg<T, D, 64, true>(sh, prm, stream);
+    if (st != DSV_OK) return st;
   }
   if constexpr (D <= 128) {
     if (prm.km_enabled) {
