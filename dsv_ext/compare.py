@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from .cli import run_command
+from .cli import check_numeric_args, run_command
 from .train import load_config, train
 
 __all__ = ["compare", "write_table", "write_plot", "main"]
@@ -216,6 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
 
     def body() -> int:
+        check_numeric_args(a, ints={"steps": 1})
         cfg = load_config(a.config, a.overrides)
         out = a.out or os.path.join("runs", f"compare-{cfg.get('name', 'run')}")
         compare(cfg, out, steps=a.steps, device=a.device, progress=not a.no_progress,
