@@ -418,7 +418,8 @@ def _resume_from(path, dev, cfg, attention, model, opt, controller, log) -> Dict
         raise ValueError(f"resume: {path} was trained with attention=dsv; "
                          "resume it with --attention dsv")
     # train.steps is the total step count: extending a run is what resuming is for
-    diff = config_diff(ck.get("config") or {}, cfg, ignore=("train.steps", "model.attention"))
+    diff = config_diff(_with_defaults(ck.get("config") or {}), _with_defaults(cfg),
+                       ignore=("train.steps", "model.attention"))
     try:
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
@@ -437,6 +438,20 @@ def _resume_from(path, dev, cfg, attention, model, opt, controller, log) -> Dict
         torch.cuda.set_rng_state_all([s.cpu() for s in ck["cuda_rng"]])
     ck["config_diff"] = diff
     return ck
+
+
+def _with_defaults(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The train and dsv sections with their defaults filled in (for comparing configs)."""
+    from .config import DSVConfig
+
+    out = copy.deepcopy(cfg)
+    for sec, fill in (("train", lambda d: dataclasses.asdict(TrainConfig.from_dict(d))),
+                      ("dsv", lambda d: DSVConfig.from_dict(d).to_dict())):
+        try:
+            out[sec] = fill(dict(cfg.get(sec) or {}))
+        except (ValueError, TypeError):
+            pass  # compare as written
+    return out
 
 
 class _StopOnSignal:
