@@ -516,13 +516,16 @@ def _resolve_device(device: Optional[str]) -> torch.device:
 def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[int] = None,
           resume: Optional[str] = None, attention: Optional[str] = None,
           device: Optional[str] = None, progress: bool = True,
-          log: Callable[[str], None] = None, context_parallel: bool = False) -> Dict[str, Any]:
+          log: Callable[[str], None] = None, context_parallel: bool = False,
+          on_step: Optional[Callable[[int, Dict[str, Any]], None]] = None) -> Dict[str, Any]:
     """Run (or resume) a training run. Returns ``{"history": [...], "val": [...], "summary": {...}}``.
 
     ``cfg`` is a dict from :func:`load_config`; ``steps`` overrides ``train.steps`` (the total
     step count, also when resuming); ``attention`` overrides ``model.attention``.
     ``context_parallel``: every rank of the (initialised) default process group trains the same
     batch, each sequence split over the ranks (``dsv_ext.parallel``); rank 0 writes the outputs.
+    ``on_step(step, info)``: called after each optimizer step (``step`` counts from 1; ``info``
+    has ``loss``, ``stage`` and ``step_time_s``), e.g. by benchmarks/soak.py.
     """
     log = log or (lambda s: print(s, file=sys.stderr))
     cp_rank, cp_world = 0, 1
@@ -716,6 +719,9 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             if not math.isfinite(loss_v):
                 raise FloatingPointError(f"loss is {loss_v} at step {step}")
             done = step + 1
+            if on_step is not None:
+                on_step(done, {"loss": loss_v, "step_time_s": dt,
+                               "stage": int(getattr(controller, "stage", 1)) if controller is not None else 1})
             if done % tcfg.log_every == 0 or done == tcfg.steps:
                 st = _controller_stats(controller)
                 rec = {"kind": "train", "step": done, "loss": win_loss / win_n, "last_loss": loss_v,
