@@ -1,8 +1,9 @@
 """Training checkpoints that cannot be silently corrupted (used by dsv_ext.train and dsv_ext.sample).
 
-A checkpoint file is one header line followed by the ``torch.save`` bytes of the state dict::
+A checkpoint file is one header line (JSON padded with spaces to 256 bytes, written last)
+followed by the ``torch.save`` bytes of the state dict, streamed and hashed as they are written::
 
-    DSVCKPT1 {"format": "dsv_ext.checkpoint", "version": 1, "payload_bytes": N, "sha256": "..."}\\n
+    DSVCKPT1 {"format": "dsv_ext.checkpoint", "version": 1, "payload_bytes": N, "sha256": "..."}   \\n
     <N bytes written by torch.save>
 
 The SHA-256 of the payload lives in the same file, so it survives copying the checkpoint
@@ -34,6 +35,7 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "verify_chec
 
 MAGIC = b"DSVCKPT1 "
 _HEADER_MAX = 4096
+_HEADER_LEN = 256  # bytes, newline included (space-padded JSON)
 _CHUNK = 1 << 22
 
 
@@ -54,21 +56,39 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+class _HashingWriter:
+    """File-like sink for torch.save: writes through to ``f``, hashing and counting the bytes
+    (the payload is streamed, never held in memory twice)."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        n = self.f.write(b)
+        self.n += n
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_checkpoint(state: Dict[str, Any], path: str) -> str:
     """Write ``state`` (tensors and plain Python containers) to ``path`` atomically, with a
     SHA-256 of the payload in the header. Returns the hex digest."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    payload = buf.getbuffer()
-    digest = hashlib.sha256(payload).hexdigest()
-    header = MAGIC + json.dumps({"format": "dsv_ext.checkpoint", "version": 1,
-                                 "payload_bytes": len(payload), "sha256": digest}).encode() + b"\n"
+    path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(header)
-            f.write(payload)
+            f.write(b" " * (_HEADER_LEN - 1) + b"\n")  # the header is written last
+            w = _HashingWriter(f)
+            torch.save(state, w)
+            digest = w.sha.hexdigest()
+            header = MAGIC + json.dumps({"format": "dsv_ext.checkpoint", "version": 1,
+                                         "payload_bytes": w.n, "sha256": digest}).encode()
+            f.seek(0)
+            f.write(header.ljust(_HEADER_LEN - 1) + b"\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -78,8 +98,6 @@ def save_checkpoint(state: Dict[str, Any], path: str) -> str:
         except OSError:
             pass
         raise
-    finally:
-        del payload
     _fsync_dir(folder)
     return digest
 

@@ -600,7 +600,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {len(rec['files'])} files to {a.out}")
         return 0
 
-    return run_command(p.prog, body)
+    def guarded() -> int:
+        try:
+            return body()
+        except KeyboardInterrupt:
+            print(f"{p.prog}: interrupted", file=sys.stderr)
+            return 130
+
+    return run_command(p.prog, guarded)
 
 
 if __name__ == "__main__":
