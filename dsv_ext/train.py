@@ -131,8 +131,11 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
     else:
         if path is None:
             raise ValueError("config: a path or a base dict is required")
-        with open(path) as f:
-            cfg = yaml_load(f) or {}
+        try:
+            with open(path) as f:
+                cfg = yaml_load(f) or {}
+        except UnicodeDecodeError:
+            raise ValueError(f"config: {path}: not a text (YAML) file") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"config: {path}: expected a mapping at top level")
     bad = sorted(set(cfg) - {"model", "data", "train", "dsv", "name"})

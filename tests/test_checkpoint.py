@@ -356,3 +356,13 @@ def test_numeric_cli_arguments_are_range_checked(tmp_path, capsys):
         line = _one_line(capsys.readouterr().err)
         assert msg in line, (argv, line)
     assert not (tmp_path / "o").exists()  # nothing ran
+
+
+def test_config_file_that_is_not_yaml(tmp_path, capsys):
+    p = tmp_path / "ckpt.pt"
+    save_checkpoint({"step": 1, "model": {"w": torch.randn(300)}, "config": {}}, str(p))
+    assert train_main(["--config", str(p)]) == 2  # e.g. a checkpoint given as the config
+    line = _one_line(capsys.readouterr().err)
+    assert str(p) in line and ("not a text (YAML) file" in line or "invalid YAML" in line), line
+    assert train_main(["--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "No such file" in _one_line(capsys.readouterr().err)
