@@ -17,6 +17,9 @@ Every failure to load (missing, empty, truncated, corrupted, not a checkpoint) r
 Files written by earlier versions (plain ``torch.save``, no header) still load, unverified,
 with a warning.
 
+:class:`StopOnSignal` is the training loop's SIGINT / SIGTERM handling (finish the step, save,
+stop; a second signal aborts).
+
     python -m dsv_ext.checkpoint runs/tiny-dsv/ckpt_last.pt      # verify and describe
 """
 from __future__ import annotations
@@ -31,7 +34,8 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "verify_checkpoint", "config_diff"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "verify_checkpoint", "config_diff",
+           "StopOnSignal"]
 
 MAGIC = b"DSVCKPT1 "
 _HEADER_MAX = 4096
@@ -236,6 +240,56 @@ def load_checkpoint(path: str, map_location=None,
         warnings.warn(f"checkpoint: {path}: written without a checksum (older dsv_ext): not verified",
                       stacklevel=2)
     return ck
+
+
+class StopOnSignal:
+    """SIGINT / SIGTERM set ``signal`` (the training loop then finishes its step, saves
+    ckpt_last.pt and returns); a second one raises KeyboardInterrupt at once. Installed only in
+    the main thread; the previous handlers come back on exit."""
+
+    def __init__(self, log):
+        self.signal: Optional[str] = None
+        self.log = log
+        self._old = {}
+
+    def _handler(self, signum, frame):
+        import signal as _signal
+
+        name = _signal.Signals(signum).name
+        if self.signal is not None:
+            raise KeyboardInterrupt(f"second {name}: aborted without saving")
+        self.signal = name
+        self.log(f"{name}: finishing the current step, then saving a checkpoint "
+                 "(send it again to abort at once)")
+
+    def __enter__(self):
+        import signal as _signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (_signal.SIGINT, _signal.SIGTERM):
+                self._old[sig] = _signal.signal(sig, self._handler)
+        return self
+
+    def requested(self, world: int = 1, device=None) -> bool:
+        """Whether to stop now; with several context-parallel ranks, whether any rank was
+        signalled (all ranks must stop after the same step)."""
+        if world <= 1:
+            return self.signal is not None
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self.signal is not None else 0.0], device=device)
+        dist.all_reduce(flag)
+        if flag.item() > 0 and self.signal is None:
+            self.signal = "SIGTERM"
+        return flag.item() > 0
+
+    def __exit__(self, *exc):
+        import signal as _signal
+
+        for sig, old in self._old.items():
+            _signal.signal(sig, old)
+        return False
 
 
 def _flatten(cfg: Dict[str, Any]) -> Dict[str, Any]:

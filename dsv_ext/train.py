@@ -457,56 +457,6 @@ def _with_defaults(cfg: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-class _StopOnSignal:
-    """SIGINT / SIGTERM set ``signal`` (the training loop then finishes its step, saves
-    ckpt_last.pt and returns); a second one raises KeyboardInterrupt at once. Installed only in
-    the main thread; the previous handlers come back on exit."""
-
-    def __init__(self, log):
-        self.signal: Optional[str] = None
-        self.log = log
-        self._old = {}
-
-    def _handler(self, signum, frame):
-        import signal as _signal
-
-        name = _signal.Signals(signum).name
-        if self.signal is not None:
-            raise KeyboardInterrupt(f"second {name}: aborted without saving")
-        self.signal = name
-        self.log(f"{name}: finishing the current step, then saving a checkpoint "
-                 "(send it again to abort at once)")
-
-    def __enter__(self):
-        import signal as _signal
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for sig in (_signal.SIGINT, _signal.SIGTERM):
-                self._old[sig] = _signal.signal(sig, self._handler)
-        return self
-
-    def requested(self, world: int = 1, device=None) -> bool:
-        """Whether to stop now; with several context-parallel ranks, whether any rank was
-        signalled (all ranks must stop after the same step)."""
-        if world <= 1:
-            return self.signal is not None
-        import torch.distributed as dist
-
-        flag = torch.tensor([1.0 if self.signal is not None else 0.0], device=device)
-        dist.all_reduce(flag)
-        if flag.item() > 0 and self.signal is None:
-            self.signal = "SIGTERM"
-        return flag.item() > 0
-
-    def __exit__(self, *exc):
-        import signal as _signal
-
-        for sig, old in self._old.items():
-            _signal.signal(sig, old)
-        return False
-
-
 def _resolve_device(device: Optional[str]) -> torch.device:
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -679,7 +629,9 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     wall0 = time.perf_counter()
     model.train()
     step = start
-    stop = _StopOnSignal(log).__enter__()
+    from .checkpoint import StopOnSignal
+
+    stop = StopOnSignal(log).__enter__()
     stopped_at = None
     try:
         for step in range(start, tcfg.steps):
