@@ -366,3 +366,21 @@ def test_config_file_that_is_not_yaml(tmp_path, capsys):
     assert str(p) in line and ("not a text (YAML) file" in line or "invalid YAML" in line), line
     assert train_main(["--config", str(tmp_path / "nope.yaml")]) == 2
     assert "No such file" in _one_line(capsys.readouterr().err)
+
+
+def test_compare_stops_after_a_signalled_run(tmp_path, capsys, monkeypatch):
+    import dsv_ext.compare as cmp
+
+    calls = []
+
+    def fake_train(cfg, out_dir, attention, **kw):
+        calls.append(attention)
+        return {"summary": {"stopped_by": "SIGTERM", "stopped_at_step": 3}, "history": [], "val": []}
+
+    monkeypatch.setattr(cmp, "train", fake_train)
+    cfgp = tmp_path / "c.yaml"
+    cfgp.write_text(yaml.safe_dump(micro_cfg()))
+    assert cmp.main(["--config", str(cfgp), "--out", str(tmp_path / "o"), "--no-progress"]) == 143
+    err = capsys.readouterr().err
+    assert calls == ["dense"]  # the DSV run does not start
+    assert "interrupted: SIGTERM: the dense run stopped at step 3" in err and "Traceback" not in err
