@@ -433,6 +433,9 @@ def check_data_config(data_cfg: dict) -> None:
         v = data_cfg.get(k)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"data.{k}: expected an integer >= 1, got {v!r}")
+    v = data_cfg.get("seed")
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        raise ValueError(f"data.seed: expected an integer >= 0, got {v!r}")
     v = data_cfg.get("val_fraction")
     if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1):
         raise ValueError(f"data.val_fraction: expected a number in [0, 1), got {v!r}")
