@@ -478,7 +478,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     ``context_parallel``: every rank of the (initialised) default process group trains the same
     batch, each sequence split over the ranks (``dsv_ext.parallel``); rank 0 writes the outputs.
     ``on_step(step, info)``: called after each optimizer step (``step`` counts from 1; ``info``
-    has ``loss``, ``stage`` and ``step_time_s``), e.g. by benchmarks/soak.py.
+    has ``loss``, ``stage``, ``step_time_s`` and ``controller``), e.g. by benchmarks/soak.py.
     """
     log = log or (lambda s: print(s, file=sys.stderr))
     cp_rank, cp_world = 0, 1
@@ -675,7 +675,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
                 raise FloatingPointError(f"loss is {loss_v} at step {step}")
             done = step + 1
             if on_step is not None:
-                on_step(done, {"loss": loss_v, "step_time_s": dt,
+                on_step(done, {"loss": loss_v, "step_time_s": dt, "controller": controller,
                                "stage": int(getattr(controller, "stage", 1)) if controller is not None else 1})
             if done % tcfg.log_every == 0 or done == tcfg.steps:
                 st = _controller_stats(controller)
