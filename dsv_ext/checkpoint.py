@@ -1,22 +1,21 @@
 """Training checkpoints that cannot be silently corrupted (used by dsv_ext.train and dsv_ext.sample).
 
-A checkpoint file is one header line (JSON padded with spaces to 256 bytes, written last)
-followed by the ``torch.save`` bytes of the state dict, streamed and hashed as they are written::
+A checkpoint is the ``torch.save`` file of the state dict (so ``torch.load`` still reads it)
+whose zip end-of-archive comment holds a checksum of everything before it::
 
-    DSVCKPT1 {"format": "dsv_ext.checkpoint", "version": 1, "payload_bytes": N, "sha256": "..."}   \\n
-    <N bytes written by torch.save>
+    <the bytes torch.save wrote, N of them>  DSVCKPT1 {"format": "dsv_ext.checkpoint", "version": 1,
+                                                      "payload_bytes": N, "sha256": "..."}
 
-The SHA-256 of the payload lives in the same file, so it survives copying the checkpoint
-around; :func:`load_checkpoint` verifies it before unpickling anything. Writes are atomic: the
-bytes go to a temporary file in the same folder, which is fsynced, renamed over the target and
-the folder fsynced, so a crash or a kill at any moment leaves either the old or the new
-checkpoint, never a mix.
+(the 2-byte comment length at the end of the N bytes is counted as 0 in the hash). The checksum
+lives in the same file, so it survives copying the checkpoint around; :func:`load_checkpoint`
+verifies it before unpickling anything (and unpickles ``weights_only``). The payload is hashed
+while it is written, never held twice in memory. Writes are atomic: a temporary file in the
+same folder, fsynced, renamed over the target, then the folder fsynced, so a crash or a kill at
+any moment leaves either the old or the new checkpoint, never a mix.
 
 Every failure to load (missing, empty, truncated, corrupted, not a checkpoint) raises
 :class:`CheckpointError` (a ValueError) with one line naming the file and what is wrong.
-Files written by earlier versions (plain ``torch.save``, no header) still load, unverified,
-with a warning.
-
+Files written by earlier versions (no checksum) still load, unverified, with a warning.
 :class:`StopOnSignal` is the training loop's SIGINT / SIGTERM handling (finish the step, save,
 stop; a second signal aborts).
 
@@ -25,9 +24,9 @@ stop; a second signal aborts).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
+import struct
 import sys
 import warnings
 from typing import Any, Dict, Optional, Sequence
@@ -38,8 +37,9 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "verify_chec
            "StopOnSignal"]
 
 MAGIC = b"DSVCKPT1 "
-_HEADER_MAX = 4096
-_HEADER_LEN = 256  # bytes, newline included (space-padded JSON)
+_ZIP_LOCAL = b"PK\x03\x04"
+_ZIP_EOCD = b"PK\x05\x06"
+_TAIL = 1024  # the trailer is ~170 bytes
 _CHUNK = 1 << 22
 
 
@@ -78,21 +78,24 @@ class _HashingWriter:
 
 
 def save_checkpoint(state: Dict[str, Any], path: str) -> str:
-    """Write ``state`` (tensors and plain Python containers) to ``path`` atomically, with a
-    SHA-256 of the payload in the header. Returns the hex digest."""
+    """Write ``state`` (tensors and plain Python containers) to ``path`` atomically, with the
+    SHA-256 of the payload in the zip comment. Returns the hex digest."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(b" " * (_HEADER_LEN - 1) + b"\n")  # the header is written last
+        with open(tmp, "w+b") as f:
             w = _HashingWriter(f)
             torch.save(state, w)
+            f.flush()
+            f.seek(w.n - 22)
+            if w.n < 22 or f.read(4) != _ZIP_EOCD:
+                raise RuntimeError("torch.save did not end its file with a plain zip end-of-archive record")
             digest = w.sha.hexdigest()
-            header = MAGIC + json.dumps({"format": "dsv_ext.checkpoint", "version": 1,
-                                         "payload_bytes": w.n, "sha256": digest}).encode()
-            f.seek(0)
-            f.write(header.ljust(_HEADER_LEN - 1) + b"\n")
+            trailer = MAGIC + json.dumps({"format": "dsv_ext.checkpoint", "version": 1,
+                                          "payload_bytes": w.n, "sha256": digest}).encode()
+            f.seek(w.n - 2)
+            f.write(struct.pack("<H", len(trailer)) + trailer)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -106,75 +109,16 @@ def save_checkpoint(state: Dict[str, Any], path: str) -> str:
     return digest
 
 
-class _Window(io.RawIOBase):
-    """Read-only view of a file from ``offset`` on (torch.load seeks to absolute positions)."""
-
-    def __init__(self, f, offset: int, size: int):
-        self.f, self.offset, self.size, self.pos = f, offset, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.size}[whence]
-        self.pos = max(0, base + pos)
-        return self.pos
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), self.size - self.pos))
-        if n == 0:
-            return 0
-        self.f.seek(self.offset + self.pos)
-        got = self.f.readinto(memoryview(b)[:n])
-        self.pos += got
-        return got
-
-
 def _first_line(e: BaseException) -> str:
     s = str(e).strip().splitlines()
     s = s[0] if s else type(e).__name__
     return s if len(s) <= 200 else s[:197] + "..."
 
 
-def _read_header(path: str, f) -> Optional[Dict[str, Any]]:
-    """The parsed header, or None for a headerless (older) torch.save file."""
-    head = f.read(_HEADER_MAX)
-    if not head:
-        raise CheckpointError(f"checkpoint: {path}: empty file (0 bytes)")
-    if not head.startswith(MAGIC):
-        if head.startswith(b"PK\x03\x04"):
-            return None  # a plain torch.save zip (checkpoints before the checksum header)
-        if b"dsv_ext.checkpoint" in head[:200]:  # our header with its first bytes damaged
-            raise CheckpointError(f"checkpoint: {path}: corrupted header")
-        raise CheckpointError(f"checkpoint: {path}: not a dsv_ext checkpoint (starts with {head[:16]!r})")
-    end = head.find(b"\n")
-    if end < 0:
-        raise CheckpointError(f"checkpoint: {path}: corrupted header (no end of header line)")
-    try:
-        h = json.loads(head[len(MAGIC):end].decode())
-        ok = (isinstance(h, dict) and h.get("format") == "dsv_ext.checkpoint"
-              and isinstance(h.get("payload_bytes"), int) and isinstance(h.get("sha256"), str))
-    except (UnicodeDecodeError, ValueError):
-        ok = False
-    if not ok:
-        raise CheckpointError(f"checkpoint: {path}: corrupted header")
-    if h.get("version") != 1:
-        raise CheckpointError(f"checkpoint: {path}: format version {h.get('version')!r} is newer than "
-                              "this dsv_ext reads (version 1); update dsv_ext")
-    h["offset"] = end + 1
-    return h
-
-
 def verify_checkpoint(path: str) -> Dict[str, Any]:
     """Check that ``path`` is a complete, uncorrupted checkpoint without unpickling it. Returns
-    the header (``payload_bytes``, ``sha256``, ``offset``; ``{"verified": False}`` for an older
-    file without a header); raises :class:`CheckpointError` otherwise."""
+    the trailer (``payload_bytes``, ``sha256``, ``verified``: True; ``{"verified": False}`` for an
+    older file without a checksum); raises :class:`CheckpointError` otherwise."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise CheckpointError(f"checkpoint: {path}: is a folder, not a checkpoint file")
@@ -182,26 +126,54 @@ def verify_checkpoint(path: str) -> Dict[str, Any]:
         raise CheckpointError(f"checkpoint: {path}: no such file")
     try:
         with open(path, "rb") as f:
-            h = _read_header(path, f)
-            if h is None:
-                return {"verified": False}
-            size = os.fstat(f.fileno()).st_size - h["offset"]
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise CheckpointError(f"checkpoint: {path}: empty file (0 bytes)")
+            head = f.read(4)
+            if head != _ZIP_LOCAL:
+                raise CheckpointError(f"checkpoint: {path}: not a dsv_ext checkpoint (starts with "
+                                      f"{f.seek(0) or f.read(16)!r})")
+            f.seek(max(0, size - _TAIL))
+            tail = f.read()
+            t = tail.rfind(MAGIC)
+            if t < 0:
+                if tail.endswith(b"\0\0") and tail[-22:-18] == _ZIP_EOCD:
+                    return {"verified": False}  # a plain torch.save file (before checksums)
+                raise CheckpointError(f"checkpoint: {path}: truncated or damaged (no end-of-archive "
+                                      "record; an interrupted copy?)")
+            t_abs = size - len(tail) + t
+            try:
+                h, end = json.JSONDecoder().raw_decode(tail[t + len(MAGIC):].decode())
+                extra = len(tail[t + len(MAGIC):].decode()[end:].encode())
+                ok = (isinstance(h, dict) and h.get("format") == "dsv_ext.checkpoint"
+                      and isinstance(h.get("payload_bytes"), int) and isinstance(h.get("sha256"), str))
+            except (UnicodeDecodeError, ValueError):
+                ok, extra = False, 0
+            if ok and extra:
+                raise CheckpointError(f"checkpoint: {path}: {extra} unexpected bytes after the checksum "
+                                      "trailer")
+            if not ok:
+                raise CheckpointError(f"checkpoint: {path}: damaged checksum trailer (truncated or corrupted)")
+            if h.get("version") != 1:
+                raise CheckpointError(f"checkpoint: {path}: format version {h.get('version')!r} is newer "
+                                      "than this dsv_ext reads (version 1); update dsv_ext")
             want = h["payload_bytes"]
-            if size < want:
-                raise CheckpointError(f"checkpoint: {path}: truncated ({size} of {want} payload bytes "
-                                      "present; an interrupted copy?)")
-            if size > want:
-                raise CheckpointError(f"checkpoint: {path}: {size - want} unexpected bytes after the "
-                                      f"payload ({want} bytes)")
-            f.seek(h["offset"])
+            if want != t_abs:
+                raise CheckpointError(f"checkpoint: {path}: {t_abs} payload bytes where the trailer "
+                                      f"says {want}: the file is corrupted")
+            f.seek(want - 2)
+            if f.read(2) != struct.pack("<H", size - t_abs):
+                raise CheckpointError(f"checkpoint: {path}: damaged checksum trailer (its length field)")
+            f.seek(0)
             sha = hashlib.sha256()
-            left = want
+            left = want - 2
             while left:
                 chunk = f.read(min(_CHUNK, left))
                 if not chunk:
                     break
                 sha.update(chunk)
                 left -= len(chunk)
+            sha.update(b"\0\0")
     except OSError as e:
         raise CheckpointError(f"checkpoint: {path}: cannot read ({_first_line(e)})") from None
     if sha.hexdigest() != h["sha256"]:
@@ -219,12 +191,7 @@ def load_checkpoint(path: str, map_location=None,
     path = os.fspath(path)
     h = verify_checkpoint(path)
     try:
-        with open(path, "rb") as f:
-            if h["verified"]:
-                src = io.BufferedReader(_Window(f, h["offset"], h["payload_bytes"]), _CHUNK)
-            else:
-                src = f
-            ck = torch.load(src, map_location=map_location, weights_only=True)
+        ck = torch.load(path, map_location=map_location, weights_only=True)
     except CheckpointError:
         raise
     except Exception as e:  # unpickling errors of all kinds: one line, no traceback

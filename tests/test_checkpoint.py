@@ -60,11 +60,14 @@ def test_roundtrip_header_and_atomic_write(tmp_path, gen, monkeypatch):
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
     digest = save_checkpoint(st, path)
     assert len(synced) == 2  # the file, then its folder
-    with open(path, "rb") as f:
-        head = f.readline()
-    assert head.startswith(ckpt_mod.MAGIC) and json.loads(head[len(ckpt_mod.MAGIC):])["sha256"] == digest
+    import zipfile
+
+    comment = zipfile.ZipFile(path).comment  # the checksum trailer is the zip comment
+    assert comment.startswith(ckpt_mod.MAGIC) and json.loads(comment[len(ckpt_mod.MAGIC):])["sha256"] == digest
     got = load_checkpoint(path)
     assert torch.equal(got["model"]["w"], st["model"]["w"]) and got["log"] == st["log"]
+    plain = torch.load(path, weights_only=True)  # still an ordinary torch.save file
+    assert torch.equal(plain["model"]["w"], st["model"]["w"])
     assert verify_checkpoint(path)["verified"] is True
     assert os.listdir(tmp_path) == ["c.pt"]  # no temporary left behind
 
@@ -85,33 +88,35 @@ def _flip(data: bytes, offsets) -> bytes:
     return bytes(b)
 
 
-@pytest.mark.parametrize("case", ["flip64", "flip1", "flip_header", "truncated", "truncated_header",
-                                  "extra_bytes", "empty", "text", "random", "tensor_file",
+@pytest.mark.parametrize("case", ["flip64", "flip1", "flip_trailer", "flip_length", "truncated",
+                                  "truncated_tail", "extra_bytes", "empty", "text", "random", "tensor_file",
                                   "other_dict", "missing", "folder"])
 def test_every_load_failure_is_one_line_naming_the_file(tmp_path, gen, case):
     good = str(tmp_path / "good.pt")
     save_checkpoint(_state(gen), good)
     data = open(good, "rb").read()
-    off = data.index(b"\n") + 1
-    n = len(data) - off
+    n = data.rindex(ckpt_mod.MAGIC)  # payload bytes; the trailer follows
     bad = str(tmp_path / f"{case}.pt")
-    idx = torch.randperm(n, generator=gen)[:64] + off
+    idx = torch.randperm(n - 2, generator=gen)[:64]
     content = {
         "flip64": lambda: _flip(data, idx.tolist()),
-        "flip1": lambda: _flip(data, [off + int(torch.randint(n, (1,), generator=gen))]),
-        "flip_header": lambda: _flip(data, [2]),
-        "truncated": lambda: data[:off + n // 2],
-        "truncated_header": lambda: data[:off // 2],
+        "flip1": lambda: _flip(data, [int(torch.randint(n - 2, (1,), generator=gen))]),
+        "flip_trailer": lambda: _flip(data, [len(data) - 3]),
+        "flip_length": lambda: _flip(data, [n - 1]),
+        "truncated": lambda: data[:n // 2],
+        "truncated_tail": lambda: data[:-5],
         "extra_bytes": lambda: data + b"\0" * 10,
         "empty": lambda: b"",
         "text": lambda: b"model:\n  hidden: 3\n",
         "random": lambda: bytes(torch.randint(256, (4096,), generator=gen, dtype=torch.uint8).tolist()),
     }
-    want = {"flip64": "checksum mismatch", "flip1": "checksum mismatch", "flip_header": "corrupted header",
-            "truncated": "truncated", "truncated_header": "corrupted header", "extra_bytes": "unexpected bytes",
-            "empty": "empty file", "text": "not a dsv_ext checkpoint", "random": "not a dsv_ext checkpoint",
-            "tensor_file": "holds a Tensor", "other_dict": "no 'step', 'model', 'config' entry",
-            "missing": "no such file", "folder": "is a folder"}[case]
+    want = {"flip64": "checksum mismatch", "flip1": "checksum mismatch",
+            "flip_trailer": "damaged checksum trailer", "flip_length": "damaged checksum trailer",
+            "truncated": "truncated or damaged", "truncated_tail": "damaged checksum trailer",
+            "extra_bytes": "unexpected bytes", "empty": "empty file", "text": "not a dsv_ext checkpoint",
+            "random": "not a dsv_ext checkpoint", "tensor_file": "holds a Tensor",
+            "other_dict": "no 'step', 'model', 'config' entry", "missing": "no such file",
+            "folder": "is a folder"}[case]
     if case in content:
         with open(bad, "wb") as f:
             f.write(content[case]())
@@ -167,7 +172,7 @@ def test_checkpoint_command(tmp_path, gen, capsys):
     with open(path, "ab") as f:
         f.write(b"x")
     assert ckpt_mod.main([path]) == 2
-    assert "unexpected bytes" in _one_line(capsys.readouterr().err)
+    assert "1 unexpected bytes after the checksum trailer" in _one_line(capsys.readouterr().err)
 
 
 # ---------------------------------------------------------------------------------------------
