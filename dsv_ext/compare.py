@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from .cli import run_command
+from .cli import check_numeric_args, run_command
 from .train import load_config, train
 
 __all__ = ["compare", "write_table", "write_plot", "main"]
@@ -63,6 +63,11 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
     for att in ("dense", "dsv"):
         runs[att] = train(cfg, out_dir=os.path.join(out_dir, att), steps=steps, attention=att,
                           device=device, progress=progress)
+        stopped = runs[att]["summary"].get("stopped_by")
+        if stopped:  # SIGINT / SIGTERM: keep the checkpoint, run nothing more
+            raise KeyboardInterrupt(f"{stopped}: the {att} run stopped at step "
+                                    f"{runs[att]['summary']['stopped_at_step']}; its checkpoint is "
+                                    f"{os.path.join(out_dir, att, 'ckpt_last.pt')}")
         if not keep_checkpoints:  # keep the folder small enough to commit
             for f in os.listdir(os.path.join(out_dir, att)):
                 if f.startswith("ckpt_") and f.endswith(".pt"):
@@ -216,6 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
 
     def body() -> int:
+        check_numeric_args(a, ints={"steps": 1})
         cfg = load_config(a.config, a.overrides)
         out = a.out or os.path.join("runs", f"compare-{cfg.get('name', 'run')}")
         compare(cfg, out, steps=a.steps, device=a.device, progress=not a.no_progress,
@@ -224,7 +230,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"outputs in {out}")
         return 0
 
-    return run_command(p.prog, body)
+    def guarded() -> int:
+        try:
+            return body()
+        except KeyboardInterrupt as e:
+            print(f"{p.prog}: interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
+            return 143 if str(e).startswith("SIGTERM") else 130
+
+    return run_command(p.prog, guarded)
 
 
 if __name__ == "__main__":

@@ -270,7 +270,21 @@ def yaml_load(stream):
             re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
             list("-+0123456789"))
         _YAML_LOADER = _Loader
-    return yaml.load(stream, Loader=_YAML_LOADER)
+    try:
+        return yaml.load(stream, Loader=_YAML_LOADER)
+    except yaml.YAMLError as e:
+        raise ValueError(yaml_error_line(e, getattr(stream, "name", None))) from None
+
+
+def yaml_error_line(e, name=None) -> str:
+    """One line for a YAML syntax error: ``<file>:<line>:<column>: invalid YAML: <problem>``."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = name if isinstance(name, str) else "<string>"
+    if mark is not None:
+        where += f":{mark.line + 1}:{mark.column + 1}"
+    what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) \
+        or str(e).splitlines()[0]
+    return f"{where}: invalid YAML: {what}"
 
 
 def _field_docs() -> Dict[str, str]:  # pragma: no cover - documentation helper

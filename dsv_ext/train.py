@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .cli import run_command
+from .cli import check_numeric_args, run_command
 from .config import yaml_load
 from .data import ProceduralVideos, _generator, make_dataset
 from .models.dit import DiTConfig, VideoDiT
@@ -131,14 +131,20 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
     else:
         if path is None:
             raise ValueError("config: a path or a base dict is required")
-        with open(path) as f:
-            cfg = yaml_load(f) or {}
+        try:
+            with open(path) as f:
+                cfg = yaml_load(f) or {}
+        except UnicodeDecodeError:
+            raise ValueError(f"config: {path}: not a text (YAML) file") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"config: {path}: expected a mapping at top level")
     bad = sorted(set(cfg) - {"model", "data", "train", "dsv", "name"})
     if bad:
         raise ValueError(f"config: unknown sections {bad} (expected model, data, train, dsv)")
     for sec in ("model", "data", "train", "dsv"):
+        if not isinstance(cfg.get(sec) or {}, dict):
+            raise ValueError(f"{sec}: expected a mapping of keys, got {cfg[sec]!r}"
+                             + (f" (in {path})" if path else ""))
         cfg[sec] = dict(cfg.get(sec) or {})
     cfg.setdefault("name", os.path.splitext(os.path.basename(path))[0] if path else "run")
     for ov in overrides:
@@ -148,7 +154,13 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
         sec, name = key.split(".", 1)
         if sec not in ("model", "data", "train", "dsv"):
             raise ValueError(f"--set: unknown section {sec!r} in {ov!r}")
-        cfg[sec][name] = _parse_value(val)
+        try:
+            cfg[sec][name] = _parse_value(val)
+        except ValueError as e:
+            raise ValueError(f"--set: {ov!r}: {str(e).split(': ', 1)[-1]}") from None
+    from .data import check_data_config
+
+    check_data_config(cfg["data"])  # strict, like the other sections
     return cfg
 
 
@@ -391,9 +403,58 @@ def _save_checkpoint(path, step, model, opt, controller, cfg, attention, history
         # so a resumed run logs the same window means as an uninterrupted one
         "log_window": log_window,
     }
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    from .checkpoint import save_checkpoint
+
+    save_checkpoint(state, path)  # atomic, with a checksum (dsv_ext/checkpoint.py)
+
+
+def _resume_from(path, dev, cfg, attention, model, opt, controller, log) -> Dict[str, Any]:
+    """Load a checkpoint into model / optimizer / controller and the RNGs; warn about config
+    values that differ from the checkpoint's (refuse only where the weights cannot load)."""
+    from .checkpoint import CheckpointError, config_diff, format_diff, load_checkpoint
+
+    ck = load_checkpoint(path, map_location=dev, required=("step", "model", "optimizer", "config"))
+    if controller is not None and ck.get("controller") is None:
+        raise ValueError(f"resume: {path} has no DSV controller state "
+                         f"(it was trained with attention={ck.get('attention')})")
+    if controller is None and ck.get("controller") is not None:
+        raise ValueError(f"resume: {path} was trained with attention=dsv; "
+                         "resume it with --attention dsv")
+    # train.steps is the total step count: extending a run is what resuming is for
+    diff = config_diff(_with_defaults(ck.get("config") or {}), _with_defaults(cfg),
+                       ignore=("train.steps", "model.attention"))
+    try:
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        if controller is not None:
+            controller.load_state_dict(ck["controller"])
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()
+        why = f"the config differs ({format_diff(diff)})" if diff else \
+            (first[0] if first else type(e).__name__)
+        raise CheckpointError(f"resume: {path} does not fit this model: {why}") from None
+    if diff:
+        log(f"warning: resuming {path} with a different config: {format_diff(diff)}")
+    # RNG states are CPU ByteTensors; a checkpoint loaded with map_location="cuda" moved them
+    torch.set_rng_state(ck["torch_rng"].cpu())
+    if ck.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in ck["cuda_rng"]])
+    ck["config_diff"] = diff
+    return ck
+
+
+def _with_defaults(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The train and dsv sections with their defaults filled in (for comparing configs)."""
+    from .config import DSVConfig
+
+    out = copy.deepcopy(cfg)
+    for sec, fill in (("train", lambda d: dataclasses.asdict(TrainConfig.from_dict(d))),
+                      ("dsv", lambda d: DSVConfig.from_dict(d).to_dict())):
+        try:
+            out[sec] = fill(dict(cfg.get(sec) or {}))
+        except (ValueError, TypeError):
+            pass  # compare as written
+    return out
 
 
 def _resolve_device(device: Optional[str]) -> torch.device:
@@ -408,13 +469,16 @@ def _resolve_device(device: Optional[str]) -> torch.device:
 def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[int] = None,
           resume: Optional[str] = None, attention: Optional[str] = None,
           device: Optional[str] = None, progress: bool = True,
-          log: Callable[[str], None] = None, context_parallel: bool = False) -> Dict[str, Any]:
+          log: Callable[[str], None] = None, context_parallel: bool = False,
+          on_step: Optional[Callable[[int, Dict[str, Any]], None]] = None) -> Dict[str, Any]:
     """Run (or resume) a training run. Returns ``{"history": [...], "val": [...], "summary": {...}}``.
 
     ``cfg`` is a dict from :func:`load_config`; ``steps`` overrides ``train.steps`` (the total
     step count, also when resuming); ``attention`` overrides ``model.attention``.
     ``context_parallel``: every rank of the (initialised) default process group trains the same
     batch, each sequence split over the ranks (``dsv_ext.parallel``); rank 0 writes the outputs.
+    ``on_step(step, info)``: called after each optimizer step (``step`` counts from 1; ``info``
+    has ``loss``, ``stage``, ``step_time_s`` and ``controller``), e.g. by benchmarks/soak.py.
     """
     log = log or (lambda s: print(s, file=sys.stderr))
     cp_rank, cp_world = 0, 1
@@ -429,10 +493,9 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             progress = False
             log = (lambda s: None)
     cfg = copy.deepcopy(cfg)
-    tcfg = TrainConfig.from_dict(cfg["train"])
     if steps is not None:
-        tcfg.steps = int(steps)
-        cfg["train"]["steps"] = int(steps)
+        cfg["train"]["steps"] = steps  # range-checked with the section
+    tcfg = TrainConfig.from_dict(cfg["train"])
     dev = _resolve_device(device)
     if dev.type == "cpu" and tcfg.threads > 0:
         # context-parallel ranks on one machine share its cores
@@ -497,21 +560,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     vals: List[Dict[str, Any]] = []
     log_window = None
     if resume:
-        ck = torch.load(resume, map_location=dev, weights_only=False)
-        if controller is not None and ck.get("controller") is None:
-            raise ValueError(f"resume: {resume} has no DSV controller state "
-                             f"(it was trained with attention={ck.get('attention')})")
-        if controller is None and ck.get("controller") is not None:
-            raise ValueError(f"resume: {resume} was trained with attention=dsv; "
-                             "resume it with --attention dsv")
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        if controller is not None:
-            controller.load_state_dict(ck["controller"])
-        # RNG states are CPU ByteTensors; a checkpoint loaded with map_location="cuda" moved them
-        torch.set_rng_state(ck["torch_rng"].cpu())
-        if ck.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in ck["cuda_rng"]])
+        ck = _resume_from(resume, dev, cfg, attention, model, opt, controller, log)
         start = int(ck["step"])
         log_window = ck.get("log_window")
         # Drop metric lines past the checkpoint (a crashed run may have logged further).
@@ -580,6 +629,10 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     wall0 = time.perf_counter()
     model.train()
     step = start
+    from .checkpoint import StopOnSignal
+
+    stop = StopOnSignal(log).__enter__()
+    stopped_at = None
     try:
         for step in range(start, tcfg.steps):
             x0, noise, t = fut.result()
@@ -621,6 +674,9 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             if not math.isfinite(loss_v):
                 raise FloatingPointError(f"loss is {loss_v} at step {step}")
             done = step + 1
+            if on_step is not None:
+                on_step(done, {"loss": loss_v, "step_time_s": dt, "controller": controller,
+                               "stage": int(getattr(controller, "stage", 1)) if controller is not None else 1})
             if done % tcfg.log_every == 0 or done == tcfg.steps:
                 st = _controller_stats(controller)
                 rec = {"kind": "train", "step": done, "loss": win_loss / win_n, "last_loss": loss_v,
@@ -646,11 +702,19 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
                 save(os.path.join(out_dir, "ckpt_last.pt"), done)
             if tcfg.ckpt_every > 0 and done % tcfg.ckpt_every == 0 and done < tcfg.steps:
                 save(os.path.join(out_dir, f"ckpt_{done}.pt"), done)
-        final_step = max(start, tcfg.steps)
-        if start < tcfg.steps or not vals:
-            last_val = run_val(final_step)
-        save(os.path.join(out_dir, "ckpt_last.pt"), final_step)
+            if stop.requested(cp_world, dev) and done < tcfg.steps:
+                save(os.path.join(out_dir, "ckpt_last.pt"), done)
+                stopped_at = done
+                log(f"{stop.signal}: stopped after step {done} of {tcfg.steps}; resume with "
+                    f"--resume {os.path.join(out_dir, 'ckpt_last.pt')}")
+                break
+        if stopped_at is None:
+            final_step = max(start, tcfg.steps)
+            if start < tcfg.steps or not vals:
+                last_val = run_val(final_step)
+            save(os.path.join(out_dir, "ckpt_last.pt"), final_step)
     finally:
+        stop.__exit__(None, None, None)
         pool.shutdown(wait=True, cancel_futures=True)
         if bar is not None:
             bar.close()
@@ -658,10 +722,12 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             mf.close()
 
     st = _controller_stats(controller)
-    n_trained = max(tcfg.steps - start, 0)
+    n_trained = max((stopped_at or tcfg.steps) - start, 0)
     summary = {
         "name": name, "attention": attention, "device": str(dev), "steps": tcfg.steps,
         "resumed_from": start if resume else None,
+        "stopped_by": stop.signal if stopped_at is not None else None,
+        "stopped_at_step": stopped_at,
         "tokens_per_sample": tokens_per_sample, "batch_size": tcfg.batch_size,
         "final_val_loss": last_val,
         "final_train_loss": history[-1]["loss"] if history else None,
@@ -700,6 +766,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
 
     def body() -> int:
+        check_numeric_args(a, ints={"steps": 1})
         cfg = load_config(a.config, a.overrides)
         device = a.device
         if a.context_parallel:
@@ -722,9 +789,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "wall_time_s", "dsv_stage", "dsv_sparsity", "dsv_recall")
         print(json.dumps({k: s.get(k) for k in keys if k in s}))
         print(f"outputs in {res['out_dir']}")
-        return 0
+        # a run stopped by a signal (checkpoint saved) exits as shells expect: 128 + signal number
+        return {"SIGINT": 130, "SIGTERM": 143}.get(s.get("stopped_by"), 0)
 
-    return run_command(p.prog, body)
+    def guarded() -> int:
+        try:
+            return body()
+        except KeyboardInterrupt as e:
+            print(f"{p.prog}: interrupted{': ' + str(e) if str(e) else ''} (checkpoints on disk are "
+                  "intact: they are written atomically)", file=sys.stderr)
+            return 130
+
+    return run_command(p.prog, guarded)
 
 
 def _init_context_parallel(device: Optional[str]) -> str:
