@@ -106,7 +106,7 @@ class BuildExtensionWithCLib(BuildExtension):
             digest, with_cuda, " ".join(cuda_arch),
             "-DDSV_WGMMA" in nvcc_flags, torch.__version__, torch.version.cuda)
         # inplace (also pip's editable mode): the library was copied into dsv_ext/
-        pkg_dir = os.path.dirname(self.get_ext_fullpath(ext.name))
+        pkg_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath(ext.name)))
         for d in {pkg_dir, os.path.join(ROOT, "dsv_ext")} if self.inplace else {pkg_dir}:
             os.makedirs(d, exist_ok=True)
             with open(os.path.join(d, buildcheck.BUILD_INFO), "w") as f:
