@@ -96,11 +96,11 @@ class BuildExtensionWithCLib(BuildExtension):
     def run(self):
         t0 = time.time()
         digest = buildcheck.source_digest(ROOT)  # what this build compiles
-        print(f"dsv-ext: compiling {len(c_sources)} C files, csrc/dsv_ops.cpp"
-              + (f" and {len(cu_sources)} CUDA files" if cu_sources else "")
-              + f" (DSV_BUILD_CUDA={'1' if with_cuda else '0'})", file=sys.stderr, flush=True)
         if self.distribution.has_c_libraries():
             self.run_command("build_clib")
+        print("dsv-ext: compiling csrc/dsv_ops.cpp" + (f" and {len(cu_sources)} CUDA files" if cu_sources else "")
+              + f" (DSV_BUILD_CUDA={'1' if with_cuda else '0'}, MAX_JOBS={os.environ.get('MAX_JOBS', 'ninja default')})",
+              file=sys.stderr, flush=True)
         super().run()
         record = buildcheck.build_record(
             digest, with_cuda, " ".join(cuda_arch),

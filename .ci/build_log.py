@@ -2,8 +2,8 @@
 
     python3 -m pip install -v ... 2>&1 | python3 .ci/build_log.py LOG
 
-Prints one line per compiled file (C, C++, CUDA: the compile commands of setuptools and of
-ninja's "[k/n]" steps) with the elapsed time, the build's own "dsv-ext:" lines, compiler
+Prints one line per compiled file (C: setuptools' compile commands; C++ and CUDA: ninja's
+"[k/n]" steps) with the elapsed time, the build's own "dsv-ext:" lines, compiler
 diagnostics, and "still building" every 60 s of silence; everything goes to LOG. On a failed
 build the caller prints the log's tail.
 """
@@ -40,16 +40,23 @@ def short(path: str) -> str:
 
 
 threading.Thread(target=ticker, daemon=True).start()
+collecting = False
 with open(LOG, "w") as log:
     for line in sys.stdin:
         log.write(line)
         log.flush()
-        text = line.rstrip("\n")
+        text = line.strip()  # pip -v indents the build's output
         m = COMPILE.search(text)
         if m:
-            n = NINJA.match(text)
-            say((f"[{n.group(1)}/{n.group(2)}] " if n else "") + "compiling " + short(m.group(1)))
+            n = NINJA.match(text)  # ninja prints a step when it ends (output not a terminal)
+            say(f"[{n.group(1)}/{n.group(2)}] compiled {short(m.group(1))}" if n
+                else f"compiling {short(m.group(1))}")
         elif text.startswith("dsv-ext: "):
             say(text[len("dsv-ext: "):])
+        elif text.startswith("Collecting ") and not collecting:
+            collecting = True
+            say("resolving the requirements")
+        elif text.startswith("Installing collected packages:"):
+            say(text)
         elif DIAG.search(text) and "is ignored: it is neither a file nor a directory" not in text:
-            say(text.strip())
+            say(text)

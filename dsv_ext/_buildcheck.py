@@ -198,7 +198,7 @@ def main() -> int:
     sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != os.path.realpath(here)]
     why = check(ROOT)
     if why:
-        print(f"[install] building dsv-ext: {why}", flush=True)
+        print(f"[install] dsv-ext needs a build: {why}", flush=True)
         return 1
     rec = read_record(os.path.join(ROOT, "dsv_ext")) or {}
     kind = f"CUDA kernels ({rec.get('cuda_arch')})" if rec.get("cuda_kernels") else "CPU kernels only"

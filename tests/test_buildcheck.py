@@ -142,5 +142,5 @@ def test_script_exit_status_and_message():
     env = dict(os.environ, DSV_REBUILD="1")
     p = subprocess.run([sys.executable, bc.__file__], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 1, p.stdout + p.stderr
-    assert p.stdout.startswith("[install] building dsv-ext: DSV_REBUILD is set")
+    assert p.stdout.startswith("[install] dsv-ext needs a build: DSV_REBUILD is set")
     assert p.stderr == ""
