@@ -116,7 +116,8 @@ class BuildExtensionWithCLib(BuildExtension):
 
 
 setup(
-    packages=find_packages(include=["dsv_ext", "dsv_ext.*"]),
+    # calibration/ holds data only (no __init__.py): named here so that setuptools ships it quietly
+    packages=[*find_packages(include=["dsv_ext", "dsv_ext.*"]), "dsv_ext.calibration"],
     libraries=[("dsv_cpu", {
         "sources": c_sources,
         "include_dirs": ["csrc"],
