@@ -126,5 +126,5 @@ setup(
     })],
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtensionWithCLib},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},  # torch compiles with Py_LIMITED_API 3.10
 )
