@@ -377,6 +377,56 @@ def _per_block(controller) -> List[Dict[str, Any]]:
     return rows
 
 
+def _fmt(v, spec: str = ".3f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def _switch_line(controller, step: int) -> str:
+    """The console line at the stage switch."""
+    st = _controller_stats(controller)
+    blocks = st.get("blocks", [])
+    cfg = getattr(controller, "config", None)
+    forced = getattr(cfg, "force_stage2_step", None) is not None and step >= cfg.force_stage2_step
+    why = (f"forced at dsv.force_stage2_step={cfg.force_stage2_step}" if forced else
+           f"predictor loss {_fmt(st.get('pred_loss'), '.4f')} < dsv.switch_loss={getattr(cfg, 'switch_loss', 'n/a')}")
+    return (f"step {step}: switched to stage 2 ({why}): {sum(1 for b in blocks if b['sparse'])}/"
+            f"{len(blocks)} blocks sparse, mean sparsity {_fmt(st.get('sparsity'))}, "
+            f"recall {_fmt(st.get('recall'))}")
+
+
+def _summary_table(summary: Dict[str, Any], vals: List[Dict[str, Any]], st: Dict[str, Any],
+                   out_dir: str) -> List[str]:
+    """The console table at the end of a run."""
+    tps = summary.get("tokens_per_s")
+    rows = [("steps", f"{summary['steps']}" + (f" (resumed from {summary['resumed_from']})"
+                                               if summary.get("resumed_from") else "")),
+            ("final train loss", _fmt(summary.get("final_train_loss"), ".4f")),
+            ("final val loss", _fmt(summary.get("final_val_loss"), ".4f")),
+            ("val loss by step", "  ".join(f"{r['step']}: {r['val_loss']:.4f}" for r in vals) or "n/a"),
+            ("tokens/s", _fmt(tps, ".0f") + (f" (stage 1: {_fmt(summary.get('stage1_tokens_per_s'), '.0f')}, "
+                                             f"stage 2: {summary['stage2_tokens_per_s']:.0f})"
+                                             if summary.get("stage2_tokens_per_s") else "")),
+            ("wall time", f"{summary['wall_time_s']:.0f} s")]
+    if summary.get("attention") == "dsv":
+        blocks = st.get("blocks", [])
+        rows += [("DSV stage", f"{st.get('stage', 1)}" + (f" (switched at step {st['switch_step']})"
+                                                         if st.get("switch_step") else "")),
+                 ("blocks sparse", f"{sum(1 for b in blocks if b['sparse'])}/{len(blocks)}"),
+                 ("mean sparsity", _fmt(st.get("sparsity"))),
+                 ("mean recall", _fmt(st.get("recall")))]
+    rows.append(("outputs", out_dir))
+    blocks = st.get("blocks", []) if summary.get("attention") == "dsv" else []
+    w = max(len(k) for k in [k for k, _ in rows] + [b["name"] for b in blocks])
+    title = f"summary: {summary['name']} / {summary['attention']} on {summary['device']}"
+    lines = [title, "-" * len(title)] + [f"{k:<{w}}  {v}" for k, v in rows]
+    if blocks:
+        lines.append(f"{'block':<{w}}  sparse  sparsity  recall")
+        for b in blocks:
+            lines.append(f"{b['name']:<{w}}  {'yes' if b['sparse'] else 'no':<6}  "
+                         f"{_fmt(b['sparsity']):>8}  {_fmt(b['recall']):>6}")
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------
@@ -607,6 +657,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
                "val_time_s": time.perf_counter() - t0, **_controller_stats(controller)}
         vals.append(rec)
         write(rec)
+        say(f"step {step}: val_loss {v:.4f} (stage {rec.get('stage', 1)}, {rec['val_time_s']:.1f} s)")
         return v
 
     bar = None
@@ -618,6 +669,15 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
                        dynamic_ncols=True, file=sys.stderr)
         except ImportError:
             bar = None
+
+    def say(line):
+        """A console line (through `log`), printed above the progress bar."""
+        if bar is None:
+            log(line)
+        else:
+            with bar.external_write_mode(file=sys.stderr):
+                log(line)
+
     pool = ThreadPoolExecutor(max_workers=1)
     fut = pool.submit(stream.batch, start, tcfg.timestep_sampling) if start < tcfg.steps else None
     last_val = None
@@ -626,6 +686,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         win_tokens, win_time, win_loss, win_n = log_window
     train_time = 0.0
     stage2_tokens, stage2_time = 0, 0.0
+    stage1_tokens, stage1_time, cpu_note_done = 0, 0.0, dev.type != "cpu"
     wall0 = time.perf_counter()
     model.train()
     step = start
@@ -658,6 +719,8 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             opt.zero_grad(set_to_none=True)
             if controller is not None:
                 controller.step()
+                if stage_before == 1 and controller.stage == 2:
+                    say(_switch_line(controller, step + 1))
             loss_v = float(loss.detach())  # host sync: step time below includes the whole step
             if dev.type == "cuda":
                 torch.cuda.synchronize()
@@ -671,6 +734,9 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             if stage_before == 2:
                 stage2_tokens += ntok
                 stage2_time += dt
+            else:
+                stage1_tokens += ntok
+                stage1_time += dt
             if not math.isfinite(loss_v):
                 raise FloatingPointError(f"loss is {loss_v} at step {step}")
             done = step + 1
@@ -695,6 +761,14 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
                     post["tok/s"] = f"{rec['tokens_per_s']:.0f}"
                     bar.set_postfix(post, refresh=False)
                 win_tokens, win_time, win_loss, win_n = 0, 0.0, 0.0, 0
+                if not cpu_note_done and stage2_time > 0 and stage1_time > 0:
+                    cpu_note_done = True
+                    tps1, tps2 = stage1_tokens / stage1_time, stage2_tokens / stage2_time
+                    if tps2 < tps1:
+                        say(f"note: tokens/s {tps1:.0f} in stage 1 -> {tps2:.0f} in stage 2: on the CPU the "
+                            "sparse path runs the C reference kernels plus top-K estimation, slower than "
+                            "dense attention at this size; the speed-up of sparse attention is a GPU "
+                            "result (docs/TRAINING.md)")
             if bar is not None:
                 bar.update(1)
             if tcfg.val_every > 0 and done % tcfg.val_every == 0 and done < tcfg.steps:
@@ -734,6 +808,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         "train_time_s": train_time, "wall_time_s": time.perf_counter() - wall0,
         "tokens_per_s": (n_trained * tcfg.batch_size * tokens_per_sample / train_time
                          if train_time > 0 else None),
+        "stage1_tokens_per_s": stage1_tokens / stage1_time if stage1_time > 0 else None,
         "stage2_tokens_per_s": stage2_tokens / stage2_time if stage2_time > 0 else None,
         "stage2_steps": round(stage2_tokens / (tcfg.batch_size * tokens_per_sample)),
         "parameters": sum(p.numel() for p in params),
@@ -743,6 +818,8 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     if writer:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
+        for line in _summary_table(summary, vals, st, out_dir):
+            log(line)
     return {"history": history, "val": vals, "summary": summary, "out_dir": out_dir}
 
 
