@@ -17,7 +17,7 @@ class SparseAttention(nn.Module):
         Predictors, profiling and per-head K see the video part only. attn_mask: the SDPA mask
         of the dense path (as the model passes it); the sparse path reads it as a key-padding
         mask of the text tokens (bool, [B, 1, 1, S] or [B, S], True = attend; the video keys
-        must all be valid there).
+        must all be valid there; a mask without text tokens keeps the call dense).
     set_grid(grid)                 # (T, H, W) token grid used when forward() gets none
     stage: int                     # 1 (dense) or 2 (sparse); set by the controller
     predictor: LowRankPredictor    # per-head [H, D, r] projections for q and k
@@ -453,7 +453,7 @@ class SparseAttention(nn.Module):
         vid = slice(n_text, S) if text_first else slice(0, Sv)
         if self.training and (self._train_now or self._profile_now):
             self._side_tasks(q[:, vid], k[:, vid], grid, scale)
-        if self.stage == 2 and self.use_sparse and self.density is not None:
+        if self.stage == 2 and self.use_sparse and self.density is not None and n_text > 0:
             if Sv != self._k_seq_len:
                 self._refresh_counts(Sv)
             perm, inv = self._perm(grid, Sv, q.device)

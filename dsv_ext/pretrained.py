@@ -114,7 +114,7 @@ def save_pretrained(model: nn.Module, path: str, controller=None, **kwargs) -> N
     if controller is not None and getattr(controller, "model", None) is not model:
         raise ValueError("controller: drives another model than the one being saved")
     model.save_pretrained(path, **kwargs)
-    folder = os.path.join(path, kwargs["subfolder"]) if kwargs.get("subfolder") else path
+    folder = os.fspath(path)
     saved = set(_read_predictors(folder, keys_only=True))
     want = {f"{n}.predictor.{w}" for n, _ in cores for w in ("wq", "wk")}
     if not want <= saved:

@@ -107,8 +107,20 @@ def _mochi(seed):
     return m, args
 
 
+def _wan(seed):
+    from diffusers import WanTransformer3DModel
+    torch.manual_seed(seed)
+    m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                              out_channels=4, text_dim=16, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64)
+    g = _g(seed + 1)
+    args = dict(hidden_states=torch.randn(B, 4, 2, 8, 12, generator=g), timestep=torch.tensor([300, 700]),
+                encoder_hidden_states=torch.randn(B, 5, 16, generator=g))
+    return m, args
+
+
 # name: (builder, converted attention paths, sparse calls per forward, processor class name)
 MODELS = {
+    "wan": (_wan, ["blocks.0.attn1", "blocks.1.attn1"], 2, "DSVWanAttnProcessor"),
     "ltx": (_ltx, ["transformer_blocks.0.attn1", "transformer_blocks.1.attn1"], 2, "DSVLTXAttnProcessor"),
     "cogvideox": (_cogvideox, ["transformer_blocks.0.attn1", "transformer_blocks.1.attn1"], 2,
                   "DSVCogVideoXAttnProcessor"),
@@ -121,9 +133,10 @@ MODELS = {
 def _build(name, seed=0):
     pytest.importorskip("diffusers")
     model, args = MODELS[name][0](seed)
+    g = _g(seed + 7)
     with torch.no_grad():  # zero-initialised gates / projections would hide the attention
         for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=_g(seed + 7)))
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
     return model, args
 
 
@@ -203,6 +216,11 @@ def test_diffusers_stage2_sparse_and_save_load(name, sparse_calls, tmp_path):
     plain = cls.from_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="^model: .*dsv_ext.from_pretrained"):
         convert(plain)
+    # a folder without predictors cannot be loaded as a DSV model
+    plain_dir = tmp_path / "plain"
+    _build(name)[0].save_pretrained(str(plain_dir))
+    with pytest.raises(ValueError, match="^path: .*no DSV predictors"):
+        dsv_ext.from_pretrained(cls, str(plain_dir))
 
     # every key selected: the sparse path is dense attention in another summation order
     ctl.set_sparsity([0.0] * len(ctl.modules), force_sparse=True)
@@ -281,6 +299,27 @@ def test_joint_core_matches_float64_reference(text_first, masked):
     want = torch.autograd.grad(ref, (q, k, v), gout)
     for a, b_ in zip(got, want):
         torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)
+
+
+def test_joint_index_reuse_in_eval():
+    torch.manual_seed(0)
+    core = SparseAttention(2, 16, grid=(2, 4, 6), config=DSVConfig(group_size=8, k_multiple=8, rank=4)).eval()
+    core.stage, core.use_sparse = 2, True
+    core.set_density([0.3, 0.5], seq_len=48)
+    core.set_index_refresh(2)
+    q, k, v = (torch.randn(B, 53, 2, 16) for _ in range(3))
+    first = core(q, k, v, n_text=5)
+    key_index = core._index_cache[1]
+    q2 = torch.randn_like(q)
+    second = core(q2, k, v, n_text=5)                # reuses the index of the first call
+    assert core._index_cache[1] is key_index
+    core.set_index_refresh(1)
+    again = core(q, k, v, n_text=5)
+    assert torch.equal(first, again)
+    want, index = joint_sparse_core(q2, k, v, core.predictor.wq, core.predictor.wk,
+                                    *cube_permutation((2, 4, 6), core.config.cube, 48), core.kv_count, core.kmax,
+                                    8, None, 5, index=key_index, return_index=True)
+    assert torch.equal(second, want)
 
 
 def test_joint_core_argument_errors():
