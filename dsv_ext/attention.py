@@ -193,8 +193,8 @@ def joint_sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: tor
                       attn_mask: Optional[torch.Tensor] = None, backend: str = "auto",
                       index: Optional[torch.Tensor] = None, return_index: bool = False):
     """Stage-2 joint text+video attention on [B, S, H, D] (S = n_video + n_text; the text tokens
-    last, or first with text_first). Video queries: one sparse_attention call over the key
-    sequence [video keys, text keys] where each query group's list is its top-K video keys
+    last, or first with text_first). Video queries: one sparse_attention call over all keys
+    (k, v as given, no copies) where each query group's list is its top-K video keys
     (estimated as in sparse_core, K = kv_count[h]) followed by every (valid) text key, so
     kv_count becomes K + n_text; the kernel needs as many query rows as keys, so the text
     queries fill the rows after the video ones and their outputs there are discarded (their
@@ -211,8 +211,7 @@ def joint_sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: tor
     out_dtype = q.dtype
     kdt = kernel_dtype(q)
     q, k, v = q.to(kdt), k.to(kdt), v.to(kdt)
-    qv, kv, vv = q[:, vid], k[:, vid], v[:, vid]
-    qt, kt, vt = q[:, txt], k[:, txt], v[:, txt]
+    qv, kv, qt = q[:, vid], k[:, vid], q[:, txt]
     qp = qv.index_select(1, perm) if perm is not None else qv
     counts = kv_count.view(1, H).expand(B, H).contiguous()
     if index is None:
@@ -230,16 +229,17 @@ def joint_sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: tor
         else:  # valid text keys first (stable: in their order)
             order = torch.argsort((~text_valid).to(torch.int8), dim=1, stable=True)
             n_valid = text_valid.sum(1)
+        # keys stay where they are in k, v: video at vid, text at txt
         tslot = (j - kh).clamp(0, max(n_text - 1, 0)).expand(B, H, 1, L)
-        tpos = Sv + order.view(B, 1, 1, n_text).expand(B, H, 1, n_text).gather(3, tslot)
-        vpos = torch.nn.functional.pad(index.to(torch.int64), (0, n_text)).clamp_min(0)
+        tpos = txt.start + order.view(B, 1, 1, n_text).expand(B, H, 1, n_text).gather(3, tslot)
+        vpos = torch.nn.functional.pad(index.to(torch.int64), (0, n_text)).clamp_min(0) + vid.start
         full = torch.where(j < kh, vpos, tpos).to(torch.int32)     # [B, H, ng_video, L]
         ng = -(-S // group_size)
         if full.shape[2] < ng:  # groups of the text rows (outputs discarded): any valid list
             full = torch.cat([full, full[:, :, -1:].expand(B, H, ng - full.shape[2], L)], dim=2)
         jcount = (counts.to(torch.int64) + n_valid.view(B, 1)).to(torch.int32).contiguous()
-    qc, kc, vc = torch.cat([qp, qt], 1), torch.cat([kv, kt], 1), torch.cat([vv, vt], 1)
-    out_v = ops.sparse_attention(qc, kc, vc, full, jcount, group_size, scale, check_index=False)[:, :Sv]
+    qc = torch.cat([qp, qt], 1)  # video query groups first, aligned to the group size
+    out_v = ops.sparse_attention(qc, k, v, full, jcount, group_size, scale, check_index=False)[:, :Sv]
     out_v = out_v.index_select(1, inv) if inv is not None else out_v
     out_v = out_v.to(out_dtype)
     out_t = out_t.to(out_dtype)
