@@ -26,6 +26,9 @@ from dsv_ext.grouping import cube_permutation
 
 B = 2
 
+# diffusers' Mochi opens a float32 CPU autocast region, which torch warns about
+pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")
+
 
 def _cfg():
     return DSVConfig(group_size=8, k_multiple=8, rank=4, row_sample_stride=4, force_stage2_step=2,
@@ -490,3 +493,81 @@ def test_mha_cross_attention_and_masks_stay_dense(sparse_calls):
     with pytest.warns(UserWarning, match="need_weights"):
         out, w = mha(x, x, x)
     assert w is None and len(sparse_calls) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (skipped without one)
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and dsv_ext.has_cuda_kernels()),
+                    reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("text_first", [False, True])
+def test_joint_core_cuda_bf16_matches_cpu_float64(text_first):
+    """The CUDA kernels on the joint lists (bf16, head dim 64) against the same lists in float64
+    on the CPU. Bounds as tests/test_sparse_attention_cuda.py states them for bf16: elementwise
+    1.6e-2 * rms + 2e-2 * |ref| for the output; relative Frobenius error 2e-2 for the gradients."""
+    torch.manual_seed(0)
+    H, D, grid, St, G = 2, 64, (2, 8, 8), 40, 32
+    Sv = 128
+    S = Sv + St
+    cfg = DSVConfig(group_size=G, k_multiple=16, rank=8)
+    core = SparseAttention(H, D, grid=grid, config=cfg)
+    core.set_density([0.3, 0.5], seq_len=Sv)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    txt = slice(0, St) if text_first else slice(Sv, S)
+    valid[1, txt.start + 30:txt.stop] = False
+    mask = valid[:, None, None, :]
+    perm, inv = cube_permutation(grid, cfg.cube, Sv)
+    x = [torch.randn(B, S, H, D).bfloat16() for _ in range(3)]
+    gout = torch.randn(B, S, H, D).bfloat16()
+    dev = [t.cuda().requires_grad_(True) for t in x]
+    out, index = joint_sparse_core(*dev, core.predictor.wq.cuda(), core.predictor.wk.cuda(), perm.cuda(), inv.cuda(),
+                                   core.kv_count.cuda(), core.kmax, G, None, St, text_first, mask.cuda(),
+                                   return_index=True)
+    grads = torch.autograd.grad(out, dev, gout.cuda())
+    ref_in = [t.double().requires_grad_(True) for t in x]
+    ref = joint_sparse_core(*ref_in, core.predictor.wq.double(), core.predictor.wk.double(), perm, inv,
+                            core.kv_count, core.kmax, G, None, St, text_first, mask, index=index.cpu())
+    ref_grads = torch.autograd.grad(ref, ref_in, gout.double())
+    o, r = out.double().cpu(), ref.detach()
+    rms = r.square().mean().sqrt()
+    assert ((o - r).abs() <= 1.6e-2 * rms + 2e-2 * r.abs()).all()
+    for g, rg in zip(grads, ref_grads):
+        assert (g.double().cpu() - rg).norm() <= 2e-2 * rg.norm()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and dsv_ext.has_cuda_kernels()),
+                    reason="needs a GPU and the CUDA kernels")
+def test_diffusers_joint_model_cuda_stage2(sparse_calls):
+    """HunyuanVideo (joint attention, text padding) with head dim 64 on the GPU in bf16: stage 2
+    runs the sparse kernels and trains with finite gradients."""
+    from diffusers import HunyuanVideoTransformer3DModel
+    torch.manual_seed(0)
+    model = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2,
+                                           attention_head_dim=64, num_layers=1, num_single_layers=1,
+                                           num_refiner_layers=1, patch_size=2, text_embed_dim=16,
+                                           pooled_projection_dim=8, rope_axes_dim=(16, 24, 24),
+                                           guidance_embeds=False).cuda()
+    args = dict(hidden_states=torch.randn(B, 4, 4, 16, 16, device="cuda"), timestep=torch.tensor([300, 700]).cuda(),
+                encoder_hidden_states=torch.randn(B, 40, 16, device="cuda"),
+                encoder_attention_mask=(torch.arange(40) < torch.tensor([[40], [25]])).long().cuda(),
+                pooled_projections=torch.randn(B, 8, device="cuda"))
+    convert(model, config=DSVConfig(group_size=32, k_multiple=16, force_stage2_step=2, dispatch_threshold=0.0,
+                                    use_calibration=False))
+    ctl = DSVController(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        with torch.autocast("cuda", torch.bfloat16):
+            out = model(**args, return_dict=False)[0]
+        out.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ctl.step()
+    assert ctl.stage == 2 and all(m.use_sparse for _, m in ctl.modules)
+    sparse_calls.clear()
+    with torch.autocast("cuda", torch.bfloat16):
+        out = model(**args, return_dict=False)[0]
+    assert len(sparse_calls) == 2 and torch.isfinite(out).all()
+    out.float().square().mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
