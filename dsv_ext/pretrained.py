@@ -96,10 +96,11 @@ def check_not_stripped(model: nn.Module) -> None:
                 except (OSError, ValueError):
                     continue
             if _holds_dsv_state(folder):
+                sub = "" if folder == root else f", subfolder={os.path.basename(folder)!r}"
                 raise ValueError(
                     f"model: {type(m).__name__} was loaded from {folder}, which holds DSV predictors that "
                     f"{type(m).__name__}.from_pretrained dropped; load it with "
-                    f"dsv_ext.from_pretrained({type(m).__name__}, {root!r}) to keep them")
+                    f"dsv_ext.from_pretrained({type(m).__name__}, {root!r}{sub}) to keep them")
 
 
 def save_pretrained(model: nn.Module, path: str, controller=None, **kwargs) -> None:
@@ -204,4 +205,9 @@ def from_pretrained(cls, path: str, config: Optional[DSVConfig] = None, grid=Non
         ctrl_file = os.path.join(folder, CONTROLLER)
         if os.path.isfile(ctrl_file):
             ctrl.load_state_dict(torch.load(ctrl_file, map_location="cpu", weights_only=True))
+        else:
+            import warnings
+            warnings.warn(f"path: {folder} has the predictors but no {CONTROLLER} (saved without a controller): "
+                          "the returned DSVController starts in stage 1; pass the controller to "
+                          "dsv_ext.save_pretrained to keep the stage, sparsity estimates and step")
     return model, ctrl
