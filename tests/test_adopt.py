@@ -241,6 +241,32 @@ def test_diffusers_stage2_sparse_and_save_load(name, sparse_calls, tmp_path):
     torch.testing.assert_close(full, ref, rtol=0, atol=2e-5 * ref.abs().max().item())
 
 
+def test_plain_save_pretrained_subfolder_round_trip(tmp_path):
+    """diffusers' own save_pretrained of a converted model (a pipeline's subfolder) keeps the
+    predictors; from_pretrained restores them and says that the controller state is missing."""
+    model, args = _build("ltx")
+    convert(model, config=_cfg())
+    with torch.no_grad():
+        for _, m in sparse_modules(model):
+            m.predictor.wq.normal_()
+    model.save_pretrained(str(tmp_path / "transformer"))
+    cls = type(model)
+    with pytest.warns(UserWarning, match="^path: .*no dsv_controller.pt"):
+        model2, ctl2 = dsv_ext.from_pretrained(cls, str(tmp_path), subfolder="transformer", config=_cfg())
+    assert ctl2.stage == 1
+    for (n, a), (n2, b) in zip(sparse_modules(model), sparse_modules(model2)):
+        assert n == n2 and torch.equal(a.predictor.wq, b.predictor.wq) and torch.equal(a.predictor.wk, b.predictor.wk)
+    plain = cls.from_pretrained(str(tmp_path), subfolder="transformer")
+    with pytest.raises(ValueError, match="^model: .*subfolder='transformer'"):
+        convert(plain)
+    with pytest.raises(TypeError, match="^cls"):
+        dsv_ext.from_pretrained("LTX", str(tmp_path))
+    with pytest.raises(ValueError, match="^path"):
+        dsv_ext.from_pretrained(cls, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="^model"):
+        dsv_ext.save_pretrained(_build("ltx")[0], str(tmp_path / "x"))
+
+
 def test_diffusers_grid_follows_input():
     model, args = _build("hunyuan")
     convert(model, config=_cfg())
