@@ -50,7 +50,8 @@ def _weight_files(folder: str):
 
 
 def _read_predictors(folder: str, keys_only: bool = False) -> Dict[str, Any]:
-    """Predictor tensors (or just their names) found in the weights files of `folder`."""
+    """Predictor tensors (or just their names: safetensors headers only) in the weights files of
+    `folder`."""
     out: Dict[str, Any] = {}
     for f in _weight_files(folder):
         if f.endswith(".safetensors"):
@@ -59,7 +60,7 @@ def _read_predictors(folder: str, keys_only: bool = False) -> Dict[str, Any]:
                 for k in sf.keys():
                     if _predictor_key(k):
                         out[k] = None if keys_only else sf.get_tensor(k)
-        elif not keys_only or not out:
+        elif not keys_only:  # pickled weights: no cheap way to list the names
             sd = torch.load(f, map_location="cpu", weights_only=True)
             out.update({k: v for k, v in sd.items() if _predictor_key(k)})
     return out
