@@ -117,7 +117,7 @@ def save_pretrained(model: nn.Module, path: str, controller=None, **kwargs) -> N
         raise ValueError("controller: drives another model than the one being saved")
     model.save_pretrained(path, **kwargs)
     folder = os.fspath(path)
-    saved = set(_read_predictors(folder, keys_only=True))
+    saved = set(_read_predictors(folder))
     want = {f"{n}.predictor.{w}" for n, _ in cores for w in ("wq", "wk")}
     if not want <= saved:
         raise RuntimeError(f"save_pretrained: the weights written to {folder} lack predictors "
