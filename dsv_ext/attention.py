@@ -205,8 +205,7 @@ def joint_sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: tor
     Sv = S - n_text
     vid, txt = (slice(n_text, S), slice(0, n_text)) if text_first else (slice(0, Sv), slice(Sv, S))
     text_valid = _text_key_mask(attn_mask, B, S, txt)
-    out_t = dense_core(q[:, txt], k, v, scale, backend,
-                       attn_mask=None if attn_mask is None else attn_mask)
+    out_t = dense_core(q[:, txt], k, v, scale, backend, attn_mask=attn_mask)
     q, k, v = _autocast_inputs(q, k, v)
     out_dtype = q.dtype
     kdt = kernel_dtype(q)
@@ -219,25 +218,26 @@ def joint_sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: tor
             q_lr = torch.einsum("bshd,hdr->bshr", qp.detach(), wq.detach().to(q.dtype)).contiguous()
             k_lr = torch.einsum("bshd,hdr->bshr", kv.detach(), wk.detach().to(k.dtype)).contiguous()
         index = ops.topk_estimate(q_lr, k_lr, counts, group_size, kmax)
-    with torch.no_grad():
-        L = kmax + n_text
-        j = torch.arange(L, device=q.device).view(1, 1, 1, L)
-        kh = kv_count.to(torch.int64).view(1, H, 1, 1)
-        if text_valid is None:
-            order = torch.arange(n_text, device=q.device).view(1, n_text).expand(B, n_text)
-            n_valid = torch.full((B,), n_text, dtype=torch.int64, device=q.device)
-        else:  # valid text keys first (stable: in their order)
+    with torch.no_grad():  # the joint lists, built in int32 in one buffer
+        ngv, ng, L = index.shape[2], -(-S // group_size), kmax + n_text
+        full = torch.empty(B, H, ng, L, dtype=torch.int32, device=q.device)
+        fv = full[:, :, :ngv]
+        fv[..., :kmax] = index
+        if vid.start:
+            fv[..., :kmax] += vid.start  # keys stay where they are in k, v (the -1 padding is never read)
+        if text_valid is None:  # every text key, in order
+            tpos = (txt.start + torch.arange(n_text, device=q.device, dtype=torch.int32)).view(1, 1, 1, n_text)
+            jcount = counts + n_text
+        else:  # the valid text keys first (stable: in their order)
             order = torch.argsort((~text_valid).to(torch.int8), dim=1, stable=True)
-            n_valid = text_valid.sum(1)
-        # keys stay where they are in k, v: video at vid, text at txt
-        tslot = (j - kh).clamp(0, max(n_text - 1, 0)).expand(B, H, 1, L)
-        tpos = txt.start + order.view(B, 1, 1, n_text).expand(B, H, 1, n_text).gather(3, tslot)
-        vpos = torch.nn.functional.pad(index.to(torch.int64), (0, n_text)).clamp_min(0) + vid.start
-        full = torch.where(j < kh, vpos, tpos).to(torch.int32)     # [B, H, ng_video, L]
-        ng = -(-S // group_size)
-        if full.shape[2] < ng:  # groups of the text rows (outputs discarded): any valid list
-            full = torch.cat([full, full[:, :, -1:].expand(B, H, ng - full.shape[2], L)], dim=2)
-        jcount = (counts.to(torch.int64) + n_valid.view(B, 1)).to(torch.int32).contiguous()
+            tpos = (order + txt.start).to(torch.int32).view(B, 1, 1, n_text)
+            jcount = counts + text_valid.sum(1, dtype=torch.int32).view(B, 1)
+        # head h's text keys go right after its K_h video keys
+        slots = kv_count.to(torch.int64).view(1, H, 1, 1) + torch.arange(n_text, device=q.device).view(1, 1, 1, -1)
+        fv.scatter_(3, slots.expand(B, H, ngv, n_text), tpos.expand(B, H, ngv, n_text))
+        if ng > ngv:  # groups of the text rows only (outputs discarded): any valid list
+            full[:, :, ngv:] = fv[:, :, ngv - 1:ngv]
+        jcount = jcount.to(torch.int32).contiguous()
     qc = torch.cat([qp, qt], 1)  # video query groups first, aligned to the group size
     out_v = ops.sparse_attention(qc, k, v, full, jcount, group_size, scale, check_index=False)[:, :Sv]
     out_v = out_v.index_select(1, inv) if inv is not None else out_v
