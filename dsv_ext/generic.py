@@ -104,9 +104,15 @@ class DSVMultiheadAttention(nn.MultiheadAttention):
 
 
 def convert_mha(model: nn.Module, grid, config: DSVConfig) -> int:
+    """Convert the nn.MultiheadAttention modules that can serve self-attention: not those with
+    other key/value sizes (kdim/vdim) and not the cross-attention `multihead_attn` of
+    nn.TransformerDecoderLayer (a converted module that never sees a self-attention call would
+    never be profiled, and the controller waits for every block's profile before the switch)."""
+    cross = {id(getattr(m, "multihead_attn", None)) for m in model.modules()
+             if isinstance(m, nn.TransformerDecoderLayer)}
     n = 0
     for name, m in model.named_modules():
-        if not isinstance(m, nn.MultiheadAttention):
+        if not isinstance(m, nn.MultiheadAttention) or id(m) in cross or not m._qkv_same_embed_dim:
             continue
         if not isinstance(m, DSVMultiheadAttention):
             if type(m) is not nn.MultiheadAttention:

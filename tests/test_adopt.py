@@ -502,6 +502,14 @@ def test_route_sdpa_scope_and_fallbacks():
         convert(SDPABlock(), sdpa_modules=("SDPABlock",))
 
 
+def test_mha_decoder_cross_attention_not_converted():
+    layer = nn.TransformerDecoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+    other = nn.MultiheadAttention(32, 2, kdim=16, vdim=16)
+    convert(nn.Sequential(layer, nn.ModuleList([other])), grid=(2, 4, 6))
+    assert isinstance(layer.self_attn, DSVMultiheadAttention)
+    assert type(layer.multihead_attn) is nn.MultiheadAttention and type(other) is nn.MultiheadAttention
+
+
 def test_mha_cross_attention_and_masks_stay_dense(sparse_calls):
     mha = nn.MultiheadAttention(32, 2, batch_first=True)
     convert(nn.Sequential(mha), grid=(2, 4, 6), config=_cfg())
