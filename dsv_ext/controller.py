@@ -332,13 +332,14 @@ class DSVController:
         dispatcher (host only). In stage 1 the K's serve the recall measurement."""
         blocks = []
         cfg = self.config
+        all_keys = [False] * len(self.modules)  # every head attends to all keys: the block stays dense
         for i, (_, m) in enumerate(self.modules):
             dens = self.head_density(i)
             if dens is None:
                 m.set_density(None)
                 blocks.append(None)
                 continue
-            full = all(d >= 1.0 for d in dens)
+            full = all_keys[i] = all(d >= 1.0 for d in dens)
             if cfg.k_rule == "recall" and self.recall_density[i] is not None:
                 # K = head_k(1 - d) adds k_margin (a theta-rule knob): take it off the recall rule's
                 dens = [d - cfg.k_margin for d in dens]
@@ -363,7 +364,7 @@ class DSVController:
         if self.config.auto_calibrate and self.config.use_calibration:
             self._auto_calibrate(valid)
         choice = iter(self.dispatcher.plan(valid, valid[0]["device"]) if valid else [])
-        use = [bool(next(choice)) if b is not None else False for b in blocks]
+        use = [bool(next(choice)) and not f if b is not None else False for b, f in zip(blocks, all_keys)]
         for (_, m), u in zip(self.modules, self._agree(use)):
             m.use_sparse = u
 
