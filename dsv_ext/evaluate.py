@@ -41,30 +41,17 @@ from .attention import SparseAttention
 from .cli import run_command
 from .recall import density_for_recall, recall_curve
 from .train import (TrainConfig, _autocast, _resolve_device, _Stream, _ValSet, build_model,
-                    flow_matching_loss, load_config)
+                    flow_matching_loss, load_config, validation_losses)
 
 __all__ = ["per_sample_losses", "paired_stats", "measure_recall_curves", "evaluate", "main"]
 
 DEFAULT_TARGETS = (0.85, 0.9, 0.95, 0.98)
 
 
-@torch.no_grad()
 def per_sample_losses(model, valset: _ValSet, device, precision: str, batch_size: int = 8) -> torch.Tensor:
     """float64 [n_videos * n_timesteps]: the flow-matching loss of every validation sample (video
-    j at timestep t is sample j * n_timesteps + t), in eval mode."""
-    was = model.training
-    model.eval()
-    out = []
-    try:
-        for i in range(0, valset.x.shape[0], batch_size):
-            x = valset.x[i:i + batch_size].to(device)
-            n = valset.noise[i:i + batch_size].to(device)
-            t = valset.t[i:i + batch_size].to(device)
-            with _autocast(device, precision):
-                out.append(flow_matching_loss(model, x, n, t, reduce=False).double().cpu())
-    finally:
-        model.train(was)
-    return torch.cat(out)
+    j at timestep t is sample j * n_timesteps + t), in eval mode (dsv_ext.train.validation_losses)."""
+    return validation_losses(model, valset, device, precision, batch_size)
 
 
 def paired_stats(a: torch.Tensor, b: torch.Tensor, per_video: int) -> Dict[str, Any]:

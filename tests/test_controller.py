@@ -132,7 +132,7 @@ def test_profiler_reports_sparsity_and_ema():
 
 
 def test_switch_forced_by_config_and_sparse_dispatch():
-    cfg = _cfg(force_stage2_step=3, dispatch_threshold=0.0, profile_every=100)
+    cfg = _cfg(force_stage2_step=3, dispatch_threshold=0.0, profile_every=100, k_rule="theta")
     model = Tiny(cfg)
     ctl = DSVController(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
