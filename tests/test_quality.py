@@ -55,8 +55,7 @@ def micro_ckpt(tmp_path_factory):
     from dsv_ext.train import train
 
     out = tmp_path_factory.mktemp("micro_dsv")
-    cfg = micro_config()
-    cfg["dsv"]["k_rule"] = "theta"  # its blocks run sparse in stage 2 (the "checkpoint" arm)
+    cfg = micro_config()  # the theta K rule: its blocks run sparse in stage 2 (the "checkpoint" arm)
     train(cfg, out_dir=str(out), attention="dsv", device="cpu", progress=False)
     # adaLN-zero layers (still ~0 after 6 steps) set to random values, so that attention changes
     # the output at O(1) and a sparse approximation shows
@@ -140,3 +139,28 @@ def test_compare_seeds(tmp_path):
     md = open(tmp_path / "compare_seeds.md").read()
     assert "95% interval" in md and "Gap against 1%" in md
     assert main(["--config", "x.yaml", "--seeds", "0"]) != 0
+
+
+@needs_dsv
+def test_training_with_the_recall_rule_resumes_identically(tmp_path):
+    """The recall K rule in a training run: per-head K from the recall measurement, blocks sparse
+    in stage 2, and a resumed run continues exactly (the recall densities are checkpointed)."""
+    from dsv_ext.train import load_config, train
+
+    def cfg(steps):
+        c = micro_config(steps=steps)
+        c["dsv"].update(k_rule="recall", recall_target=0.6, recall_max_density=1.0)
+        return load_config(base=c)
+
+    full = train(cfg(6), out_dir=str(tmp_path / "full"), attention="dsv", device="cpu", progress=False)
+    train(cfg(3), out_dir=str(tmp_path / "part"), attention="dsv", device="cpu", progress=False)
+    res = train(cfg(6), out_dir=str(tmp_path / "part"), attention="dsv", device="cpu", progress=False,
+                resume=str(tmp_path / "part" / "ckpt_last.pt"))
+    assert res["summary"]["resumed_from"] == 3 and len(res["history"]) == 3
+    assert [r["loss"] for r in full["history"][-3:]] == [r["loss"] for r in res["history"]]
+    assert res["summary"]["final_val_loss"] == full["summary"]["final_val_loss"]
+    last = full["history"][-1]["blocks"]
+    assert all(b["sparse"] for b in last) and all(min(b["head_k"]) < 64 for b in last), last
+    ca = torch.load(tmp_path / "full" / "ckpt_last.pt", weights_only=False)["controller"]
+    cb = torch.load(tmp_path / "part" / "ckpt_last.pt", weights_only=False)["controller"]
+    assert ca["recall_density"] == cb["recall_density"] and all(r is not None for r in ca["recall_density"])
