@@ -29,6 +29,7 @@ _LAZY = {
     "DSVConfig": "config",
     "convert": "convert",
     "build_info": "info",
+    "recall_curve": "recall",
     "parallel": None,
     "models": None,
 }
