@@ -339,21 +339,21 @@ class DSVController:
                 m.set_density(None)
                 blocks.append(None)
                 continue
-            full = all_keys[i] = all(d >= 1.0 for d in dens)
-            if cfg.k_rule == "recall" and self.recall_density[i] is not None:
+            all_keys[i] = all(d >= 1.0 for d in dens)
+            by_recall = cfg.k_rule == "recall" and self.recall_density[i] is not None
+            if by_recall:
                 # K = head_k(1 - d) adds k_margin (a theta-rule knob): take it off the recall rule's
                 dens = [d - cfg.k_margin for d in dens]
             m.set_density(dens)
-            # the dispatcher sees the sparsity these K's correspond to (K = head_k(1 - d))
-            ema = [1.0 - d for d in dens]
-            if full:
-                ema = [0.0] * len(dens)  # every head attends to all keys: never sparse
+            ema = self.sparsity_ema[i] if self.sparsity_ema[i] is not None else [1.0 - d for d in dens]
             S = m._seq_len if m._seq_len > 0 else 0
+            # the recall rule: the dispatcher weighs the K's the block runs with
+            kd = [k / S for k in m.head_k] if by_recall and S > 0 and m.head_k else None
             dt = m._dtype
             if m.kv_count.is_cuda and dt not in (torch.bfloat16, torch.float16):
                 dt = torch.bfloat16  # the CUDA kernels run in bf16 (see attention.kernel_dtype)
             blocks.append(dict(sparsity=ema, seq_len=S, heads=m.num_heads, head_dim=m.head_dim, kmax=m.kmax,
-                               dtype=dt, batch=m._batch, device=m.kv_count.device))
+                               dtype=dt, batch=m._batch, device=m.kv_count.device, density=kd))
         if self.stage == 1:
             for _, m in self.modules:
                 m.use_sparse = False

@@ -239,3 +239,15 @@ def test_measured_miss_doubles_the_density():
     model.core._pending_curve_n = 1
     ctl._update_recall_density({0: [0.9 - 0.019, 1.0]})
     assert ctl.recall_density[0][0] == pytest.approx(0.9 * 2 * d0 + 0.1 * d0)  # falls with the EMA
+
+
+def test_dispatcher_weighs_the_recall_rules_density():
+    from dsv_ext.dispatch import Dispatcher
+
+    d = Dispatcher(DSVConfig(use_calibration=False, dispatch_threshold=0.8))
+    # theta rule: the sparsity decides; recall rule: the K's the block runs with
+    assert not d.decide([0.5, 0.5], 1024, 2, 64, "cpu")
+    assert d.decide([0.5, 0.5], 1024, 2, 64, "cpu", density=[0.1, 0.2])
+    assert not d.decide([0.95, 0.95], 1024, 2, 64, "cpu", density=[0.1, 1.0])
+    assert d.plan([dict(sparsity=[0.5, 0.5], seq_len=1024, heads=2, head_dim=64, kmax=128, density=[0.1, 0.2])],
+                  "cpu") == [True]
