@@ -251,3 +251,30 @@ def test_dispatcher_weighs_the_recall_rules_density():
     assert not d.decide([0.95, 0.95], 1024, 2, 64, "cpu", density=[0.1, 1.0])
     assert d.plan([dict(sparsity=[0.5, 0.5], seq_len=1024, heads=2, head_dim=64, kmax=128, density=[0.1, 0.2])],
                   "cpu") == [True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not ops.has_cuda_kernels(),
+                    reason="needs a GPU and the CUDA kernels")
+def test_recall_curve_and_k_rule_on_cuda_bf16():
+    """bf16 on the GPU (what the training forward hands the profiler): the curve matches the
+    float64 reference of the bf16-rounded inputs to within the ranking changes bf16 scores make
+    (atol 1e-2), and the CUDA index at the recall rule's K reaches the target to within 1e-2."""
+    g = torch.Generator().manual_seed(3)
+    B, S, H, D, r, G, km = 2, 1024, 4, 64, 16, 32, 64
+    q, k = ref.make_qkv(B, S, H, D, generator=g, scale=1.5, n=2)
+    wq = torch.randn(H, D, r, generator=g) * 0.3
+    wk = wq + 0.05 * torch.randn(H, D, r, generator=g)
+    qb, kb = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    rows = torch.arange(2, S, 16)
+    want = curve_ref(qb.float(), kb.float(), wq, wk, rows, G, km)
+    got = recall_curve(qb.cuda(), kb.cuda(), wq.cuda(), wk.cuda(), rows.cuda(), G, km)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=1e-2)
+    target = 0.9
+    c = got.mean(0).cpu()
+    ks = [k_for_recall(c[h], target, S, km) for h in range(H)]
+    counts = torch.tensor([ks] * B, dtype=torch.int32, device="cuda")
+    q_lr = torch.einsum("bshd,hdr->bshr", qb.cuda(), wq.cuda().to(torch.bfloat16)).contiguous()
+    k_lr = torch.einsum("bshd,hdr->bshr", kb.cuda(), wk.cuda().to(torch.bfloat16)).contiguous()
+    index = ops.topk_estimate(q_lr, k_lr, counts, G, max(ks))
+    rec = ops.profile_attention(qb.cuda(), kb.cuda(), rows.cuda().int(), 0.9, index, counts, G).recall
+    assert float(rec.mean(0).min()) >= target - 1e-2, (ks, rec)
