@@ -185,6 +185,9 @@ def compare_seeds(cfg: Dict[str, Any], out_dir: str, seeds: int, steps: Optional
         "dsv_recall": [_scalar(d.get("dsv_recall")) for d in dsv],
         "runs": runs,
     }
+    from .evaluate import provenance
+
+    res["provenance"] = provenance(runs[0]["device"])
     write_seeds_table(res, os.path.join(out_dir, "compare_seeds.md"))
     with open(os.path.join(out_dir, "compare_seeds.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -202,7 +205,9 @@ def write_seeds_table(res: Dict[str, Any], path: str) -> None:
     L = [f"# Full attention vs DSV over {len(res['seeds'])} seeds: `{res['config']}`", "",
          f"Seeds {', '.join(map(str, res['seeds']))} (each: model init, data order, noise); {res['steps']} steps, "
          f"{res['tokens_per_sample']} tokens per video, device `{res['device']}`; validation on "
-         f"{_fmt(res['val_videos'])} videos x {len(res['val_timesteps'] or [])} timesteps.", "",
+         f"{_fmt(res['val_videos'])} videos x {len(res['val_timesteps'] or [])} timesteps."
+         + (" Measured {date}, commit {commit}, {device_name}.".format(**res["provenance"])
+            if res.get("provenance") else ""), "",
          "| | full attention | DSV |", "|---|---|---|",
          f"| validation loss, mean over seeds | {_fmt(d['mean'])} | {_fmt(s['mean'])} |",
          f"| standard deviation over seeds | {_fmt(d['std'])} | {_fmt(s['std'])} |",

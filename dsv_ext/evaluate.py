@@ -72,6 +72,24 @@ def paired_stats(a: torch.Tensor, b: torch.Tensor, per_video: int) -> Dict[str, 
             "rel_se": (se / base if se is not None and base else None), "videos": n}
 
 
+def provenance(device) -> Dict[str, str]:
+    """When, from which commit and on what a result was measured (UTC date, git commit of the
+    checkout the package runs from or "unknown", device name)."""
+    import datetime
+    import subprocess
+
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                         cwd=os.path.dirname(os.path.abspath(__file__)),
+                                         stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001 - not a git checkout, or no git
+        commit = "unknown"
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": commit, "device_name": name}
+
+
 def _cores(model) -> List[SparseAttention]:
     return [m for m in model.modules() if isinstance(m, SparseAttention)]
 
@@ -184,7 +202,7 @@ def evaluate(cfg: Dict[str, Any], ckpt: Dict[str, Any], out_dir: Optional[str] =
         "val_videos": valset.x.shape[0] // n_t, "val_timesteps": list(tcfg.val_timesteps),
         "tokens_per_sample": model.cfg.num_tokens, "blocks": len(cores), "eligible_blocks": eligible,
         "loss_full": float(full.mean()), "calib_batches": calib_batches,
-        "recall_max_density": dsv_cfg.recall_max_density, "arms": [],
+        "recall_max_density": dsv_cfg.recall_max_density, "provenance": provenance(dev), "arms": [],
     }
 
     # the checkpoint's own policy (its controller state), when it reached stage 2
@@ -274,7 +292,11 @@ def write_table(res: Dict[str, Any], path: str) -> None:
          f"{res['calib_batches']} training batches (heads needing more than "
          f"{res['recall_max_density']} of the keys attend to all keys). Increase = sparse - full, "
          "+- one standard error over the videos.", "",
-         f"Full attention: validation loss {_f(res['loss_full'], 5)}.", "",
+         f"Full attention: validation loss {_f(res['loss_full'], 5)}.", ""]
+    p = res.get("provenance")
+    if p:
+        L += [f"Measured {p['date']}, commit {p['commit']}, {p['device_name']}.", ""]
+    L += [
          "| arm | recall target | sparse blocks | mean K/S | loss | increase | relative increase |",
          "|---|---|---|---|---|---|---|"]
     for a in res["arms"]:

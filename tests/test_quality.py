@@ -111,7 +111,8 @@ def test_paired_evaluation_on_a_trained_checkpoint(micro_ckpt, tmp_path):
     assert arms[("block 0", 0.5)]["sparse_blocks"] == [0]
     # the files and the command line
     assert json.load(open(tmp_path / "ev" / "evaluate.json"))["loss_full"] == res["loss_full"]
-    assert "| all | 0.50 |" in open(tmp_path / "ev" / "evaluate.md").read()
+    md = open(tmp_path / "ev" / "evaluate.md").read()
+    assert "| all | 0.50 |" in md and "Measured " in md and res["provenance"]["device_name"] == "cpu"
     assert main(["--checkpoint", micro_ckpt, "--out", str(tmp_path / "cli"), "--targets", "0.9",
                  "--no-per-block", "--calib-batches", "1", "--device", "cpu", "--no-progress"]) == 0
     r = json.load(open(tmp_path / "cli" / "evaluate.json"))
@@ -137,7 +138,7 @@ def test_compare_seeds(tmp_path):
     assert per_seed[0]["dense"]["final_val_loss"] != per_seed[1]["dense"]["final_val_loss"]  # other seed
     assert res["arms"]["dsv"]["eval_se"] > 0 and res["arms"]["dense"]["std"] > 0
     md = open(tmp_path / "compare_seeds.md").read()
-    assert "95% interval" in md and "Gap against 1%" in md
+    assert "95% interval" in md and "Gap against 1%" in md and "Measured " in md
     assert main(["--config", "x.yaml", "--seeds", "0"]) != 0
 
 
