@@ -1,7 +1,6 @@
 """Paired quality evaluation (dsv_ext.evaluate) and the multi-seed comparison (compare --seeds)."""
 import json
 import math
-import os
 
 import pytest
 import torch
