@@ -211,7 +211,7 @@ def evaluate(cfg: Dict[str, Any], ckpt: Dict[str, Any], out_dir: Optional[str] =
         ctl = DSVController(model, dsv_cfg)
         ctl.load_state_dict(sd)
         which = [i for i, m in enumerate(cores) if m.use_sparse]
-        dens = [ctl.head_density(i) for i in range(len(cores))]
+        dens = [[k / m._k_seq_len for k in m.head_k] or None for m in cores]  # the K's it runs with
         if which:
             _set_sparse(cores, set(which))
             st = paired_stats(full, losses("checkpoint policy"), n_t)
@@ -241,7 +241,7 @@ def evaluate(cfg: Dict[str, Any], ckpt: Dict[str, Any], out_dir: Optional[str] =
         ctl.stage = 2
         ctl._update_dispatch()  # per-head K of the recall rule and the dispatcher's choice
         dispatched = [i for i, m in enumerate(cores) if m.use_sparse]
-        dens = [ctl.head_density(i) for i in range(len(cores))]
+        dens = [[k / S for k in m.head_k] or None for m in cores]  # K / S as run (min_density included)
         base = {"target": float(T), "head_density": dens, "head_k": [m.head_k for m in cores]}
         runs = [("all", eligible)]
         if dispatched != eligible:
