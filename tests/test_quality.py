@@ -33,7 +33,7 @@ def test_paired_stats():
 
 
 def test_seed_stats_and_verdict():
-    from dsv_ext.compare import gap_verdict, seed_stats
+    from dsv_ext.seeds import gap_verdict, seed_stats
 
     st = seed_stats([1.0, 2.0, 3.0])
     h = 4.303 / math.sqrt(3)
@@ -127,7 +127,8 @@ def test_paired_evaluation_on_a_trained_checkpoint(micro_ckpt, tmp_path):
 
 @needs_dsv
 def test_compare_seeds(tmp_path):
-    from dsv_ext.compare import compare_seeds, main
+    from dsv_ext.compare import main
+    from dsv_ext.seeds import compare_seeds
 
     res = compare_seeds(micro_config(steps=2, val_videos=3), str(tmp_path), 2, device="cpu", progress=False)
     assert res["seeds"] == [0, 1]
