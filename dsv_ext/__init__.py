@@ -33,6 +33,7 @@ _LAZY = {
     "save_pretrained": "pretrained",
     "from_pretrained": "pretrained",
     "build_info": "info",
+    "recall_curve": "recall",
     "parallel": None,
     "models": None,
 }

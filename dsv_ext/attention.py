@@ -338,6 +338,8 @@ class SparseAttention(nn.Module):
         self._pending_sparsity_n: int = 0
         self._pending_recall: Optional[torch.Tensor] = None    # [H]
         self._pending_recall_n: int = 0
+        self._pending_curve: Optional[torch.Tensor] = None     # [H, bins] recall vs K (k_rule recall)
+        self._pending_curve_n: int = 0
         self._rows_cache: Dict[tuple, torch.Tensor] = {}
         self._grad_acc: Optional[List[torch.Tensor]] = None     # predictor grads [wq, wk]
         self._warned = False
@@ -581,6 +583,14 @@ class SparseAttention(nn.Module):
                 if recall is not None:
                     self._pending_recall = self._accumulate(self._pending_recall, recall.float().mean(0) * weight)
                     self._pending_recall_n += 1
+                if cfg.k_rule == "recall":
+                    from .recall import recall_curve
+                    curve = recall_curve(q, k, self.predictor.wq, self.predictor.wk, rows, cfg.group_size,
+                                         cfg.k_multiple, scale, max_rows=cfg.recall_rows)
+                    if self._pending_curve is not None and self._pending_curve.shape[-1] != curve.shape[-1]:
+                        self._pending_curve, self._pending_curve_n = None, 0  # the length changed
+                    self._pending_curve = self._accumulate(self._pending_curve, curve.mean(0) * weight)
+                    self._pending_curve_n += 1
 
     def sparse_supported(self) -> bool:
         """Whether this block can run the sparse path on its device (dispatcher precondition)."""
@@ -607,6 +617,14 @@ class SparseAttention(nn.Module):
         self._pending_sparsity, self._pending_sparsity_n = None, 0
         self._pending_recall, self._pending_recall_n = None, 0
         return out
+
+    def pop_recall_curve(self) -> Optional[torch.Tensor]:
+        """Mean recall-versus-K curve [H, ceil(S / k_multiple)] (device tensor, see
+        dsv_ext.recall.recall_curve) measured by the profile forwards since the last call (k_rule
+        "recall"), or None; resets the accumulator. Used by the controller."""
+        c, n = self._pending_curve, self._pending_curve_n
+        self._pending_curve, self._pending_curve_n = None, 0
+        return None if c is None or n == 0 else c / n
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, grid={self.grid}, stage={self.stage}, "

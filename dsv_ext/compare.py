@@ -13,6 +13,14 @@ Trains the config twice with :func:`dsv_ext.train.train` (``attention=dense``: p
   sparsity and predictor recall over the steps, with the stage-2 switch marked;
 - ``compare.json``: the numbers behind the table; ``dense/`` and ``dsv/``: the two runs
   (metrics, config, summary; their checkpoints are deleted unless ``--keep-checkpoints``).
+
+With ``--seeds N`` (N >= 2; 3 or more for a usable interval) the pair is trained N times, seed
+``train.seed + i`` for run i (model init, data order, noise), each pair into ``seed<i>/`` as
+above, and ``compare_seeds.md`` / ``compare_seeds.json`` report per arm the mean, standard
+deviation and 95% confidence interval of the final validation loss over the seeds, the paired
+relative gap (DSV / full - 1 per seed) with its interval, the validation set's own standard error
+(``train.val_videos`` x ``train.val_timesteps`` samples; raise ``--val-videos`` until it is small
+against the seed spread), and whether the gap is resolved relative to 1% (``dsv_ext/seeds.py``).
 """
 
 from __future__ import annotations
@@ -119,6 +127,8 @@ def write_table(res: Dict[str, Any], path: str) -> None:
          + (f"{res['dsv_tokens_per_s_after_switch'] / res['dense_tokens_per_s_after_switch']:.2f}x |"
             if res["dsv_tokens_per_s_after_switch"] and res["dense_tokens_per_s_after_switch"] else "- |"),
          f"| training time (s) | {_fmt(d['train_time_s'], 1)} | {_fmt(s['train_time_s'], 1)} |",
+         f"| validation loss standard error (over videos) | {_fmt(d.get('final_val_loss_se'))} "
+         f"| {_fmt(s.get('final_val_loss_se'))} |",
          f"| mean sparsity (EMA, theta=0.9) | - | {_fmt(_scalar(s.get('dsv_sparsity')), 3)} |",
          f"| predictor recall | - | {_fmt(_scalar(s.get('dsv_recall')), 3)} |",
          ""]
@@ -218,12 +228,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--keep-checkpoints", action="store_true",
                    help="keep dense/ckpt_last.pt and dsv/ckpt_last.pt (deleted by default)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="train each arm with this many seeds (train.seed + i) and report mean, spread and "
+                        "95%% intervals (compare_seeds.md); 3 or more for an interval worth reading")
+    p.add_argument("--val-videos", type=int, default=None,
+                   help="validation videos (overrides train.val_videos; each at every train.val_timesteps)")
     a = p.parse_args(argv)
 
     def body() -> int:
         check_numeric_args(a, ints={"steps": 1})
-        cfg = load_config(a.config, a.overrides)
+        if a.seeds < 1:
+            raise ValueError(f"--seeds: expected an integer >= 1, got {a.seeds}")
+        ov = list(a.overrides)
+        if a.val_videos is not None:
+            if a.val_videos < 1:
+                raise ValueError(f"--val-videos: expected an integer >= 1, got {a.val_videos}")
+            ov.append(f"train.val_videos={a.val_videos}")
+        cfg = load_config(a.config, ov)
         out = a.out or os.path.join("runs", f"compare-{cfg.get('name', 'run')}")
+        if a.seeds > 1:  # dsv_ext/seeds.py: the pair per seed, then the statistics over seeds
+            from .seeds import compare_seeds
+
+            compare_seeds(cfg, out, a.seeds, steps=a.steps, device=a.device, progress=not a.no_progress,
+                          keep_checkpoints=a.keep_checkpoints)
+            print(open(os.path.join(out, "compare_seeds.md")).read())
+            print(f"outputs in {out}")
+            return 0
         compare(cfg, out, steps=a.steps, device=a.device, progress=not a.no_progress,
                 keep_checkpoints=a.keep_checkpoints)
         print(open(os.path.join(out, "compare.md")).read())

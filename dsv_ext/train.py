@@ -251,22 +251,35 @@ class _ValSet:
 
 
 @torch.no_grad()
-def validation_loss(model, valset: _ValSet, device, precision: str, batch_size: int = 8) -> float:
+def validation_losses(model, valset: _ValSet, device, precision: str, batch_size: int = 8) -> torch.Tensor:
+    """float64 [videos * timesteps] (video-major): the loss of every validation sample, eval mode."""
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    out = []
     try:
         for i in range(0, valset.x.shape[0], batch_size):
             x = valset.x[i:i + batch_size].to(device)
             n = valset.noise[i:i + batch_size].to(device)
             t = valset.t[i:i + batch_size].to(device)
             with _autocast(device, precision):
-                per = flow_matching_loss(model, x, n, t, reduce=False)
-            total += float(per.sum())
-            count += per.numel()
+                out.append(flow_matching_loss(model, x, n, t, reduce=False).double().cpu())
     finally:
         model.train(was_training)
-    return total / max(count, 1)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def validation_se(per_sample: torch.Tensor, per_video: int) -> Optional[float]:
+    """Standard error of the validation loss over the videos (each video's timesteps averaged
+    first; None with one video): how much the evaluation itself could move the loss."""
+    if per_video < 1 or per_sample.numel() % per_video or per_sample.numel() // per_video < 2:
+        return None
+    v = per_sample.double().view(-1, per_video).mean(1)
+    return float(v.std(unbiased=True) / math.sqrt(v.numel()))
+
+
+def validation_loss(model, valset: _ValSet, device, precision: str, batch_size: int = 8) -> float:
+    per = validation_losses(model, valset, device, precision, batch_size)
+    return float(per.mean()) if per.numel() else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -650,10 +663,14 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             _save_checkpoint(path, step_, model, opt, controller, cfg, attention, history[-3:],
                              (win_tokens, win_time, win_loss, win_n))
 
+    val_se = [None]
+
     def run_val(step):
         t0 = time.perf_counter()
-        v = validation_loss(fwd_model, valset, dev, tcfg.precision, tcfg.val_batch_size)
-        rec = {"kind": "val", "step": step, "val_loss": v,
+        per = validation_losses(fwd_model, valset, dev, tcfg.precision, tcfg.val_batch_size)
+        v = float(per.mean()) if per.numel() else 0.0
+        val_se[0] = validation_se(per, len(tcfg.val_timesteps))
+        rec = {"kind": "val", "step": step, "val_loss": v, "val_loss_se": val_se[0],
                "val_time_s": time.perf_counter() - t0, **_controller_stats(controller)}
         vals.append(rec)
         write(rec)
@@ -804,6 +821,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         "stopped_at_step": stopped_at,
         "tokens_per_sample": tokens_per_sample, "batch_size": tcfg.batch_size,
         "final_val_loss": last_val,
+        "final_val_loss_se": val_se[0],
         "final_train_loss": history[-1]["loss"] if history else None,
         "train_time_s": train_time, "wall_time_s": time.perf_counter() - wall0,
         "tokens_per_s": (n_trained * tcfg.batch_size * tokens_per_sample / train_time

@@ -32,6 +32,8 @@ def tiny_config(**dsv_kw):
           "train.val_every=0", "train.val_videos=1", "train.val_timesteps=[0.5]", "train.threads=1",
           "dsv.profile_every=1", "dsv.switch_check_every=1", "dsv.force_stage2_step=2",
           "dsv.dispatch_threshold=0.0"]
+    # the theta K rule: predictors trained for 4 steps reach no recall target below K = S
+    dsv_kw = {"k_rule": "theta", **dsv_kw}
     ov += [f"dsv.{k}={v}" for k, v in dsv_kw.items()]
     return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ov)
 
