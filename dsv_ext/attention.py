@@ -193,7 +193,8 @@ def joint_sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: tor
                       perm: Optional[torch.Tensor], inv: Optional[torch.Tensor], kv_count: torch.Tensor,
                       kmax: int, group_size: int, scale: Optional[float], n_text: int, text_first: bool = False,
                       attn_mask: Optional[torch.Tensor] = None, backend: str = "auto",
-                      index: Optional[torch.Tensor] = None, return_index: bool = False):
+                      index: Optional[torch.Tensor] = None, return_index: bool = False,
+                      deterministic: Optional[bool] = None):
     """Stage-2 joint text+video attention on [B, S, H, D] (S = n_video + n_text; the text tokens
     last, or first with text_first). Video queries: one sparse_attention call over all keys
     (k, v as given, no copies) where each query group's list is its top-K video keys
@@ -201,7 +202,8 @@ def joint_sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: tor
     kv_count becomes K + n_text; the kernel needs as many query rows as keys, so the text
     queries fill the rows after the video ones and their outputs there are discarded (their
     gradient through that call is exactly zero). Text queries: dense SDPA over all keys.
-    index: the video-part top-K index of an earlier call (reuse), return_index: (out, index)."""
+    index: the video-part top-K index of an earlier call (reuse), return_index: (out, index);
+    deterministic: see dsv_ext.sparse_attention."""
     ops = _need_ops()
     B, S, H, D = q.shape
     Sv = S - n_text
@@ -241,7 +243,8 @@ def joint_sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: tor
             full[:, :, ngv:] = fv[:, :, ngv - 1:ngv]
         jcount = jcount.to(torch.int32).contiguous()
     qc = torch.cat([qp, qt], 1)  # video query groups first, aligned to the group size
-    out_v = ops.sparse_attention(qc, k, v, full, jcount, group_size, scale, check_index=False)[:, :Sv]
+    out_v = ops.sparse_attention(qc, k, v, full, jcount, group_size, scale, check_index=False,
+                                 deterministic=deterministic)[:, :Sv]
     out_v = out_v.index_select(1, inv) if inv is not None else out_v
     out_v = out_v.to(out_dtype)
     out_t = out_t.to(out_dtype)
@@ -473,7 +476,8 @@ class SparseAttention(nn.Module):
                     self._index_calls = 0
             out, index = joint_sparse_core(q, k, v, self.predictor.wq, self.predictor.wk, perm, inv, self.kv_count,
                                            self.kmax, self.config.group_size, scale, n_text, text_first, attn_mask,
-                                           self.config.dense_backend, index=index, return_index=True)
+                                           self.config.dense_backend, index=index, return_index=True,
+                                           deterministic=self.config.deterministic)
             if reuse:
                 self._index_cache = (key, index)
                 self._index_calls += 1
