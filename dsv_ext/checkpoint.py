@@ -129,14 +129,13 @@ def verify_checkpoint(path: str) -> Dict[str, Any]:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
                 raise CheckpointError(f"checkpoint: {path}: empty file (0 bytes)")
-            head = f.read(4)
-            if head != _ZIP_LOCAL:
-                raise CheckpointError(f"checkpoint: {path}: not a dsv_ext checkpoint (starts with "
-                                      f"{f.seek(0) or f.read(16)!r})")
+            head = f.read(16)
             f.seek(max(0, size - _TAIL))
             tail = f.read()
-            t = tail.rfind(MAGIC)
+            t = tail.rfind(MAGIC)  # with a trailer, any damage before it is a checksum mismatch
             if t < 0:
+                if not head.startswith(_ZIP_LOCAL):
+                    raise CheckpointError(f"checkpoint: {path}: not a dsv_ext checkpoint (starts with {head!r})")
                 if tail.endswith(b"\0\0") and tail[-22:-18] == _ZIP_EOCD:
                     return {"verified": False}  # a plain torch.save file (before checksums)
                 raise CheckpointError(f"checkpoint: {path}: truncated or damaged (no end-of-archive "

@@ -88,7 +88,7 @@ def _flip(data: bytes, offsets) -> bytes:
     return bytes(b)
 
 
-@pytest.mark.parametrize("case", ["flip64", "flip1", "flip_trailer", "flip_length", "truncated",
+@pytest.mark.parametrize("case", ["flip64", "flip1", "flip_first", "flip_trailer", "flip_length", "truncated",
                                   "truncated_tail", "extra_bytes", "empty", "text", "random", "tensor_file",
                                   "other_dict", "missing", "folder"])
 def test_every_load_failure_is_one_line_naming_the_file(tmp_path, gen, case):
@@ -101,6 +101,7 @@ def test_every_load_failure_is_one_line_naming_the_file(tmp_path, gen, case):
     content = {
         "flip64": lambda: _flip(data, idx.tolist()),
         "flip1": lambda: _flip(data, [int(torch.randint(n - 2, (1,), generator=gen))]),
+        "flip_first": lambda: _flip(data, [0]),  # the zip signature: still a checksum mismatch
         "flip_trailer": lambda: _flip(data, [len(data) - 3]),
         "flip_length": lambda: _flip(data, [n - 1]),
         "truncated": lambda: data[:n // 2],
@@ -110,7 +111,7 @@ def test_every_load_failure_is_one_line_naming_the_file(tmp_path, gen, case):
         "text": lambda: b"model:\n  hidden: 3\n",
         "random": lambda: bytes(torch.randint(256, (4096,), generator=gen, dtype=torch.uint8).tolist()),
     }
-    want = {"flip64": "checksum mismatch", "flip1": "checksum mismatch",
+    want = {"flip64": "checksum mismatch", "flip1": "checksum mismatch", "flip_first": "checksum mismatch",
             "flip_trailer": "damaged checksum trailer", "flip_length": "damaged checksum trailer",
             "truncated": "truncated or damaged", "truncated_tail": "damaged checksum trailer",
             "extra_bytes": "unexpected bytes", "empty": "empty file", "text": "not a dsv_ext checkpoint",
