@@ -221,7 +221,7 @@ class _ValSet:
 
     def __init__(self, cfg: Dict[str, Any], tcfg: TrainConfig):
         dcfg = dict(cfg["data"])
-        if dcfg.get("source", "procedural") == "procedural":
+        if dcfg.get("source", "procedural") in ("procedural", "video"):
             dcfg["num_val"] = int(tcfg.val_videos)
         ds = make_dataset(dcfg, "val", seed=tcfg.seed)
         n = min(len(ds), int(tcfg.val_videos)) if tcfg.val_videos > 0 else len(ds)
