@@ -652,7 +652,11 @@ class VideoClips(torch.utils.data.Dataset):
         if num_clips is None:
             num_clips = int(VIDEO_KEYS["num_train" if split == "train" else "num_val"])
         check_int("data", "num_train" if split == "train" else "num_val", num_clips, 1)
-        self.files = _list_videos(videos)
+        files = _list_videos(videos)
+        croot = os.path.abspath(_cache_root(cache_dir)) + os.sep
+        self.files = [f for f in files if not os.path.abspath(f).startswith(croot)]  # our cache
+        if not self.files:
+            raise FileNotFoundError(f"data.videos: only frame-cache files found in {videos!r}")
         self.frames, self.height, self.width, self.channels = frames, height, width, channels
         self.split, self.num_clips, self.seed = split, int(num_clips), seed
         self.frame_stride, self.val_fraction = frame_stride, float(val_fraction)
