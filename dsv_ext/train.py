@@ -408,13 +408,17 @@ def _resolve_device(device: Optional[str]) -> torch.device:
 def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[int] = None,
           resume: Optional[str] = None, attention: Optional[str] = None,
           device: Optional[str] = None, progress: bool = True,
-          log: Callable[[str], None] = None, context_parallel: bool = False) -> Dict[str, Any]:
+          log: Callable[[str], None] = None, context_parallel: bool = False,
+          time_limit_s: Optional[float] = None) -> Dict[str, Any]:
     """Run (or resume) a training run. Returns ``{"history": [...], "val": [...], "summary": {...}}``.
 
     ``cfg`` is a dict from :func:`load_config`; ``steps`` overrides ``train.steps`` (the total
     step count, also when resuming); ``attention`` overrides ``model.attention``.
     ``context_parallel``: every rank of the (initialised) default process group trains the same
     batch, each sequence split over the ranks (``dsv_ext.parallel``); rank 0 writes the outputs.
+    ``time_limit_s``: stop before the step that would end past this many seconds of wall time,
+    write ``ckpt_last.pt`` (no final validation) and return with ``summary["complete"]`` False;
+    resuming from that checkpoint continues exactly (for jobs cut into time-limited chunks).
     """
     log = log or (lambda s: print(s, file=sys.stderr))
     cp_rank, cp_world = 0, 1
@@ -580,6 +584,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     wall0 = time.perf_counter()
     model.train()
     step = start
+    stopped_at = None
     try:
         for step in range(start, tcfg.steps):
             x0, noise, t = fut.result()
@@ -646,8 +651,12 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
                 save(os.path.join(out_dir, "ckpt_last.pt"), done)
             if tcfg.ckpt_every > 0 and done % tcfg.ckpt_every == 0 and done < tcfg.steps:
                 save(os.path.join(out_dir, f"ckpt_{done}.pt"), done)
-        final_step = max(start, tcfg.steps)
-        if start < tcfg.steps or not vals:
+            if time_limit_s is not None and done < tcfg.steps and \
+                    time.perf_counter() - wall0 + dt > time_limit_s:
+                stopped_at = done
+                break
+        final_step = max(start, tcfg.steps) if stopped_at is None else stopped_at
+        if stopped_at is None and (start < tcfg.steps or not vals):
             last_val = run_val(final_step)
         save(os.path.join(out_dir, "ckpt_last.pt"), final_step)
     finally:
@@ -658,10 +667,11 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             mf.close()
 
     st = _controller_stats(controller)
-    n_trained = max(tcfg.steps - start, 0)
+    n_trained = max(final_step - start, 0)
     summary = {
         "name": name, "attention": attention, "device": str(dev), "steps": tcfg.steps,
         "resumed_from": start if resume else None,
+        "complete": stopped_at is None, "last_step": final_step,
         "tokens_per_sample": tokens_per_sample, "batch_size": tcfg.batch_size,
         "final_val_loss": last_val,
         "final_train_loss": history[-1]["loss"] if history else None,
@@ -693,6 +703,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SEC.KEY=VALUE",
                    help="override a config value, e.g. --set train.lr=1e-4 (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="stop (with ckpt_last.pt, no final validation) before exceeding this wall "
+                        "time; continue later with --resume OUT/ckpt_last.pt")
     p.add_argument("--context-parallel", action="store_true",
                    help="split each sequence over the ranks started by torchrun (gloo on the CPU, NCCL "
                         "on GPUs: one GPU per rank); e.g. torchrun --nproc_per_node=2 -m dsv_ext.train "
@@ -706,7 +719,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             device = _init_context_parallel(device)
         try:
             res = train(cfg, out_dir=a.out, steps=a.steps, resume=a.resume, attention=a.attention,
-                        device=device, progress=not a.no_progress, context_parallel=a.context_parallel)
+                        device=device, progress=not a.no_progress, context_parallel=a.context_parallel,
+                        time_limit_s=a.time_limit)
         finally:
             if a.context_parallel:
                 import torch.distributed as dist
