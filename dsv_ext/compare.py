@@ -126,7 +126,7 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
     the report (see the module docstring). Returns the report dict; ``res["complete"]`` is False
     when ``time_limit_s`` ran out first (then only the checkpoints are written: call again with
     ``resume=True`` to continue; runs already finished are not trained again). A run is not
-    started or continued with less than ``min_chunk_s`` seconds of the limit left."""
+    started or continued with less than ``min_chunk_s`` seconds (or a quarter of the limit) left."""
     import time
 
     t_start = time.perf_counter()
@@ -141,7 +141,7 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
             runs[att] = None
             continue
         left = None if time_limit_s is None else time_limit_s - (time.perf_counter() - t_start)
-        if left is not None and left < min_chunk_s:
+        if left is not None and left < min(min_chunk_s, 0.25 * time_limit_s):
             complete = False
             break
         ck = os.path.join(run_dir, "ckpt_last.pt") if state == "partial" else None
