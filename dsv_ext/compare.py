@@ -162,7 +162,16 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
         with open(os.path.join(out_dir, att, "summary.json")) as f:
             summaries[att] = json.load(f)
     res = build_report(cfg, out_dir, summaries)
-    if samples > 0:
+    have_ckpts = all(os.path.exists(os.path.join(out_dir, a, "ckpt_last.pt")) for a in ("dense", "dsv"))
+    if samples > 0 and not have_ckpts:  # a finished comparison reported again: keep its samples
+        try:
+            with open(os.path.join(out_dir, "compare.json")) as f:
+                old = json.load(f).get("samples")
+            if old and os.path.exists(os.path.join(out_dir, old["path"])):
+                res["samples"] = old
+        except (OSError, ValueError):
+            pass
+    elif samples > 0:
         try:
             res["samples"] = write_sample_strip(out_dir, os.path.join(out_dir, "compare_samples.png"),
                                                 num=samples, steps=sample_steps, device=device)
@@ -212,9 +221,17 @@ def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[st
     for a in ("dense", "dsv"):
         hit = next((r for r in val[a] if final_d is not None and r["val_loss"] <= final_d), None)
         reach[a] = None if hit is None else {"step": hit["step"], "time_s": _time_at(ctime[a], hit["step"])}
+    import time
+
+    import torch
+
     res = {
         "config": cfg.get("name"),
         "complete": True,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "card": (torch.cuda.get_device_name() if str(d.get("device", "")).startswith("cuda")
+                 and torch.cuda.is_available() else None),
+        "torch": torch.__version__,
         "steps": d["steps"],
         "device": d["device"],
         "tokens_per_sample": d["tokens_per_sample"],
@@ -304,7 +321,8 @@ def write_table(res: Dict[str, Any], path: str) -> None:
     d, s = res["dense"], res["dsv"]
     L = [f"# Full attention vs DSV: `{res['config']}`", "",
          f"{res['steps']} steps, {res['tokens_per_sample']} tokens per video, "
-         f"batch {d['batch_size']}, device `{res['device']}`; same model init, data, noise "
+         f"batch {d['batch_size']}, device `{res['device']}`"
+         + (f" ({res['card']})" if res.get("card") else "") + "; same model init, data, noise "
          f"and seed. DSV switched to stage 2 at step {_fmt(res['switch_step'])}.", "",
          "| | full attention | DSV |", "|---|---|---|",
          f"| validation loss | {_fmt(d['final_val_loss'])} | {_fmt(s['final_val_loss'])} "

@@ -40,8 +40,11 @@ def test_compare_in_chunks_equals_one_go(tmp_path):
     assert res["switch_step"] == one["switch_step"] == 3
     assert not os.path.exists(tmp_path / "chunks" / "dsv" / "ckpt_last.pt")  # deleted at the end
     # a finished comparison called again with --resume trains nothing and reports the same
-    again = compare(cfg, str(tmp_path / "chunks"), device="cpu", progress=False, resume=True)
+    # (its checkpoints are gone: the sample strip of the finished run is kept, not redone)
+    again = compare(cfg, str(tmp_path / "one"), device="cpu", progress=False, resume=True, samples=1)
     assert again["val_at_equal_steps"] == one["val_at_equal_steps"]
+    assert again["samples"] == one["samples"]
+    assert [r["loss"] for r in again["history"]["dsv"]] == [r["loss"] for r in one["history"]["dsv"]]
 
 
 @needs_dsv
