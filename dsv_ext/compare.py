@@ -14,8 +14,9 @@ Trains the config twice with :func:`dsv_ext.train.train` (``attention=dense``: p
   predictor loss, recall and dispatch decision (sparse or dense) of the DSV run;
 - ``compare_samples.png`` (``--samples N``, default 2): frames of held-out clips and of both
   models' samples from the same noise;
-- ``compare.png``: training loss (and validation points) of both runs, and DSV's per-block
-  sparsity and predictor recall over the steps, with the stage-2 switch marked;
+- ``compare.png``: training loss (and validation points) of both runs, their validation loss
+  against training time, and DSV's per-block sparsity and predictor recall over the steps, with
+  the stage-2 switch marked;
 - ``compare.json``: the numbers behind the table; ``dense/`` and ``dsv/``: the two runs
   (metrics, config, summary; their checkpoints are deleted unless ``--keep-checkpoints``).
 
@@ -356,11 +357,12 @@ def write_table(res: Dict[str, Any], path: str) -> None:
     blocks = res.get("blocks") or []
     if blocks:
         L += ["Per block (DSV run, end of training):", "",
-              "| block | sparsity | predictor loss | recall | runs sparse |", "|---|---|---|---|---|"]
+              "| block | sparsity | predictor loss | recall | runs sparse | mean K / S |",
+              "|---|---|---|---|---|---|"]
         for i, b in enumerate(blocks):
             L.append(f"| {i} (`{b.get('name', '')}`) | {_fmt(b.get('sparsity'), 3)} | "
                      f"{_fmt(b.get('pred_loss'), 4)} | {_fmt(b.get('recall'), 3)} | "
-                     f"{_fmt(b.get('sparse'))} |")
+                     f"{_fmt(b.get('sparse'))} | {_k_frac(b, res.get('tokens_per_sample'))} |")
         L.append("")
     disp = res.get("dispatch") or {}
     if disp.get("use_calibration") is not False:
@@ -389,6 +391,13 @@ def write_table(res: Dict[str, Any], path: str) -> None:
         f.write("\n".join(L))
 
 
+def _k_frac(block: Dict[str, Any], seq_len: Optional[int]) -> str:
+    ks = block.get("head_k") or []
+    if not ks or not seq_len or not block.get("sparse"):
+        return "-"
+    return f"{sum(ks) / len(ks) / seq_len:.3f}"
+
+
 def _reach(res: Dict[str, Any], att: str) -> str:
     r = (res.get("time_to_dense_final_val") or {}).get(att)
     if not r:
@@ -409,7 +418,18 @@ def write_plot(res: Dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 4.2))
+    fig, (a1, a4, a2, a3) = plt.subplots(1, 4, figsize=(21, 4.2))
+    for att, color in (("dense", "tab:blue"), ("dsv", "tab:orange")):
+        pts = _cumulative_time(res["history"][att])
+        v = [(_time_at(pts, r["step"]), r["val_loss"]) for r in res["val"][att]]
+        v = [(t, l) for t, l in v if t is not None]
+        if v:
+            a4.plot(*zip(*v), "o-", color=color,
+                    label="full attention" if att == "dense" else "DSV")
+    a4.set_xlabel("training time (s, steps only)")
+    a4.set_ylabel("validation loss")
+    a4.set_title("validation loss vs time")
+    a4.legend(fontsize=8)
     for att, color in (("dense", "tab:blue"), ("dsv", "tab:orange")):
         h = res["history"][att]
         a1.plot([r["step"] for r in h], [r["loss"] for r in h], color=color, alpha=0.6,
