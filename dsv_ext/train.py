@@ -651,10 +651,17 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
                 save(os.path.join(out_dir, "ckpt_last.pt"), done)
             if tcfg.ckpt_every > 0 and done % tcfg.ckpt_every == 0 and done < tcfg.steps:
                 save(os.path.join(out_dir, f"ckpt_{done}.pt"), done)
-            if time_limit_s is not None and done < tcfg.steps and \
-                    time.perf_counter() - wall0 + dt > time_limit_s:
-                stopped_at = done
-                break
+            if time_limit_s is not None and done < tcfg.steps:
+                stop = time.perf_counter() - wall0 + dt > time_limit_s
+                if cp_world > 1:  # every rank stops at the same step
+                    import torch.distributed as dist
+
+                    flag = torch.tensor([float(stop)], device=dev)
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                    stop = bool(flag.item() > 0)
+                if stop:
+                    stopped_at = done
+                    break
         final_step = max(start, tcfg.steps) if stopped_at is None else stopped_at
         if stopped_at is None and (start < tcfg.steps or not vals):
             last_val = run_val(final_step)
