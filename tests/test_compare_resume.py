@@ -72,3 +72,22 @@ def test_compare_report_fields_and_sample_strip(tmp_path):
     assert res["samples"]["dsv_mode"] in ("dsv", "dense")
     saved = json.load(open(tmp_path / "compare.json"))
     assert saved["samples"]["path"] == "compare_samples.png"
+
+
+def test_train_time_limit_stops_with_a_checkpoint_and_resumes_exactly(tmp_path):
+    from dsv_ext.train import train
+    from test_train import _read
+
+    cfg = micro_config(steps=5, log_every=2, val_every=2)
+    full = train(cfg, out_dir=str(tmp_path / "full"), attention="dense", device="cpu", progress=False)
+    part = train(cfg, out_dir=str(tmp_path / "part"), attention="dense", device="cpu", progress=False,
+                 time_limit_s=0.0)
+    s = part["summary"]
+    assert not s["complete"] and s["last_step"] == 1 and s["steps"] == 5
+    assert not [r for r in _read(tmp_path / "part" / "metrics.jsonl") if r["kind"] == "val"]
+    rest = train(cfg, out_dir=str(tmp_path / "part"), attention="dense", device="cpu", progress=False,
+                 resume=str(tmp_path / "part" / "ckpt_last.pt"))
+    assert rest["summary"]["complete"] and rest["summary"]["final_val_loss"] == full["summary"]["final_val_loss"]
+    a, b = _read(tmp_path / "full" / "metrics.jsonl"), _read(tmp_path / "part" / "metrics.jsonl")
+    key = lambda r: (r["kind"], r["step"], r.get("loss"), r.get("val_loss"))  # noqa: E731
+    assert [key(r) for r in a] == [key(r) for r in b]
