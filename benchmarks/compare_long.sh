@@ -52,6 +52,7 @@ if [ -f "$RUN/compare.md" ] && [ "$RUN/compare.md" -nt "$RUN/dense/metrics.jsonl
 else
   echo "not complete: run this script again"
 fi
+mkdir -p "$RUN"
 python3 - "$RUN" > "$RUN/meta.json" <<'PY'
 import json, subprocess, sys, time, torch
 try:
