@@ -21,6 +21,8 @@ Writes benchmarks/results/kernels.json (one record per shape), kernels.md (table
 commit and card) and kernels.png (speedup vs sparsity), or under --out.
 
 Usage: python benchmarks/bench_kernels.py [--quick] [--flex] [--out DIR]
+       python benchmarks/bench_kernels.py --deterministic [--S ...] [--D ...]   (cost of
+       sparse_attention(..., deterministic=True) in the backward, and a bit-identity check)
 The kernels are reached through dsv_ext (built with CUDA) or, with DSV_ATTN_LIB set, through
 the ctypes wrapper of tests/test_sparse_attention_cuda.py.
 """
@@ -429,6 +431,46 @@ def write_outputs(records, outdir, meta):
         print(f"plot skipped: {e}")
 
 
+def deterministic_cost(Ss, Ds, Gs, sps, dists, reps, outdir):
+    """--deterministic: backward time with sparse_attention(..., deterministic=True) against
+    the default, per shape (dsv_ext raw ops; lists from topk_estimate), and whether 3 runs of
+    the deterministic backward are bit-identical. Writes deterministic.json under --out."""
+    import dsv_ext
+    B, H, dtype = 1, 24, torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for S in Ss:
+        for dist in dists:
+            ql, kl = (t.to(dtype) for t in lowrank_inputs(dist, B, S, H, gen, "cuda"))
+            for D in Ds:
+                q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=dtype) for _ in range(4))
+                for G in Gs:
+                    for sp in sps:
+                        K = keys_for(S, sp)
+                        cnt = torch.full((B, H), K, dtype=torch.int32, device="cuda")
+                        idx = dsv_ext.topk_estimate(ql, kl, cnt, G, K)
+                        out, lse = torch.ops.dsv.sparse_attention_fwd(q, k, v, idx, cnt, G, 1 / math.sqrt(D))
+                        ms = {}
+                        for det in (False, True):
+                            fn = lambda det=det: torch.ops.dsv.sparse_attention_bwd(  # noqa: E731
+                                do, q, k, v, out, lse, idx, cnt, G, 1 / math.sqrt(D), det)
+                            ms[det] = bench(fn, reps)
+                        ref = torch.ops.dsv.sparse_attention_bwd(do, q, k, v, out, lse, idx, cnt, G, 1 / math.sqrt(D), True)
+                        same = all(all(torch.equal(a, b) for a, b in zip(ref, torch.ops.dsv.sparse_attention_bwd(
+                            do, q, k, v, out, lse, idx, cnt, G, 1 / math.sqrt(D), True))) for _ in range(2))
+                        r = dict(S=S, D=D, G=G, sparsity=sp, dist=dist, bwd_ms=ms[False],
+                                 bwd_deterministic_ms=ms[True], cost=ms[True] / ms[False], bit_identical=same)
+                        rows.append(r)
+                        print(json.dumps(r), flush=True)
+    os.makedirs(outdir, exist_ok=True)
+    with open(os.path.join(outdir, "deterministic.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print("\nS D G sparsity dist | bwd ms | deterministic ms | cost | bit-identical")
+    for r in rows:
+        print(f"{r['S']} {r['D']} {r['G']} {r['sparsity']} {r['dist']} | {r['bwd_ms']:.2f} | "
+              f"{r['bwd_deterministic_ms']:.2f} | {r['cost']:.2f}x | {r['bit_identical']}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="target shape and a small subset")
@@ -450,7 +492,13 @@ def main():
     ap.add_argument("--G", type=int, nargs="*")
     ap.add_argument("--sparsity", type=float, nargs="*")
     ap.add_argument("--dist", nargs="*")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="only measure the cost of the deterministic backward (deterministic.json)")
     args = ap.parse_args()
+    if args.deterministic:
+        deterministic_cost(args.S or [16384, 65536], args.D or [64, 128], args.G or [64],
+                           args.sparsity or [0.9], args.dist or ["random", "smooth"], args.reps, args.out)
+        return
     if args.merge:
         records = []
         for path in args.merge:

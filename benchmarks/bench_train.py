@@ -170,7 +170,7 @@ def _dsv_config(**kw):
 
     base = dict(profile_every=10**6, profile_until=10**9, train_every_stage1=1,
                 train_every_stage2=0, use_calibration=False, dispatch_threshold=0.0,
-                memory_fraction=1.0, measure_recall=False)
+                memory_fraction=1.0, measure_recall=False, k_rule="theta")  # K follows the set sparsity
     base.update(kw)
     return DSVConfig(**base)
 

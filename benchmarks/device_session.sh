@@ -60,7 +60,7 @@ case " $STEPS " in *" train "*)
   echo "bench_train rc=$?"; tail -15 "$OUT/train.log";;
 esac
 case " $STEPS " in *" san "*)
-  timeout ${SAN_LIMIT:-100} bash tests/run_sanitizer.sh "$OUT/san"; echo "sanitizer rc=$?";;
+  timeout ${SAN_LIMIT:-400} bash tests/run_sanitizer.sh "$OUT/san"; echo "sanitizer rc=$?";;
 esac
 date -u
 (cd "$OUT" && tar czf /tmp/logs.tgz . && find . -type f -delete && find . -mindepth 1 -type d -delete && mv /tmp/logs.tgz .)

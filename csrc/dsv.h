@@ -20,6 +20,16 @@
  *    of zeros and an lse of -inf for that (batch, head).
  *  - Query s belongs to group s / group_size; num_groups = ceil(S / group_size), so the last
  *    group may be partial.
+ *  - Sizes: every entry point checks that the element counts and byte sizes it forms fit in
+ *    int64 and returns DSV_ERR_INVALID otherwise; per-thread scratch is sized by what is used
+ *    (a group holds min(group_size, S) queries), so a huge group_size cannot wrap a size.
+ *  - NaN / inf: a query row whose scores (scale q . k over its list) contain a NaN or +inf, or
+ *    are all -inf, gets a NaN output row, a NaN lse and NaN gradients (dq of the row, dk / dv of
+ *    every key of its list), as softmax and torch's scaled_dot_product_attention do; a -inf
+ *    score among finite ones has weight 0. A list without a valid entry (count 0, or only
+ *    entries outside [0, S)) still gives 0 and lse -inf. top-K ranks a NaN score last (tied
+ *    with -inf); the predictor loss and the profile are NaN for a (batch, head) whose sampled
+ *    rows see a NaN (profile: or +inf) score, and the loss of a row outside [0, S) is NaN.
  *  - Every function returns DSV_OK (0) or a negative dsv_status; dsv_status_string() names it.
  *    CUDA functions only enqueue work on `stream` (a cudaStream_t passed as void*); they return
  *    DSV_ERR_CUDA when a launch fails.
@@ -67,7 +77,17 @@ typedef struct dsv_attn_shape {
   int64_t group_size, num_groups, kmax;
   double scale;
   dsv_dtype dtype;
+  int flags; /* DSV_FLAG_* bits (0: the default, fastest paths) */
 } dsv_attn_shape;
+
+/* Deterministic backward: dq, dk, dv are bit-identical from run to run for the same inputs.
+ * The CPU backward always is (a fixed thread count sums in a fixed order). On CUDA the flag
+ * sends every head through the key-major path with its (group, mask) entries in ascending
+ * group order (filled by a scan, no atomic positions) and dK / dV summed in registers; dQ is
+ * always summed in registers by one CTA per query chunk (no key ranges, no fp32 reductions).
+ * It needs head_dim <= 128 and lists that are strictly ascending (as topk_estimate writes them;
+ * dsv_ext sorts other lists first): the kernel returns DSV_ERR_UNSUPPORTED for head_dim 256. */
+#define DSV_FLAG_DETERMINISTIC 1
 
 int dsv_sparse_attention_fwd_cpu(const dsv_attn_shape* p, dsv_bshd q, dsv_bshd k, dsv_bshd v,
                                  const int32_t* kv_index, const int32_t* kv_count,

@@ -76,7 +76,8 @@ void check_bshd(const Tensor& t, const char* name, const Tensor& like, int64_t B
   STD_TORCH_CHECK(t.size(0) == B && t.size(1) == S && t.size(2) == H && t.size(3) == D, name,
                   ": expected shape [", B, ", ", S, ", ", H, ", ", D, "], got [", t.size(0), ", ",
                   t.size(1), ", ", t.size(2), ", ", t.size(3), "]");
-  STD_TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1, name, ": the last dim must be contiguous");
+  // an empty tensor is never read: any strides will do
+  STD_TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1 || t.numel() == 0, name, ": the last dim must be contiguous");
   for (int i = 0; i < 3; ++i) STD_TORCH_CHECK(t.stride(i) >= 0, name, ": negative strides are not supported");
 }
 
@@ -132,22 +133,26 @@ Tensor workspace_like(const Tensor& t, size_t bytes) {
 }
 #endif
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// ceil(a / b) for a >= 0, b > 0, without the overflow of a + b - 1 (group_size may be huge)
+int64_t ceil_div(int64_t a, int64_t b) { return a <= 0 ? 0 : (a - 1) / b + 1; }
 
 // ------------------------------------------------------------------------------------------
 // sparse attention
 
-dsv_attn_shape attn_shape(const Tensor& q, const Tensor& kv_index, int64_t group_size, double scale) {
+dsv_attn_shape attn_shape(const Tensor& q, const Tensor& kv_index, int64_t group_size, double scale,
+                          bool deterministic) {
   dsv_attn_shape p;
   p.batch = q.size(0);
   p.seqlen = q.size(1);
   p.heads = q.size(2);
   p.head_dim = q.size(3);
-  p.group_size = group_size;
+  // a group larger than the sequence is one group of S queries: the same lists, the same result
+  p.group_size = group_size < p.seqlen ? group_size : (p.seqlen > 0 ? p.seqlen : 1);
   p.num_groups = kv_index.size(2);
   p.kmax = kv_index.size(3);
   p.scale = scale;
   p.dtype = dsv_dtype_of(q.scalar_type());
+  p.flags = deterministic ? DSV_FLAG_DETERMINISTIC : 0;
   return p;
 }
 
@@ -167,7 +172,8 @@ void check_attention_args(const Tensor& q, const Tensor& k, const Tensor& v, con
 }
 
 std::tuple<Tensor, Tensor> sparse_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor kv_index,
-                                                Tensor kv_count, int64_t group_size, double scale) {
+                                                Tensor kv_count, int64_t group_size, double scale,
+                                                bool deterministic) {
   check_attention_args(q, k, v, kv_index, kv_count, group_size, scale);
   const ScalarType dt = q.scalar_type();
   const int64_t B = q.size(0), S = q.size(1), H = q.size(2), D = q.size(3);
@@ -176,7 +182,7 @@ std::tuple<Tensor, Tensor> sparse_attention_fwd(Tensor q, Tensor k, Tensor v, Te
     Tensor out = torch::stable::new_empty(qc, {B, S, H, D});
     Tensor lse = torch::stable::new_empty(qc, {B, H, S}, acc_type(dt));
     if (out.numel() > 0) {
-      dsv_attn_shape p = attn_shape(qc, kv_index, group_size, scale);
+      dsv_attn_shape p = attn_shape(qc, kv_index, group_size, scale, deterministic);
       check_status(dsv_sparse_attention_fwd_cpu(&p, bshd_of(qc), bshd_of(kc), bshd_of(vc),
                                                 (const int32_t*)kv_index.data_ptr(),
                                                 (const int32_t*)kv_count.data_ptr(), bshd_of(out),
@@ -190,7 +196,7 @@ std::tuple<Tensor, Tensor> sparse_attention_fwd(Tensor q, Tensor k, Tensor v, Te
   Tensor out = torch::stable::new_empty(q, {B, S, H, D});
   Tensor lse = torch::stable::new_empty(q, {B, H, S}, acc_type(dt));
   if (out.numel() > 0) {
-    dsv_attn_shape p = attn_shape(q, kv_index, group_size, scale);
+    dsv_attn_shape p = attn_shape(q, kv_index, group_size, scale, deterministic);
     size_t ws = dsv_sparse_attention_fwd_workspace_cuda(&p);
     Tensor work = workspace_like(q, ws);
     check_status(dsv_sparse_attention_fwd_cuda(&p, bshd_of(q), bshd_of(k), bshd_of(v),
@@ -208,7 +214,7 @@ std::tuple<Tensor, Tensor> sparse_attention_fwd(Tensor q, Tensor k, Tensor v, Te
 std::tuple<Tensor, Tensor, Tensor> sparse_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v,
                                                         Tensor out, Tensor lse, Tensor kv_index,
                                                         Tensor kv_count, int64_t group_size,
-                                                        double scale) {
+                                                        double scale, bool deterministic) {
   check_attention_args(q, k, v, kv_index, kv_count, group_size, scale);
   const ScalarType dt = q.scalar_type();
   const int64_t B = q.size(0), S = q.size(1), H = q.size(2), D = q.size(3);
@@ -223,7 +229,7 @@ std::tuple<Tensor, Tensor, Tensor> sparse_attention_bwd(Tensor dout, Tensor q, T
     Tensor dk = torch::stable::new_empty(qc, {B, S, H, D});
     Tensor dv = torch::stable::new_empty(qc, {B, S, H, D});
     if (dq.numel() > 0) {
-      dsv_attn_shape p = attn_shape(qc, kv_index, group_size, scale);
+      dsv_attn_shape p = attn_shape(qc, kv_index, group_size, scale, deterministic);
       check_status(dsv_sparse_attention_bwd_cpu(&p, bshd_of(qc), bshd_of(kc), bshd_of(vc),
                                                 bshd_of(oc), bshd_of(doc), lse.data_ptr(),
                                                 (const int32_t*)kv_index.data_ptr(),
@@ -239,7 +245,7 @@ std::tuple<Tensor, Tensor, Tensor> sparse_attention_bwd(Tensor dout, Tensor q, T
   Tensor dk = torch::stable::new_empty(q, {B, S, H, D});
   Tensor dv = torch::stable::new_empty(q, {B, S, H, D});
   if (dq.numel() > 0) {
-    dsv_attn_shape p = attn_shape(q, kv_index, group_size, scale);
+    dsv_attn_shape p = attn_shape(q, kv_index, group_size, scale, deterministic);
     size_t ws = dsv_sparse_attention_bwd_workspace_cuda(&p);
     Tensor work = workspace_like(q, ws);
     check_status(dsv_sparse_attention_bwd_cuda(&p, bshd_of(q), bshd_of(k), bshd_of(v), bshd_of(out),
@@ -272,7 +278,8 @@ Tensor topk_estimate(Tensor q_lr, Tensor k_lr, Tensor kv_count, int64_t group_si
   if (index.numel() == 0) return index;
   dsv_lowrank_shape p;
   p.batch = B; p.seqlen = S; p.heads = H; p.rank = R;
-  p.group_size = group_size; p.num_groups = NG; p.kmax = kmax;
+  // a group larger than the sequence is one group of S queries (same result; no huge sizes in C)
+  p.group_size = group_size < S ? group_size : (S > 0 ? S : 1); p.num_groups = NG; p.kmax = kmax;
   if (q_lr.is_cpu()) {
     Tensor qc = cpu_compute(q_lr), kc = cpu_compute(k_lr);
     p.dtype = dsv_dtype_of(qc.scalar_type());
@@ -428,7 +435,8 @@ std::tuple<Tensor, Tensor> profile_attention(Tensor q, Tensor k, Tensor rows, do
     STD_TORCH_CHECK(kv_index->dim() == 4, "kv_index: expected [B, H, ceil(S/G), Kmax]");
     check_plain_tensor(*kv_index, "kv_index", q, ScalarType::Int, {B, H, NG, kv_index->size(3)});
     check_plain_tensor(*kv_count, "kv_count", q, ScalarType::Int, {B, H});
-    p.group_size = group_size; p.num_groups = NG; p.kmax = kv_index->size(3);
+    p.group_size = group_size < S ? group_size : (S > 0 ? S : 1);
+    p.num_groups = NG; p.kmax = kv_index->size(3);
   }
   const ScalarType at = acc_type(q.scalar_type());
   const int32_t* idx = with_index ? (const int32_t*)kv_index->data_ptr() : nullptr;
@@ -473,7 +481,7 @@ std::tuple<Tensor, Tensor> profile_attention(Tensor q, Tensor k, Tensor rows, do
 void check_rows_args(const Tensor& src, const Tensor& index) {
   STD_TORCH_CHECK(src.dim() == 2, "src: expected a 2-d [rows, dim] tensor, got ", src.dim(), " dims");
   STD_TORCH_CHECK(is_floating(src.scalar_type()), "src: expected a floating dtype");
-  STD_TORCH_CHECK(src.size(1) <= 1 || src.stride(1) == 1, "src: the last dim must be contiguous");
+  STD_TORCH_CHECK(src.size(1) <= 1 || src.stride(1) == 1 || src.numel() == 0, "src: the last dim must be contiguous");
   STD_TORCH_CHECK(src.stride(0) >= 0, "src: negative strides are not supported");
   STD_TORCH_CHECK(index.dim() == 1, "index: expected a 1-d tensor");
   check_plain_tensor(index, "index", src, ScalarType::Long, {index.size(0)});
@@ -534,8 +542,8 @@ Tensor scatter_add_rows(Tensor src, Tensor index, int64_t num_rows) {
 }  // namespace
 
 STABLE_TORCH_LIBRARY(dsv, m) {
-  m.def("sparse_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor kv_index, Tensor kv_count, int group_size, float scale) -> (Tensor, Tensor)");
-  m.def("sparse_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor kv_index, Tensor kv_count, int group_size, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("sparse_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor kv_index, Tensor kv_count, int group_size, float scale, bool deterministic=False) -> (Tensor, Tensor)");
+  m.def("sparse_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor kv_index, Tensor kv_count, int group_size, float scale, bool deterministic=False) -> (Tensor, Tensor, Tensor)");
   m.def("topk_estimate(Tensor q_lr, Tensor k_lr, Tensor kv_count, int group_size, int kmax) -> Tensor");
   m.def("predictor_loss_fwd(Tensor q, Tensor k, Tensor q_lr, Tensor k_lr, Tensor rows, float scale, float cos_weight, float norm_weight) -> (Tensor, Tensor)");
   m.def("predictor_loss_bwd(Tensor dloss, Tensor q, Tensor k, Tensor q_lr, Tensor k_lr, Tensor rows, Tensor row_stats, float scale, float cos_weight, float norm_weight) -> (Tensor, Tensor)");

@@ -2,8 +2,8 @@
 
 Kernels (C on the CPU, CUDA on the GPU) registered as ``torch.ops.dsv.*``; the public functions
 below wrap them with argument checks, fake kernels and autograd. The modules (SparseAttention,
-DSVAttention), the training controller (DSVController), the config (DSVConfig), ``convert`` and
-the context-parallel package (``dsv_ext.parallel``) are imported on first use.
+DSVAttention, DenseAttention), the training controller (DSVController), the config (DSVConfig),
+``convert`` and the context-parallel package (``dsv_ext.parallel``) are imported on first use.
 """
 from importlib import import_module
 
@@ -24,11 +24,16 @@ __version__ = "0.1.0"
 _LAZY = {
     "SparseAttention": "attention",
     "DSVAttention": "attention",
+    "DenseAttention": "attention",
     "set_index_refresh": "attention",
     "DSVController": "controller",
     "DSVConfig": "config",
     "convert": "convert",
+    "route_sdpa": "generic",
+    "save_pretrained": "pretrained",
+    "from_pretrained": "pretrained",
     "build_info": "info",
+    "recall_curve": "recall",
     "parallel": None,
     "models": None,
 }

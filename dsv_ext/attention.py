@@ -5,12 +5,19 @@ PUBLIC API
 class SparseAttention(nn.Module):
     SparseAttention(num_heads: int, head_dim: int, grid: tuple[int,int,int] | None = None,
                     config: DSVConfig | None = None, name: str | None = None)
-    forward(q, k, v, grid=None, scale=None) -> out
+    forward(q, k, v, grid=None, scale=None, *, n_text=0, text_first=False, attn_mask=None) -> out
         q, k, v, out: [B, S, H, D] (same layout as dsv_ext.sparse_attention; D contiguous).
         Replaces `F.scaled_dot_product_attention(q.transpose(1,2), ...).transpose(1,2)`.
         grid: (T, H, W) token grid of the video (T*H*W <= S; extra tokens after the grid keep
         their order); defaults to the grid given at construction / set_grid().
         Without a DSVController it is exactly dense SDPA (stage 1, no predictor work).
+        Joint text+video attention: n_text > 0 marks the last n_text tokens (the first ones
+        with text_first=True) as text tokens. They stay dense: text queries attend to all keys,
+        and each video query group attends to its DSV-selected video keys plus every text key.
+        Predictors, profiling and per-head K see the video part only. attn_mask: the SDPA mask
+        of the dense path (as the model passes it); the sparse path reads it as a key-padding
+        mask of the text tokens (bool, [B, 1, 1, S] or [B, S], True = attend; the video keys
+        must all be valid there; a mask without text tokens keeps the call dense).
     set_grid(grid)                 # (T, H, W) token grid used when forward() gets none
     stage: int                     # 1 (dense) or 2 (sparse); set by the controller
     predictor: LowRankPredictor    # per-head [H, D, r] projections for q and k
@@ -49,7 +56,7 @@ except Exception as e:  # pragma: no cover - only before the extension is built
     _ops = None  # type: ignore[assignment]
     _OPS_ERROR = e
 
-__all__ = ["SparseAttention", "DSVAttention", "DenseAttention", "dense_core", "sparse_core"]
+__all__ = ["SparseAttention", "DSVAttention", "DenseAttention", "dense_core", "sparse_core", "joint_sparse_core"]
 
 
 def _identity(x):
@@ -72,19 +79,26 @@ def _sdpa_priority():
 
 
 def dense_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
-               backend: str = "auto") -> torch.Tensor:
+               backend: str = "auto", attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dense attention on [B, S, H, D] tensors through SDPA (output [B, S, H, D], a view).
 
     backend "auto" on CUDA asks SDPA for cuDNN first, then Flash, memory-efficient and math
-    (the fastest available on Hopper); elsewhere torch's default choice is kept."""
+    (the fastest available on Hopper); elsewhere torch's default choice is kept. attn_mask is
+    passed to SDPA as given (SDPA's [B, H, Sq, Skv]-broadcastable layout)."""
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    extra = {} if attn_mask is None else {"attn_mask": attn_mask}
     if backend == "auto" and q.is_cuda:
         from torch.nn.attention import sdpa_kernel
         with sdpa_kernel(_sdpa_priority(), set_priority=True):
-            o = F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+            o = _SDPA(qt, kt, vt, scale=scale, **extra)
     else:
-        o = F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+        o = _SDPA(qt, kt, vt, scale=scale, **extra)
     return o.transpose(1, 2)
+
+
+# the SDPA function dsv_ext itself calls (a scoped patch of F.scaled_dot_product_attention, see
+# dsv_ext.generic.route_sdpa, must not route the library's own dense calls back to itself)
+_SDPA = F.scaled_dot_product_attention
 
 
 def _autocast_inputs(q, k, v):
@@ -125,7 +139,8 @@ def sparse_supported(device: torch.device, head_dim: int, rank: int) -> bool:
 def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                 perm: Optional[torch.Tensor], inv: Optional[torch.Tensor], kv_count: torch.Tensor,
                 kmax: int, group_size: int, scale: Optional[float] = None,
-                index: Optional[torch.Tensor] = None, return_index: bool = False):
+                index: Optional[torch.Tensor] = None, return_index: bool = False,
+                deterministic: Optional[bool] = None):
     """Stage-2 attention on [B, S, H, D]: cube-reorder the queries, low-rank projections (detached
     from the model graph), top-K estimation of each query group's keys, sparse attention,
     inverse reorder. Keys/values stay in their original order (kv_index addresses them there),
@@ -135,7 +150,7 @@ def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Ten
     kv_count: int32 [H] per-head K (<= kmax); kmax: Python int, the index list length.
     index: a kv_index [B, H, groups, kmax] from an earlier call with the same shapes, perm and
     kv_count, used instead of estimating again (inference index reuse); return_index: return
-    (out, index)."""
+    (out, index); deterministic: see dsv_ext.sparse_attention."""
     ops = _need_ops()
     q, k, v = _autocast_inputs(q, k, v)
     out_dtype = q.dtype
@@ -149,9 +164,88 @@ def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Ten
             q_lr = torch.einsum("bshd,hdr->bshr", qp.detach(), wq.detach().to(q.dtype)).contiguous()
             k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), wk.detach().to(k.dtype)).contiguous()
         index = ops.topk_estimate(q_lr, k_lr, counts, group_size, kmax)
-    out = ops.sparse_attention(qp, k, v, index, counts, group_size, scale, check_index=False)
+    out = ops.sparse_attention(qp, k, v, index, counts, group_size, scale, check_index=False,
+                               deterministic=deterministic)
     out = out.index_select(1, inv) if inv is not None else out
     out = out.to(out_dtype)
+    return (out, index) if return_index else out
+
+
+def _text_key_mask(attn_mask: Optional[torch.Tensor], B: int, S: int, text: slice) -> Optional[torch.Tensor]:
+    """The text part of a key-padding attn_mask as bool [B, n_text] (None: all text keys valid)."""
+    if attn_mask is None:
+        return None
+    m = attn_mask
+    if m.dim() == 4:
+        if m.shape[1] != 1 or m.shape[2] != 1:
+            raise ValueError(f"attn_mask: the sparse path takes a key-padding mask [B, 1, 1, S], got shape "
+                             f"{tuple(m.shape)}")
+        m = m[:, 0, 0]
+    if m.dim() != 2 or m.shape[-1] != S or m.shape[0] not in (1, B):
+        raise ValueError(f"attn_mask: expected a key-padding mask [B, 1, 1, {S}] or [B, {S}], got shape "
+                         f"{tuple(attn_mask.shape)}")
+    if m.dtype != torch.bool:
+        m = m == 0 if m.dtype.is_floating_point else m != 0  # additive float mask: 0 = attend
+    return m[:, text].expand(B, -1)
+
+
+def joint_sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                      perm: Optional[torch.Tensor], inv: Optional[torch.Tensor], kv_count: torch.Tensor,
+                      kmax: int, group_size: int, scale: Optional[float], n_text: int, text_first: bool = False,
+                      attn_mask: Optional[torch.Tensor] = None, backend: str = "auto",
+                      index: Optional[torch.Tensor] = None, return_index: bool = False):
+    """Stage-2 joint text+video attention on [B, S, H, D] (S = n_video + n_text; the text tokens
+    last, or first with text_first). Video queries: one sparse_attention call over all keys
+    (k, v as given, no copies) where each query group's list is its top-K video keys
+    (estimated as in sparse_core, K = kv_count[h]) followed by every (valid) text key, so
+    kv_count becomes K + n_text; the kernel needs as many query rows as keys, so the text
+    queries fill the rows after the video ones and their outputs there are discarded (their
+    gradient through that call is exactly zero). Text queries: dense SDPA over all keys.
+    index: the video-part top-K index of an earlier call (reuse), return_index: (out, index)."""
+    ops = _need_ops()
+    B, S, H, D = q.shape
+    Sv = S - n_text
+    vid, txt = (slice(n_text, S), slice(0, n_text)) if text_first else (slice(0, Sv), slice(Sv, S))
+    text_valid = _text_key_mask(attn_mask, B, S, txt)
+    out_t = dense_core(q[:, txt], k, v, scale, backend, attn_mask=attn_mask)
+    q, k, v = _autocast_inputs(q, k, v)
+    out_dtype = q.dtype
+    kdt = kernel_dtype(q)
+    q, k, v = q.to(kdt), k.to(kdt), v.to(kdt)
+    qv, kv, qt = q[:, vid], k[:, vid], q[:, txt]
+    qp = qv.index_select(1, perm) if perm is not None else qv
+    counts = kv_count.view(1, H).expand(B, H).contiguous()
+    if index is None:
+        with torch.no_grad():
+            q_lr = torch.einsum("bshd,hdr->bshr", qp.detach(), wq.detach().to(q.dtype)).contiguous()
+            k_lr = torch.einsum("bshd,hdr->bshr", kv.detach(), wk.detach().to(k.dtype)).contiguous()
+        index = ops.topk_estimate(q_lr, k_lr, counts, group_size, kmax)
+    with torch.no_grad():  # the joint lists, built in int32 in one buffer
+        ngv, ng, L = index.shape[2], -(-S // group_size), kmax + n_text
+        full = torch.empty(B, H, ng, L, dtype=torch.int32, device=q.device)
+        fv = full[:, :, :ngv]
+        fv[..., :kmax] = index
+        if vid.start:
+            fv[..., :kmax] += vid.start  # keys stay where they are in k, v (the -1 padding is never read)
+        if text_valid is None:  # every text key, in order
+            tpos = (txt.start + torch.arange(n_text, device=q.device, dtype=torch.int32)).view(1, 1, 1, n_text)
+            jcount = counts + n_text
+        else:  # the valid text keys first (stable: in their order)
+            order = torch.argsort((~text_valid).to(torch.int8), dim=1, stable=True)
+            tpos = (order + txt.start).to(torch.int32).view(B, 1, 1, n_text)
+            jcount = counts + text_valid.sum(1, dtype=torch.int32).view(B, 1)
+        # head h's text keys go right after its K_h video keys
+        slots = kv_count.to(torch.int64).view(1, H, 1, 1) + torch.arange(n_text, device=q.device).view(1, 1, 1, -1)
+        fv.scatter_(3, slots.expand(B, H, ngv, n_text), tpos.expand(B, H, ngv, n_text))
+        if ng > ngv:  # groups of the text rows only (outputs discarded): any valid list
+            full[:, :, ngv:] = fv[:, :, ngv - 1:ngv]
+        jcount = jcount.to(torch.int32).contiguous()
+    qc = torch.cat([qp, qt], 1)  # video query groups first, aligned to the group size
+    out_v = ops.sparse_attention(qc, k, v, full, jcount, group_size, scale, check_index=False)[:, :Sv]
+    out_v = out_v.index_select(1, inv) if inv is not None else out_v
+    out_v = out_v.to(out_dtype)
+    out_t = out_t.to(out_dtype)
+    out = torch.cat([out_t, out_v], 1) if text_first else torch.cat([out_v, out_t], 1)
     return (out, index) if return_index else out
 
 
@@ -244,6 +338,8 @@ class SparseAttention(nn.Module):
         self._pending_sparsity_n: int = 0
         self._pending_recall: Optional[torch.Tensor] = None    # [H]
         self._pending_recall_n: int = 0
+        self._pending_curve: Optional[torch.Tensor] = None     # [H, bins] recall vs K (k_rule recall)
+        self._pending_curve_n: int = 0
         self._rows_cache: Dict[tuple, torch.Tensor] = {}
         self._grad_acc: Optional[List[torch.Tensor]] = None     # predictor grads [wq, wk]
         self._warned = False
@@ -325,8 +421,11 @@ class SparseAttention(nn.Module):
         return cube_permutation(grid, self.config.cube, S, device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Optional[Sequence[int]] = None,
-                scale: Optional[float] = None) -> torch.Tensor:
+                scale: Optional[float] = None, *, n_text: int = 0, text_first: bool = False,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         self._check(q, k, v)
+        if n_text or attn_mask is not None:
+            return self._joint_forward(q, k, v, grid, scale, int(n_text), bool(text_first), attn_mask)
         if self._cp is not None:  # context parallel (dsv_ext.parallel.enable): q, k, v are shards
             from .parallel.module import cp_forward
             return cp_forward(self, q, k, v, scale)
@@ -340,9 +439,46 @@ class SparseAttention(nn.Module):
             perm, inv = self._perm(grid, S, q.device)
             if self.training or self.index_refresh <= 1:
                 return sparse_core(q, k, v, self.predictor.wq, self.predictor.wk, perm, inv,
-                                   self.kv_count, self.kmax, self.config.group_size, scale)
+                                   self.kv_count, self.kmax, self.config.group_size, scale,
+                                   deterministic=self.config.deterministic)
             return self._reuse_index_core(q, k, v, grid, perm, inv, scale)
         return dense_core(q, k, v, scale, self.config.dense_backend)
+
+    def _joint_forward(self, q, k, v, grid, scale, n_text: int, text_first: bool, attn_mask):
+        """forward() with text tokens (n_text > 0) and/or an attention mask (see the class doc)."""
+        S = q.shape[1]
+        if not 0 <= n_text < S:
+            raise ValueError(f"n_text: expected 0 <= n_text < S={S}, got {n_text}")
+        if self._cp is not None:
+            raise ValueError("n_text: joint text+video attention is not supported under context parallelism")
+        grid = self.grid if grid is None else tuple(grid)
+        Sv = S - n_text
+        if grid is not None and grid[0] * grid[1] * grid[2] > Sv:
+            raise ValueError(f"grid: {grid} has more tokens than the {Sv} video tokens (S={S}, n_text={n_text})")
+        vid = slice(n_text, S) if text_first else slice(0, Sv)
+        if self.training and (self._train_now or self._profile_now):
+            self._side_tasks(q[:, vid], k[:, vid], grid, scale)
+        if self.stage == 2 and self.use_sparse and self.density is not None and n_text > 0:
+            if Sv != self._k_seq_len:
+                self._refresh_counts(Sv)
+            perm, inv = self._perm(grid, Sv, q.device)
+            index = None
+            key = (tuple(q.shape), n_text, grid, str(q.device), self.kmax, tuple(self.head_k))
+            reuse = not self.training and self.index_refresh > 1
+            if reuse:
+                cached = self._index_cache
+                if cached is not None and cached[0] == key and self._index_calls % self.index_refresh != 0:
+                    index = cached[1]
+                else:
+                    self._index_calls = 0
+            out, index = joint_sparse_core(q, k, v, self.predictor.wq, self.predictor.wk, perm, inv, self.kv_count,
+                                           self.kmax, self.config.group_size, scale, n_text, text_first, attn_mask,
+                                           self.config.dense_backend, index=index, return_index=True)
+            if reuse:
+                self._index_cache = (key, index)
+                self._index_calls += 1
+            return out
+        return dense_core(q, k, v, scale, self.config.dense_backend, attn_mask=attn_mask)
 
     @torch._dynamo.disable
     def _reuse_index_core(self, q, k, v, grid, perm, inv, scale):
@@ -355,7 +491,7 @@ class SparseAttention(nn.Module):
             self._index_calls = 0  # a (re-)estimate starts a new cycle
         out, index = sparse_core(q, k, v, self.predictor.wq, self.predictor.wk, perm, inv,
                                  self.kv_count, self.kmax, self.config.group_size, scale,
-                                 index=index, return_index=True)
+                                 index=index, return_index=True, deterministic=self.config.deterministic)
         self._index_cache = (key, index)
         self._index_calls += 1
         return out
@@ -447,6 +583,14 @@ class SparseAttention(nn.Module):
                 if recall is not None:
                     self._pending_recall = self._accumulate(self._pending_recall, recall.float().mean(0) * weight)
                     self._pending_recall_n += 1
+                if cfg.k_rule == "recall":
+                    from .recall import recall_curve
+                    curve = recall_curve(q, k, self.predictor.wq, self.predictor.wk, rows, cfg.group_size,
+                                         cfg.k_multiple, scale, max_rows=cfg.recall_rows)
+                    if self._pending_curve is not None and self._pending_curve.shape[-1] != curve.shape[-1]:
+                        self._pending_curve, self._pending_curve_n = None, 0  # the length changed
+                    self._pending_curve = self._accumulate(self._pending_curve, curve.mean(0) * weight)
+                    self._pending_curve_n += 1
 
     def sparse_supported(self) -> bool:
         """Whether this block can run the sparse path on its device (dispatcher precondition)."""
@@ -473,6 +617,14 @@ class SparseAttention(nn.Module):
         self._pending_sparsity, self._pending_sparsity_n = None, 0
         self._pending_recall, self._pending_recall_n = None, 0
         return out
+
+    def pop_recall_curve(self) -> Optional[torch.Tensor]:
+        """Mean recall-versus-K curve [H, ceil(S / k_multiple)] (device tensor, see
+        dsv_ext.recall.recall_curve) measured by the profile forwards since the last call (k_rule
+        "recall"), or None; resets the accumulator. Used by the controller."""
+        c, n = self._pending_curve, self._pending_curve_n
+        self._pending_curve, self._pending_curve_n = None, 0
+        return None if c is None or n == 0 else c / n
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, grid={self.grid}, stage={self.stage}, "

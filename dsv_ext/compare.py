@@ -24,6 +24,14 @@ Long runs in time-limited chunks: ``--time-limit S`` stops the current run with 
 before S seconds have passed and exits (exit code 0, "incomplete" printed); the same command with
 ``--resume`` continues it exactly where it stopped (runs already finished are skipped), and the
 call that finishes both runs writes the report from the metrics of all chunks.
+
+With ``--seeds N`` (N >= 2; 3 or more for a usable interval) the pair is trained N times, seed
+``train.seed + i`` for run i (model init, data order, noise), each pair into ``seed<i>/`` as
+above, and ``compare_seeds.md`` / ``compare_seeds.json`` report per arm the mean, standard
+deviation and 95% confidence interval of the final validation loss over the seeds, the paired
+relative gap (DSV / full - 1 per seed) with its interval, the validation set's own standard error
+(``train.val_videos`` x ``train.val_timesteps`` samples; raise ``--val-videos`` until it is small
+against the seed spread), and whether the gap is resolved relative to 1% (``dsv_ext/seeds.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from .cli import run_command
+from .cli import check_numeric_args, run_command
 from .train import load_config, train
 
 __all__ = ["compare", "write_table", "write_plot", "main"]
@@ -148,6 +156,11 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
         ck = os.path.join(run_dir, "ckpt_last.pt") if state == "partial" else None
         runs[att] = train(cfg, out_dir=run_dir, steps=target, attention=att, device=device,
                           progress=progress, resume=ck, time_limit_s=left)
+        stopped = runs[att]["summary"].get("stopped_by")
+        if stopped:  # SIGINT / SIGTERM: keep the checkpoint, run nothing more
+            raise KeyboardInterrupt(f"{stopped}: the {att} run stopped at step "
+                                    f"{runs[att]['summary']['stopped_at_step']}; its checkpoint is "
+                                    f"{os.path.join(run_dir, 'ckpt_last.pt')}")
         if not runs[att]["summary"].get("complete", True):
             complete = False
             break
@@ -342,6 +355,8 @@ def write_table(res: Dict[str, Any], path: str) -> None:
          f"| training time (s) | {_fmt(d['train_time_s'], 1)} | {_fmt(s['train_time_s'], 1)} |",
          f"| training time to full attention's final validation loss (s) | "
          + " | ".join(_reach(res, a) for a in ("dense", "dsv")) + " |",
+         f"| validation loss standard error (over videos) | {_fmt(d.get('final_val_loss_se'))} "
+         f"| {_fmt(s.get('final_val_loss_se'))} |",
          f"| mean sparsity (EMA, theta=0.9) | - | {_fmt(_scalar(s.get('dsv_sparsity')), 3)} |",
          f"| predictor recall | - | {_fmt(_scalar(s.get('dsv_recall')), 3)} |",
          ""]
@@ -495,11 +510,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--samples", type=int, default=2,
                    help="noises sampled by both models for compare_samples.png (0: none)")
     p.add_argument("--sample-steps", type=int, default=20, help="Euler steps per sample")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="train each arm with this many seeds (train.seed + i) and report mean, spread and "
+                        "95%% intervals (compare_seeds.md); 3 or more for an interval worth reading")
+    p.add_argument("--val-videos", type=int, default=None,
+                   help="validation videos (overrides train.val_videos; each at every train.val_timesteps)")
     a = p.parse_args(argv)
 
     def body() -> int:
-        cfg = load_config(a.config, a.overrides)
+        check_numeric_args(a, ints={"steps": 1})
+        if a.seeds < 1:
+            raise ValueError(f"--seeds: expected an integer >= 1, got {a.seeds}")
+        ov = list(a.overrides)
+        if a.val_videos is not None:
+            if a.val_videos < 1:
+                raise ValueError(f"--val-videos: expected an integer >= 1, got {a.val_videos}")
+            ov.append(f"train.val_videos={a.val_videos}")
+        cfg = load_config(a.config, ov)
         out = a.out or os.path.join("runs", f"compare-{cfg.get('name', 'run')}")
+        if a.seeds > 1:  # dsv_ext/seeds.py: the pair per seed, then the statistics over seeds
+            from .seeds import compare_seeds
+
+            r = compare_seeds(cfg, out, a.seeds, steps=a.steps, device=a.device,
+                              progress=not a.no_progress, keep_checkpoints=a.keep_checkpoints,
+                              resume=a.resume, time_limit_s=a.time_limit, samples=a.samples,
+                              sample_steps=a.sample_steps)
+            if not r.get("complete", True):
+                print(f"incomplete: {json.dumps(r['progress'])} of {r['steps']} steps; "
+                      f"continue with --resume --out {out}")
+                return 0
+            print(open(os.path.join(out, "compare_seeds.md")).read())
+            print(f"outputs in {out}")
+            return 0
         res = compare(cfg, out, steps=a.steps, device=a.device, progress=not a.no_progress,
                       keep_checkpoints=a.keep_checkpoints, resume=a.resume,
                       time_limit_s=a.time_limit, samples=a.samples, sample_steps=a.sample_steps)
@@ -511,7 +553,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"outputs in {out}")
         return 0
 
-    return run_command(p.prog, body)
+    def guarded() -> int:
+        try:
+            return body()
+        except KeyboardInterrupt as e:
+            print(f"{p.prog}: interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
+            return 143 if str(e).startswith("SIGTERM") else 130
+
+    return run_command(p.prog, guarded)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,26 @@ class DSVConfig:
     """Per-head K is rounded up to a multiple of this (the kernel's K tile); capped at S."""
     k_margin: float = 0.0
     """Extra density added to (1 - s_h) before computing K (safety margin; 0 = paper's rule)."""
+    k_rule: str = "recall"
+    """How per-head K is chosen. "recall": the smallest K (on the k_multiple grid) at which the
+    predicted lists cover ``recall_target`` of the exact attention mass on the profiler's sampled
+    rows (measured on every profile step, see dsv_ext.recall). "theta": the paper's rule,
+    K = (1 - sparsity at theta + k_margin) * S. Blocks without a recall measurement yet (or whose
+    sparsity was set by DSVController.set_sparsity) use the theta rule."""
+    recall_target: float = 0.95
+    """Recall target of the "recall" K rule: mean fraction of the exact attention mass the
+    predicted lists must cover. Provisional default, to be replaced by one chosen from the measured
+    quality frontier (docs/QUALITY.md)."""
+    recall_max_density: float = 0.5
+    """"recall" rule: a head that needs more than this fraction of the keys to reach the target
+    attends to all keys (K = S: exact attention for that head); a block whose heads all do stays
+    dense."""
+    recall_tolerance: float = 0.02
+    """"recall" rule: a head whose recall, measured with the real index at its K on a profile step,
+    is below recall_target - recall_tolerance gets twice its density (or all keys) at once."""
+    recall_rows: int = 256
+    """"recall" rule: at most this many of the sampled rows (per block, batch element and profile
+    step) feed the recall-versus-K measurement."""
 
     # ---------------------------------------------------------------- dispatcher
     dispatch_threshold: float = 0.8
@@ -132,6 +152,12 @@ class DSVConfig:
     dense_backend: str = "auto"
     """Stage-1 SDPA backend: "auto" (CUDA: cuDNN > Flash > memory-efficient > math by priority;
     CPU: torch's default) or "default" (leave torch's choice alone)."""
+
+    # ---------------------------------------------------------------- reproducibility
+    deterministic: Optional[bool] = None
+    """Bit-identical sparse-attention gradients from run to run (ordered reductions, no float
+    atomics; CUDA head_dim <= 128; some backward speed). None follows
+    torch.are_deterministic_algorithms_enabled(). See docs/API.md, "Determinism"."""
 
     def __post_init__(self) -> None:
         for name, conv in (("cube", int), ("predictor_betas", float)):
@@ -161,7 +187,7 @@ class DSVConfig:
                 raise ValueError(f"{name}: expected a value in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
 
         for n in ("rank", "row_sample_stride", "train_every_stage1", "profile_every",
-                  "profile_every_late", "switch_check_every", "group_size", "k_multiple"):
+                  "profile_every_late", "switch_check_every", "group_size", "k_multiple", "recall_rows"):
             pos_int(n)
         for n in ("train_every_stage2", "profile_until", "min_stage1_steps"):
             pos_int(n, allow_zero=True)
@@ -174,6 +200,11 @@ class DSVConfig:
         frac("loss_ema_alpha")
         frac("min_density")
         frac("k_margin")
+        frac("recall_target", lo_open=True)
+        frac("recall_max_density", lo_open=True)
+        frac("recall_tolerance")
+        if self.k_rule not in ("recall", "theta"):
+            raise ValueError(f"k_rule: expected 'recall' or 'theta', got {self.k_rule!r}")
         frac("dispatch_threshold")
         frac("dispatch_margin")
         frac("memory_fraction")
@@ -185,6 +216,8 @@ class DSVConfig:
         frac("predictor_weight_decay", hi=float("inf"))
         if self.force_stage2_step is not None:
             pos_int("force_stage2_step", allow_zero=True)
+        if self.deterministic is not None and not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic: expected true, false or null, got {self.deterministic!r}")
         if self.dense_backend not in ("auto", "default"):
             raise ValueError(f"dense_backend: expected 'auto' or 'default', got {self.dense_backend!r}")
 
@@ -262,7 +295,21 @@ def yaml_load(stream):
             re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
             list("-+0123456789"))
         _YAML_LOADER = _Loader
-    return yaml.load(stream, Loader=_YAML_LOADER)
+    try:
+        return yaml.load(stream, Loader=_YAML_LOADER)
+    except yaml.YAMLError as e:
+        raise ValueError(yaml_error_line(e, getattr(stream, "name", None))) from None
+
+
+def yaml_error_line(e, name=None) -> str:
+    """One line for a YAML syntax error: ``<file>:<line>:<column>: invalid YAML: <problem>``."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = name if isinstance(name, str) else "<string>"
+    if mark is not None:
+        where += f":{mark.line + 1}:{mark.column + 1}"
+    what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) \
+        or str(e).splitlines()[0]
+    return f"{where}: invalid YAML: {what}"
 
 
 def _field_docs() -> Dict[str, str]:  # pragma: no cover - documentation helper

@@ -22,7 +22,10 @@ class DSVController:
     summary() -> dict               # {"dsv/stage", "dsv/step", "dsv/sparsity", "dsv/loss",
                                     #  "dsv/recall" (if measured), "dsv/sparse_blocks"}
     block_stats() -> list[dict]     # per block: name, head_sparsity, sparsity, recall, loss,
-                                    #  use_sparse, head_k
+                                    #  use_sparse, head_k, head_density
+    head_density(i) -> list[float] | None   # block i's per-head K / S (k_rule "recall": from the
+                                    #  recall-versus-K measurement; heads at 1.0 attend to all keys)
+    recall_density: list            # per block per head: K / S needed for config.recall_target
     mean_loss(sync=True) / mean_sparsity() / mean_recall() -> float | None
     state_dict() -> dict; load_state_dict(sd) -> None
         round-trip step, stage, EMAs, predictors and optimizer (a resumed run continues in the
@@ -71,6 +74,10 @@ class DSVController:
       * stage 2: the dispatcher chooses sparse or dense per block from the EMAs; predictors
         fine-tune at `finetune_lr` every `train_every_stage2` steps; profiling continues (with
         recall of the predicted index) and refreshes per-head K.
+      * per-head K (config.k_rule): "recall" (default) takes the smallest K at which the predicted
+        lists cover config.recall_target of the attention mass on the profiled rows (it rises at
+        once, falls with the EMA; a measured miss doubles it; heads needing more than
+        recall_max_density attend to all keys); "theta" takes (1 - sparsity + k_margin) * S.
     """
 
     def __init__(self, model: nn.Module, config: Union[DSVConfig, str, dict, None] = None,
@@ -103,6 +110,9 @@ class DSVController:
         self._switch_pending: bool = False
         self.sparsity_ema: List[Optional[List[float]]] = [None] * nb   # host, per block per head
         self.recall: List[Optional[List[float]]] = [None] * nb          # latest measured, host
+        # k_rule "recall": per block per head, the (smoothed) fraction of keys the predicted lists
+        # need to reach recall_target, before the recall_max_density cap (host)
+        self.recall_density: List[Optional[List[float]]] = [None] * nb
         self._loss_ema: List[Optional[torch.Tensor]] = [None] * nb      # device [H], no sync
         self._last_loss_host: Optional[float] = None
         self._trained_this_step = False
@@ -164,11 +174,17 @@ class DSVController:
                 a = cfg.ema_alpha
                 self.sparsity_ema[i] = list(new) if old is None else [a * o + (1 - a) * n for o, n in zip(old, new)]
             ridx = [i for i, r in enumerate(recalls) if r is not None]
+            measured = {}
             if ridx:
                 rhost = self._split(self._sync_stats(torch.cat([recalls[i].reshape(-1) for i in ridx])),
                                     [recalls[i].numel() for i in ridx])
                 for i, r in zip(ridx, rhost):
                     self.recall[i] = list(r)
+                    measured[i] = list(r)
+            self._update_recall_density(measured)
+        else:
+            for _, m in self.modules:
+                m.pop_recall_curve()
 
         s = self.step_count  # the step that just finished
         # stage switch
@@ -232,6 +248,48 @@ class DSVController:
             t /= torch.distributed.get_world_size(pg)
         return t
 
+    def _update_recall_density(self, measured: Dict[int, List[float]]) -> None:
+        """k_rule "recall": fold the recall-versus-K curves of this profile step into the per-head
+        densities (one host transfer for all blocks). The density needed for recall_target rises
+        at once and falls with the EMA; a head whose recall, measured with the real index at its
+        K (``measured``), missed the target by more than recall_tolerance gets twice its density."""
+        cfg = self.config
+        curves = [m.pop_recall_curve() for _, m in self.modules]
+        idx = [i for i, c in enumerate(curves) if c is not None]
+        if cfg.k_rule != "recall" or not idx:
+            return
+        from .recall import density_for_recall
+
+        host = self._split(self._sync_stats(torch.cat([curves[i].reshape(-1) for i in idx])),
+                           [curves[i].numel() for i in idx])
+        a = cfg.ema_alpha
+        for i, flat in zip(idx, host):
+            m = self.modules[i][1]
+            H, S = m.num_heads, m._seq_len
+            nb = len(flat) // H
+            if S <= 0 or nb != -(-S // cfg.k_multiple):
+                continue
+            new = [density_for_recall(flat[h * nb:(h + 1) * nb], cfg.recall_target, S, cfg.k_multiple)
+                   for h in range(H)]
+            old = self.recall_density[i]
+            if old is not None:
+                new = [n if n >= o else a * o + (1 - a) * n for o, n in zip(old, new)]
+                rec = measured.get(i)
+                if rec is not None:
+                    new = [min(1.0, max(n, 2.0 * o)) if r < cfg.recall_target - cfg.recall_tolerance else n
+                           for n, o, r in zip(new, old, rec)]
+            self.recall_density[i] = new
+
+    def head_density(self, i: int) -> Optional[List[float]]:
+        """Per-head density (K / S) block ``i`` runs with: from the recall rule where it has a
+        measurement (heads over recall_max_density at 1.0, all keys), else 1 - sparsity EMA."""
+        cfg = self.config
+        rd = self.recall_density[i]
+        if cfg.k_rule == "recall" and rd is not None:
+            return [1.0 if d > cfg.recall_max_density else d for d in rd]
+        ema = self.sparsity_ema[i]
+        return None if ema is None else [1.0 - s for s in ema]
+
     def _do_switch(self, at_step: int) -> None:
         self.stage = 2
         self._switch_pending = False
@@ -254,6 +312,7 @@ class DSVController:
                 raise ValueError(f"sparsity: expected {m.num_heads} values in [0, 1] per block, got {s}")
             new.append(s)
         self.sparsity_ema = new
+        self.recall_density = [None] * len(self.modules)  # the given sparsity sets K (theta rule)
         self._update_dispatch()
         if force_sparse is not None and self.stage == 2:
             for _, m in self.modules:
@@ -272,19 +331,29 @@ class DSVController:
         """Per-head K of every block from the EMAs and, in stage 2, the sparse/dense choice of the
         dispatcher (host only). In stage 1 the K's serve the recall measurement."""
         blocks = []
+        cfg = self.config
+        all_keys = [False] * len(self.modules)  # every head attends to all keys: the block stays dense
         for i, (_, m) in enumerate(self.modules):
-            ema = self.sparsity_ema[i]
-            if ema is None:
+            dens = self.head_density(i)
+            if dens is None:
                 m.set_density(None)
                 blocks.append(None)
                 continue
-            m.set_density([1.0 - s for s in ema])
+            all_keys[i] = all(d >= 1.0 for d in dens)
+            by_recall = cfg.k_rule == "recall" and self.recall_density[i] is not None
+            if by_recall:
+                # K = head_k(1 - d) adds k_margin (a theta-rule knob): take it off the recall rule's
+                dens = [d - cfg.k_margin for d in dens]
+            m.set_density(dens)
+            ema = self.sparsity_ema[i] if self.sparsity_ema[i] is not None else [1.0 - d for d in dens]
             S = m._seq_len if m._seq_len > 0 else 0
+            # the recall rule: the dispatcher weighs the K's the block runs with
+            kd = [k / S for k in m.head_k] if by_recall and S > 0 and m.head_k else None
             dt = m._dtype
             if m.kv_count.is_cuda and dt not in (torch.bfloat16, torch.float16):
                 dt = torch.bfloat16  # the CUDA kernels run in bf16 (see attention.kernel_dtype)
             blocks.append(dict(sparsity=ema, seq_len=S, heads=m.num_heads, head_dim=m.head_dim, kmax=m.kmax,
-                               dtype=dt, batch=m._batch, device=m.kv_count.device))
+                               dtype=dt, batch=m._batch, device=m.kv_count.device, density=kd))
         if self.stage == 1:
             for _, m in self.modules:
                 m.use_sparse = False
@@ -295,7 +364,7 @@ class DSVController:
         if self.config.auto_calibrate and self.config.use_calibration:
             self._auto_calibrate(valid)
         choice = iter(self.dispatcher.plan(valid, valid[0]["device"]) if valid else [])
-        use = [bool(next(choice)) if b is not None else False for b in blocks]
+        use = [bool(next(choice)) and not f if b is not None else False for b, f in zip(blocks, all_keys)]
         for (_, m), u in zip(self.modules, self._agree(use)):
             m.use_sparse = u
 
@@ -350,6 +419,7 @@ class DSVController:
                 "loss": next(host) if self._loss_ema[i] is not None else None,
                 "use_sparse": bool(self.stage == 2 and m.use_sparse),
                 "head_k": m.head_k,
+                "head_density": self.head_density(i),
             })
         return out
 
@@ -381,6 +451,7 @@ class DSVController:
             "names": [n for n, _ in self.modules],
             "sparsity_ema": [None if e is None else list(e) for e in self.sparsity_ema],
             "recall": [None if r is None else list(r) for r in self.recall],
+            "recall_density": [None if r is None else list(r) for r in self.recall_density],
             "loss_ema": [None if l is None else l.detach().cpu().clone() for l in self._loss_ema],
             "blocks": [{"seq_len": m._seq_len, "dtype": str(m._dtype).replace("torch.", ""), "batch": m._batch,
                         "use_sparse": m.use_sparse} for _, m in self.modules],
@@ -403,6 +474,8 @@ class DSVController:
         self.switch_step = sd.get("switch_step")
         self.sparsity_ema = [None if e is None else [float(x) for x in e] for e in sd["sparsity_ema"]]
         self.recall = [None if r is None else [float(x) for x in r] for r in sd.get("recall", [None] * len(names))]
+        self.recall_density = [None if r is None else [float(x) for x in r]
+                               for r in sd.get("recall_density", [None] * len(names))]
         self._loss_ema = [None if l is None else l.to(m.kv_count.device) for l, (_, m) in zip(sd["loss_ema"], self.modules)]
         for b, (_, m) in zip(sd.get("blocks", []), self.modules):
             m._seq_len = int(b["seq_len"])

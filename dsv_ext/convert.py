@@ -17,6 +17,14 @@ Handled (self-attention only; cross-attention is left alone):
      (latent frames/height/width divided by the patch size) by a forward pre-hook on the
      transformer, so `grid` is optional there.
 
+  4. diffusers' LTX-Video, CogVideoX, HunyuanVideo and Mochi transformers (see
+     dsv_ext.diffusers_models): their attention processors are replaced; joint text+video
+     attention keeps the text tokens dense; the grid is read from each forward's input.
+  5. torch.nn.MultiheadAttention (self-attention calls; see dsv_ext.generic).
+  6. sdpa_modules=(SomeClass, ...): every instance of these classes gets its SDPA
+     self-attention calls routed to DSV (dsv_ext.generic.route_sdpa); heads and head_dim are
+     read from its `num_heads`/`heads`/`n_heads` and `head_dim` attributes (or dim // heads).
+
 The model's forward does not change otherwise. Returns the model. Each SparseAttention gets a
 name (its module path) and the given config (one DSVConfig object shared by all).
 """
@@ -169,16 +177,49 @@ def _dit_self_attention_cls():
         return None
 
 
+def _route_sdpa_modules(model: nn.Module, classes, grid, config: DSVConfig) -> int:
+    from .generic import route_sdpa
+    if isinstance(classes, type):
+        classes = (classes,)
+    try:
+        classes = tuple(classes)
+    except TypeError:
+        raise TypeError(f"sdpa_modules: expected a class or a sequence of classes, got {classes!r}") from None
+    if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise TypeError(f"sdpa_modules: expected nn.Module subclasses, got {classes!r}")
+    n = 0
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, classes):
+            continue
+        H = _int_attr(m, names=("num_heads", "heads", "n_heads", "n_head"))
+        D = _int_attr(m, names=("head_dim",))
+        if H is not None and D is None:
+            dim = _int_attr(m, names=("dim", "embed_dim", "hidden_size", "inner_dim"))
+            D = dim // H if dim is not None and dim % H == 0 else None
+        if H is None or D is None:
+            raise ValueError(f"sdpa_modules: {name or 'model'} ({type(m).__name__}) needs `num_heads` (or `heads`) "
+                             "and `head_dim` (or `dim`) attributes; call dsv_ext.generic.route_sdpa(module, "
+                             "num_heads, head_dim) on it instead")
+        route_sdpa(m, H, D, grid=grid, config=config, name=name)
+        n += 1
+    return n
+
+
 def convert(model: nn.Module, grid: Optional[Sequence[int]] = None, config: Optional[DSVConfig] = None,
-            *, verbose: bool = False) -> nn.Module:
+            *, sdpa_modules=None, verbose: bool = False) -> nn.Module:
     """Replace the self-attention of `model` by DSV attention in place and return the model.
 
     grid: (T, H, W) token grid (after patchifying) of the video; default: `model.cfg.grid` when
     the model has one (the reference DiT), per-forward detection for Wan, else None (no cube
     reordering until set). config: a DSVConfig (default DSVConfig()) shared by all blocks.
-    Raises ValueError when nothing convertible is found."""
+    sdpa_modules: module classes whose SDPA calls are routed to DSV (see the module doc).
+    Raises ValueError when nothing convertible is found, and when the model was loaded by
+    diffusers' from_pretrained from a folder holding DSV predictors (they were dropped: load
+    with dsv_ext.from_pretrained instead)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    from .pretrained import check_not_stripped
+    check_not_stripped(model)
     if config is None:
         config = DSVConfig()
     elif isinstance(config, (str, dict)):
@@ -223,9 +264,19 @@ def convert(model: nn.Module, grid: Optional[Sequence[int]] = None, config: Opti
         n += 1
     # 3. diffusers Wan
     n += _convert_wan(model, grid, config)
+    # 4. diffusers LTX-Video, CogVideoX, HunyuanVideo, Mochi
+    from .diffusers_models import convert_diffusers_video
+    n += convert_diffusers_video(model, grid, config)
+    # 5. nn.MultiheadAttention, 6. modules calling SDPA
+    from .generic import convert_mha
+    n += convert_mha(model, grid, config)
+    if sdpa_modules is not None:
+        n += _route_sdpa_modules(model, sdpa_modules, grid, config)
     if n == 0:
         raise ValueError(f"model: no convertible attention found in {type(model).__name__} "
-                         "(expected `.attn_core` modules, the reference DiT, or a diffusers Wan transformer)")
+                         "(expected `.attn_core` modules, the reference DiT, a diffusers Wan, LTX-Video, "
+                         "CogVideoX, HunyuanVideo or Mochi transformer, nn.MultiheadAttention, or pass "
+                         "sdpa_modules=(YourAttentionClass,))")
     for name, m in sparse_modules(model):
         m.name = name
         m.config = config

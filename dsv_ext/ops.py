@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import glob
 import math
+import numbers
+import operator
 import os
 from typing import NamedTuple, Optional
 
@@ -63,13 +65,14 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # fake kernels (shapes and dtypes only; used by torch.compile, meta tensors and opcheck)
 
 @torch.library.register_fake("dsv::sparse_attention_fwd")
-def _sparse_attention_fwd_fake(q, k, v, kv_index, kv_count, group_size, scale):
+def _sparse_attention_fwd_fake(q, k, v, kv_index, kv_count, group_size, scale, deterministic=False):
     B, S, H, D = q.shape
     return q.new_empty(B, S, H, D), q.new_empty(B, H, S, dtype=_acc_dtype(q.dtype))
 
 
 @torch.library.register_fake("dsv::sparse_attention_bwd")
-def _sparse_attention_bwd_fake(dout, q, k, v, out, lse, kv_index, kv_count, group_size, scale):
+def _sparse_attention_bwd_fake(dout, q, k, v, out, lse, kv_index, kv_count, group_size, scale,
+                               deterministic=False):
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
 
@@ -112,25 +115,28 @@ def _scatter_add_rows_fake(src, index, num_rows):
 # autograd
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 0:  # an empty gradient may come with any strides (e.g. expanded)
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def _sparse_attention_setup(ctx, inputs, output):
-    q, k, v, kv_index, kv_count, group_size, scale = inputs
+    q, k, v, kv_index, kv_count, group_size, scale = inputs[:7]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, kv_index, kv_count)
     ctx.group_size = group_size
     ctx.scale = scale
+    ctx.deterministic = bool(inputs[7]) if len(inputs) > 7 else False
 
 
 def _sparse_attention_backward(ctx, dout, dlse):
     q, k, v, out, lse, kv_index, kv_count = ctx.saved_tensors
     if dout is None:
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
     # the CUDA backward loads dout rows with 16-byte vectors, like q/k/v in the forward
     dq, dk, dv = _ops.sparse_attention_bwd(_kernel_ready(_last_dim_contiguous(dout)), q, k, v, out, lse, kv_index,
-                                           kv_count, ctx.group_size, ctx.scale)
-    return dq, dk, dv, None, None, None, None
+                                           kv_count, ctx.group_size, ctx.scale, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None
 
 
 torch.library.register_autograd("dsv::sparse_attention_fwd", _sparse_attention_backward,
@@ -201,7 +207,7 @@ def _check_activation(name: str, t, ref: Optional[torch.Tensor] = None, ref_name
         raise ValueError(f"{name}: expected a 4-d [B, S, H, D] tensor, got shape {tuple(t.shape)}")
     if t.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name}: expected float32, float64, float16 or bfloat16, got {t.dtype}")
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
+    if t.shape[-1] > 1 and t.stride(-1) != 1 and t.numel() > 0:
         raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {t.stride()}")
     if t.shape[-1] == 0:
         raise ValueError(f"{name}: the last dim (head dim) must not be empty")
@@ -228,36 +234,72 @@ def _check_cuda_dtype(name: str, t: torch.Tensor) -> None:
             f"(the dsv_ext modules do this under torch.autocast), or use CPU tensors for float32/float64")
 
 
-def _check_group_size(group_size) -> int:
-    if isinstance(group_size, bool):  # operator.index(True) would pass it as 1
-        raise TypeError("group_size: expected an int, got bool")
-    if not isinstance(group_size, int):
-        try:
-            import operator
-            group_size = operator.index(group_size)
-        except TypeError:
-            raise TypeError(f"group_size: expected an int, got {type(group_size).__name__}") from None
+_INT64_MAX = 2**63 - 1
+
+
+def _as_int(name: str, x, what: str = "an int") -> int:
+    """A Python int from an int-like value (int, numpy integer, 0-d integer tensor); bools and
+    floats are refused (operator.index(True) would pass it as 1)."""
+    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+        raise TypeError(f"{name}: expected {what}, got bool")
+    try:
+        return int(operator.index(x))
+    except TypeError:
+        raise TypeError(f"{name}: expected {what}, got {type(x).__name__}") from None
+
+
+def _check_group_size(group_size, seqlen: Optional[int] = None) -> int:
+    """A positive int. Groups larger than the sequence are one group of S queries, so a huge
+    group_size is clamped to max(S, 1) (same lists, same result) before it reaches C."""
+    group_size = _as_int("group_size", group_size)
     if group_size <= 0:
         raise ValueError(f"group_size: must be a positive int, got {group_size}")
-    return int(group_size)
+    if seqlen is not None:
+        group_size = min(group_size, max(int(seqlen), 1))
+    elif group_size > _INT64_MAX:
+        raise ValueError(f"group_size: must be at most 2**63 - 1, got {group_size}")
+    return group_size
+
+
+def _check_weight(name: str, x) -> float:
+    if isinstance(x, bool) or not isinstance(x, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"{name}: expected a float, got {type(x).__name__}")
+    try:
+        x = float(x)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name}: expected a float, got {type(x).__name__}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"{name}: must be finite, got {x}")
+    return x
 
 
 def _scale_of(scale, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (str, bytes)):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
     try:
         scale = float(scale)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}") from None
     if not math.isfinite(scale):
         raise ValueError(f"scale: must be finite, got {scale}")
     return scale
 
 
+_SIGNED_INDEX_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
+def _check_index_dtype(name: str, t: torch.Tensor, want: str) -> None:
+    """Signed integer dtypes (and uint8, whose values convert exactly). Wider unsigned dtypes
+    are refused: uint64 2**32 + 3 would wrap to 3 in int32, and past 2**63 to a negative int64."""
+    if t.dtype not in _SIGNED_INDEX_DTYPES:
+        raise TypeError(f"{name}: expected a signed integer tensor ({want}), got {t.dtype}")
+
+
 def _as_int32(name: str, t, device: torch.device) -> torch.Tensor:
     _check_tensor(name, t)
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise TypeError(f"{name}: expected an integer tensor (int32), got {t.dtype}")
+    _check_index_dtype(name, t, "int32 or int64")
     if t.device != device:
         raise ValueError(f"{name}: on {t.device}, but q is on {device}")
     if t.dtype == torch.int64:  # saturate: a wrapped value could land inside the valid range
@@ -343,9 +385,27 @@ def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # public functions
 
+def _deterministic_of(deterministic) -> bool:
+    if deterministic is None:
+        return torch.are_deterministic_algorithms_enabled()
+    if not isinstance(deterministic, (bool, int)) or isinstance(deterministic, int) and deterministic not in (0, 1):
+        raise TypeError(f"deterministic: expected a bool or None, got {deterministic!r}")
+    return bool(deterministic)
+
+
+def _sorted_lists(kv_index: torch.Tensor, kv_count: torch.Tensor, S: int) -> torch.Tensor:
+    """The used entries of every list in ascending order, then -1 (entries outside [0, S), which
+    the kernels skip anyway, are dropped): the form the deterministic CUDA backward needs."""
+    kmax = kv_index.shape[3]
+    used = torch.arange(kmax, device=kv_index.device) < kv_count[:, :, None, None]
+    used = used & (kv_index >= 0) & (kv_index < S)
+    keys = torch.where(used, kv_index, torch.full_like(kv_index, S)).sort(dim=-1).values
+    return torch.where(keys >= S, torch.full_like(keys, -1), keys).contiguous()
+
+
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
                      kv_count: torch.Tensor, group_size: int, scale: Optional[float] = None,
-                     check_index: bool = True) -> torch.Tensor:
+                     check_index: bool = True, deterministic: Optional[bool] = None) -> torch.Tensor:
     """Grouped sparse attention over per-group key lists.
 
     Args:
@@ -359,9 +419,17 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
         check_index: check ``kv_count`` and the used ``kv_index`` entries on the host (a device
             sync). Indices from :func:`topk_estimate` are valid by construction, so pass False
             there; kernels never access memory out of bounds either way.
+        deterministic: bit-identical dq, dk, dv from run to run (ordered reductions, no float
+            atomics; see docs/API.md, "Determinism"). ``None`` (default) follows
+            ``torch.are_deterministic_algorithms_enabled()``. The CPU backward is always
+            deterministic; on CUDA it needs head_dim <= 128, distinct entries in ascending order
+            (as topk_estimate writes them; with check_index=True other lists are sorted here)
+            and costs some backward speed.
 
     Returns:
-        ``[B, S, H, D]``, the same dtype as q; differentiable in q, k and v.
+        ``[B, S, H, D]``, the same dtype as q; differentiable in q, k and v. A query row whose
+        scores contain NaN (or +inf) gives a NaN output row and NaN gradients, as softmax does;
+        an empty list (count 0) gives zeros.
 
     Example:
         >>> import torch, dsv_ext
@@ -376,14 +444,25 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
     _check_activation("k", k, q)
     _check_activation("v", v, q)
     _check_cuda_dtype("q", q)
-    group_size = _check_group_size(group_size)
     B, S, H, D = q.shape
+    group_size = _check_group_size(group_size, S)
     kv_index = _as_int32("kv_index", kv_index, q.device)
     kv_count = _as_int32("kv_count", kv_count, q.device)
     _check_index(kv_index, kv_count, B, S, H, group_size, check_index)
     scale = _scale_of(scale, D)
+    deterministic = _deterministic_of(deterministic)
+    if deterministic and q.is_cuda:
+        if D > 128:
+            raise ValueError(f"deterministic: the deterministic CUDA backward needs head_dim <= 128, got {D}")
+        # the deterministic backward needs ascending lists (topk_estimate's are); with
+        # check_index (already a host sync) unsorted ones are sorted here, without it the caller
+        # vouches for the order (an unsorted head falls back to the non-deterministic path)
+        if check_index and kv_index.numel() and kv_index.shape[3] > 1:
+            used = torch.arange(1, kv_index.shape[3], device=q.device) < kv_count[:, :, None, None]
+            if bool((used & (kv_index[..., 1:] <= kv_index[..., :-1])).any()):
+                kv_index = _sorted_lists(kv_index, kv_count, S)
     out, _ = _ops.sparse_attention_fwd(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), kv_index,
-                                       kv_count, group_size, scale)
+                                       kv_count, group_size, scale, deterministic)
     return out
 
 
@@ -402,7 +481,11 @@ def topk_estimate(q_lr: torch.Tensor, k_lr: torch.Tensor, kv_count: torch.Tensor
         group_size: queries per group.
         kmax: the list length (the last dim of the result). ``None`` uses ``max(kv_count)``, which
             reads ``kv_count`` on the host (a device sync) and checks its values; pass it
-            explicitly in training loops. Counts above ``kmax`` are clamped to ``kmax``.
+            explicitly in training loops. With ``kmax`` given, CPU counts are still checked
+            (no sync there); CUDA counts are clamped to ``[0, kmax]`` unchecked.
+
+    NaN scores rank below every number (a key whose score is NaN is chosen last), so the lists
+    stay valid positions whatever the input.
 
     Returns:
         int32 ``[B, H, ceil(S/G), kmax]``, ready for :func:`sparse_attention`.
@@ -410,23 +493,27 @@ def topk_estimate(q_lr: torch.Tensor, k_lr: torch.Tensor, kv_count: torch.Tensor
     _check_activation("q_lr", q_lr)
     _check_activation("k_lr", k_lr, q_lr, "q_lr")
     _check_cuda_dtype("q_lr", q_lr)
-    group_size = _check_group_size(group_size)
     B, S, H, _ = q_lr.shape
+    group_size = _check_group_size(group_size, S)
     kv_count = _as_int32("kv_count", kv_count, q_lr.device)
     _check_counts(kv_count, B, H)
-    if kmax is None:
-        if kv_count.numel() == 0:
-            kmax = 0
-        else:
-            lo, hi = (int(x) for x in torch.aminmax(kv_count))
-            if lo < 0 or hi > S:
-                raise ValueError(f"kv_count: values must be in [0, S={S}], got min {lo}, max {hi}")
-            kmax = hi
-    else:
-        if isinstance(kmax, bool) or not isinstance(kmax, int):
-            raise TypeError(f"kmax: expected an int or None, got {type(kmax).__name__}")
+    if kmax is not None:
+        kmax = _as_int("kmax", kmax, "an int or None")
         if kmax < 0 or kmax > S:
             raise ValueError(f"kmax: must be in [0, S={S}], got {kmax}")
+    # with kmax given, CPU counts are checked too (no device sync), except while torch.compile
+    # traces (a host read would break the graph; the kernels clamp counts to [0, kmax])
+    check = kmax is None or not (kv_count.is_cuda or torch.compiler.is_compiling())
+    if check and kv_count.numel():
+        lo, hi = (int(x) for x in torch.aminmax(kv_count))
+        top = S if kmax is None else kmax
+        if lo < 0 or hi > top:
+            what = f"S={S}" if kmax is None else f"kmax={kmax}"
+            raise ValueError(f"kv_count: values must be in [0, {what}], got min {lo}, max {hi}")
+        if kmax is None:
+            kmax = hi
+    if kmax is None:
+        kmax = 0
     return _ops.topk_estimate(_kernel_ready(q_lr), _kernel_ready(k_lr), kv_count, group_size, int(kmax))
 
 
@@ -440,7 +527,9 @@ def predictor_loss(q: torch.Tensor, k: torch.Tensor, q_lr: torch.Tensor, k_lr: t
     ``loss_i = cos_weight * (1 - cos(z, p)) + norm_weight * (|p| / |z| - 1)^2``; the result is the
     mean over rows, ``[B, H]`` (float32, float64 for float64 inputs). Differentiable in ``q_lr``
     and ``k_lr``; ``q`` and ``k`` are constants (detached). Memory is O(S) per row: no score
-    matrix is kept.
+    matrix is kept. NaN or inf in the inputs gives NaN where the formula does (the losses of the
+    (batch, head) pairs they reach); with ``check_rows=False``, a row outside ``[0, S)`` has a
+    NaN loss (it is not counted as any value).
     """
     _check_activation("q", q)
     _check_activation("k", k, q)
@@ -450,8 +539,10 @@ def predictor_loss(q: torch.Tensor, k: torch.Tensor, q_lr: torch.Tensor, k_lr: t
     B, S, H, D = q.shape
     rows = _check_rows(rows, S, q.device, check_rows)
     scale = _scale_of(scale, D)
+    cos_weight = _check_weight("cos_weight", cos_weight)
+    norm_weight = _check_weight("norm_weight", norm_weight)
     loss, _ = _ops.predictor_loss_fwd(_kernel_ready(q.detach()), _kernel_ready(k.detach()), _kernel_ready(q_lr),
-                                      _kernel_ready(k_lr), rows, scale, float(cos_weight), float(norm_weight))
+                                      _kernel_ready(k_lr), rows, scale, cos_weight, norm_weight)
     return loss
 
 
@@ -469,15 +560,20 @@ class ProfileResult(NamedTuple):
 def profile_attention(q: torch.Tensor, k: torch.Tensor, rows, theta: float = 0.9,
                       kv_index: Optional[torch.Tensor] = None, kv_count: Optional[torch.Tensor] = None,
                       group_size: Optional[int] = None, scale: Optional[float] = None) -> ProfileResult:
-    """Measure per-head sparsity at mass ``theta`` (and the recall of an index) on sampled rows."""
+    """Measure per-head sparsity at mass ``theta`` (and the recall of an index) on sampled rows.
+
+    A sampled row whose scores contain NaN or +inf has an undefined softmax: its (batch, head)
+    gets NaN sparsity and recall."""
     _check_activation("q", q)
     _check_activation("k", k, q)
     _check_cuda_dtype("q", q)
     B, S, H, D = q.shape
     rows = _check_rows(rows, S, q.device, True)
+    if isinstance(theta, (bool, str, bytes)):
+        raise TypeError(f"theta: expected a float, got {type(theta).__name__}")
     try:
         theta = float(theta)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"theta: expected a float, got {type(theta).__name__}") from None
     if not 0.0 < theta <= 1.0:
         raise ValueError(f"theta: must be in (0, 1], got {theta}")
@@ -486,7 +582,7 @@ def profile_attention(q: torch.Tensor, k: torch.Tensor, rows, theta: float = 0.9
     if any(given) and not all(given):
         raise ValueError("kv_index, kv_count, group_size: give all three to measure recall, or none")
     if all(given):
-        group_size = _check_group_size(group_size)
+        group_size = _check_group_size(group_size, S)
         kv_index = _as_int32("kv_index", kv_index, q.device)
         kv_count = _as_int32("kv_count", kv_count, q.device)
         _check_index(kv_index, kv_count, B, S, H, group_size, True)
@@ -501,11 +597,10 @@ def _check_row_table(src, index) -> torch.Tensor:
         raise ValueError(f"src: expected a 2-d [rows, dim] tensor, got shape {tuple(src.shape)}")
     if src.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"src: expected a floating dtype, got {src.dtype}")
-    if src.shape[1] > 1 and src.stride(1) != 1:
+    if src.shape[1] > 1 and src.stride(1) != 1 and src.numel() > 0:
         raise ValueError(f"src: the last dim must be contiguous, got strides {src.stride()}")
     _check_tensor("index", index)
-    if index.dtype.is_floating_point or index.dtype == torch.bool:
-        raise TypeError(f"index: expected an integer tensor, got {index.dtype}")
+    _check_index_dtype("index", index, "int64 or int32")
     if index.dim() != 1:
         raise ValueError(f"index: expected a 1-d tensor, got shape {tuple(index.shape)}")
     if index.device != src.device:
@@ -527,8 +622,11 @@ def scatter_add_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int,
                      check_index: bool = True) -> torch.Tensor:
     """A ``[num_rows, D]`` table with ``out[index[i]] += src[i]`` (accumulated in float32/64)."""
     index = _check_row_table(src, index)
-    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
-        raise ValueError(f"num_rows: expected a non-negative int, got {num_rows!r}")
+    num_rows = _as_int("num_rows", num_rows, "a non-negative int")
+    if num_rows < 0:
+        raise ValueError(f"num_rows: expected a non-negative int, got {num_rows}")
+    if num_rows * max(src.shape[1], 1) * 8 > 2**48:
+        raise ValueError(f"num_rows: {num_rows} rows of {src.shape[1]} values is too large a table")
     if index.shape[0] != src.shape[0]:
         raise ValueError(f"index: has {index.shape[0]} entries but src has {src.shape[0]} rows")
     if check_index and index.numel():

@@ -75,7 +75,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .cli import run_command
+from .cli import check_numeric_args, run_command
 from .train import _autocast, _resolve_device, build_model, load_config
 
 __all__ = ["SamplingModel", "load_for_sampling", "timestep_grid", "sample_latents",
@@ -114,17 +114,10 @@ class SamplingModel:
 
 
 def _torch_load(path: str, device) -> Dict[str, Any]:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint: no such file {path!r}")
-    # dsv_ext.train checkpoints hold only tensors and plain Python containers
-    try:
-        ck = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:
-        raise ValueError(f"checkpoint: {path} is not a dsv_ext.train checkpoint ({e})") from None
-    for key in ("model", "config"):
-        if not isinstance(ck, dict) or key not in ck:
-            raise ValueError(f"checkpoint: {path} has no {key!r} entry (not a dsv_ext.train checkpoint)")
-    return ck
+    from .checkpoint import load_checkpoint
+
+    # verified against its checksum; one-line CheckpointError (a ValueError) on any problem
+    return load_checkpoint(path, map_location=device, required=("model", "config"))
 
 
 def load_for_sampling(checkpoint: str, device: Optional[str] = None, full_attention: bool = False,
@@ -574,6 +567,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
 
     def body() -> int:
+        check_numeric_args(a, ints={"steps": 1, "num_samples": 1, "seed": 0, "batch_size": 1,
+                                    "scale": 1, "show_data": 0, "index_refresh": 1, "threads": 1},
+                           numbers={"shift": 0.0, "fps": 0.0})
         if a.context_parallel:
             from .train import _init_context_parallel
 
@@ -604,7 +600,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {len(rec['files'])} files to {a.out}")
         return 0
 
-    return run_command(p.prog, body)
+    def guarded() -> int:
+        try:
+            return body()
+        except KeyboardInterrupt:
+            print(f"{p.prog}: interrupted", file=sys.stderr)
+            return 130
+
+    return run_command(p.prog, guarded)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .cli import run_command
+from .cli import check_numeric_args, run_command
 from .config import yaml_load
 from .data import ProceduralVideos, _generator, make_dataset
 from .models.dit import DiTConfig, VideoDiT
@@ -131,14 +131,20 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
     else:
         if path is None:
             raise ValueError("config: a path or a base dict is required")
-        with open(path) as f:
-            cfg = yaml_load(f) or {}
+        try:
+            with open(path) as f:
+                cfg = yaml_load(f) or {}
+        except UnicodeDecodeError:
+            raise ValueError(f"config: {path}: not a text (YAML) file") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"config: {path}: expected a mapping at top level")
     bad = sorted(set(cfg) - {"model", "data", "train", "dsv", "name"})
     if bad:
         raise ValueError(f"config: unknown sections {bad} (expected model, data, train, dsv)")
     for sec in ("model", "data", "train", "dsv"):
+        if not isinstance(cfg.get(sec) or {}, dict):
+            raise ValueError(f"{sec}: expected a mapping of keys, got {cfg[sec]!r}"
+                             + (f" (in {path})" if path else ""))
         cfg[sec] = dict(cfg.get(sec) or {})
     cfg.setdefault("name", os.path.splitext(os.path.basename(path))[0] if path else "run")
     for ov in overrides:
@@ -148,7 +154,13 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
         sec, name = key.split(".", 1)
         if sec not in ("model", "data", "train", "dsv"):
             raise ValueError(f"--set: unknown section {sec!r} in {ov!r}")
-        cfg[sec][name] = _parse_value(val)
+        try:
+            cfg[sec][name] = _parse_value(val)
+        except ValueError as e:
+            raise ValueError(f"--set: {ov!r}: {str(e).split(': ', 1)[-1]}") from None
+    from .data import check_data_config
+
+    check_data_config(cfg["data"])  # strict, like the other sections
     return cfg
 
 
@@ -239,22 +251,35 @@ class _ValSet:
 
 
 @torch.no_grad()
-def validation_loss(model, valset: _ValSet, device, precision: str, batch_size: int = 8) -> float:
+def validation_losses(model, valset: _ValSet, device, precision: str, batch_size: int = 8) -> torch.Tensor:
+    """float64 [videos * timesteps] (video-major): the loss of every validation sample, eval mode."""
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    out = []
     try:
         for i in range(0, valset.x.shape[0], batch_size):
             x = valset.x[i:i + batch_size].to(device)
             n = valset.noise[i:i + batch_size].to(device)
             t = valset.t[i:i + batch_size].to(device)
             with _autocast(device, precision):
-                per = flow_matching_loss(model, x, n, t, reduce=False)
-            total += float(per.sum())
-            count += per.numel()
+                out.append(flow_matching_loss(model, x, n, t, reduce=False).double().cpu())
     finally:
         model.train(was_training)
-    return total / max(count, 1)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def validation_se(per_sample: torch.Tensor, per_video: int) -> Optional[float]:
+    """Standard error of the validation loss over the videos (each video's timesteps averaged
+    first; None with one video): how much the evaluation itself could move the loss."""
+    if per_video < 1 or per_sample.numel() % per_video or per_sample.numel() // per_video < 2:
+        return None
+    v = per_sample.double().view(-1, per_video).mean(1)
+    return float(v.std(unbiased=True) / math.sqrt(v.numel()))
+
+
+def validation_loss(model, valset: _ValSet, device, precision: str, batch_size: int = 8) -> float:
+    per = validation_losses(model, valset, device, precision, batch_size)
+    return float(per.mean()) if per.numel() else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,6 +390,56 @@ def _per_block(controller) -> List[Dict[str, Any]]:
     return rows
 
 
+def _fmt(v, spec: str = ".3f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def _switch_line(controller, step: int) -> str:
+    """The console line at the stage switch."""
+    st = _controller_stats(controller)
+    blocks = st.get("blocks", [])
+    cfg = getattr(controller, "config", None)
+    forced = getattr(cfg, "force_stage2_step", None) is not None and step >= cfg.force_stage2_step
+    why = (f"forced at dsv.force_stage2_step={cfg.force_stage2_step}" if forced else
+           f"predictor loss {_fmt(st.get('pred_loss'), '.4f')} < dsv.switch_loss={getattr(cfg, 'switch_loss', 'n/a')}")
+    return (f"step {step}: switched to stage 2 ({why}): {sum(1 for b in blocks if b['sparse'])}/"
+            f"{len(blocks)} blocks sparse, mean sparsity {_fmt(st.get('sparsity'))}, "
+            f"recall {_fmt(st.get('recall'))}")
+
+
+def _summary_table(summary: Dict[str, Any], vals: List[Dict[str, Any]], st: Dict[str, Any],
+                   out_dir: str) -> List[str]:
+    """The console table at the end of a run."""
+    tps = summary.get("tokens_per_s")
+    rows = [("steps", f"{summary['steps']}" + (f" (resumed from {summary['resumed_from']})"
+                                               if summary.get("resumed_from") else "")),
+            ("final train loss", _fmt(summary.get("final_train_loss"), ".4f")),
+            ("final val loss", _fmt(summary.get("final_val_loss"), ".4f")),
+            ("val loss by step", "  ".join(f"{r['step']}: {r['val_loss']:.4f}" for r in vals) or "n/a"),
+            ("tokens/s", _fmt(tps, ".0f") + (f" (stage 1: {_fmt(summary.get('stage1_tokens_per_s'), '.0f')}, "
+                                             f"stage 2: {summary['stage2_tokens_per_s']:.0f})"
+                                             if summary.get("stage2_tokens_per_s") else "")),
+            ("wall time", f"{summary['wall_time_s']:.0f} s")]
+    if summary.get("attention") == "dsv":
+        blocks = st.get("blocks", [])
+        rows += [("DSV stage", f"{st.get('stage', 1)}" + (f" (switched at step {st['switch_step']})"
+                                                         if st.get("switch_step") else "")),
+                 ("blocks sparse", f"{sum(1 for b in blocks if b['sparse'])}/{len(blocks)}"),
+                 ("mean sparsity", _fmt(st.get("sparsity"))),
+                 ("mean recall", _fmt(st.get("recall")))]
+    rows.append(("outputs", out_dir))
+    blocks = st.get("blocks", []) if summary.get("attention") == "dsv" else []
+    w = max(len(k) for k in [k for k, _ in rows] + [b["name"] for b in blocks])
+    title = f"summary: {summary['name']} / {summary['attention']} on {summary['device']}"
+    lines = [title, "-" * len(title)] + [f"{k:<{w}}  {v}" for k, v in rows]
+    if blocks:
+        lines.append(f"{'block':<{w}}  sparse  sparsity  recall")
+        for b in blocks:
+            lines.append(f"{b['name']:<{w}}  {'yes' if b['sparse'] else 'no':<6}  "
+                         f"{_fmt(b['sparsity']):>8}  {_fmt(b['recall']):>6}")
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------
@@ -391,9 +466,58 @@ def _save_checkpoint(path, step, model, opt, controller, cfg, attention, history
         # so a resumed run logs the same window means as an uninterrupted one
         "log_window": log_window,
     }
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    from .checkpoint import save_checkpoint
+
+    save_checkpoint(state, path)  # atomic, with a checksum (dsv_ext/checkpoint.py)
+
+
+def _resume_from(path, dev, cfg, attention, model, opt, controller, log) -> Dict[str, Any]:
+    """Load a checkpoint into model / optimizer / controller and the RNGs; warn about config
+    values that differ from the checkpoint's (refuse only where the weights cannot load)."""
+    from .checkpoint import CheckpointError, config_diff, format_diff, load_checkpoint
+
+    ck = load_checkpoint(path, map_location=dev, required=("step", "model", "optimizer", "config"))
+    if controller is not None and ck.get("controller") is None:
+        raise ValueError(f"resume: {path} has no DSV controller state "
+                         f"(it was trained with attention={ck.get('attention')})")
+    if controller is None and ck.get("controller") is not None:
+        raise ValueError(f"resume: {path} was trained with attention=dsv; "
+                         "resume it with --attention dsv")
+    # train.steps is the total step count: extending a run is what resuming is for
+    diff = config_diff(_with_defaults(ck.get("config") or {}), _with_defaults(cfg),
+                       ignore=("train.steps", "model.attention"))
+    try:
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        if controller is not None:
+            controller.load_state_dict(ck["controller"])
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()
+        why = f"the config differs ({format_diff(diff)})" if diff else \
+            (first[0] if first else type(e).__name__)
+        raise CheckpointError(f"resume: {path} does not fit this model: {why}") from None
+    if diff:
+        log(f"warning: resuming {path} with a different config: {format_diff(diff)}")
+    # RNG states are CPU ByteTensors; a checkpoint loaded with map_location="cuda" moved them
+    torch.set_rng_state(ck["torch_rng"].cpu())
+    if ck.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in ck["cuda_rng"]])
+    ck["config_diff"] = diff
+    return ck
+
+
+def _with_defaults(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The train and dsv sections with their defaults filled in (for comparing configs)."""
+    from .config import DSVConfig
+
+    out = copy.deepcopy(cfg)
+    for sec, fill in (("train", lambda d: dataclasses.asdict(TrainConfig.from_dict(d))),
+                      ("dsv", lambda d: DSVConfig.from_dict(d).to_dict())):
+        try:
+            out[sec] = fill(dict(cfg.get(sec) or {}))
+        except (ValueError, TypeError):
+            pass  # compare as written
+    return out
 
 
 def _resolve_device(device: Optional[str]) -> torch.device:
@@ -409,7 +533,8 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
           resume: Optional[str] = None, attention: Optional[str] = None,
           device: Optional[str] = None, progress: bool = True,
           log: Callable[[str], None] = None, context_parallel: bool = False,
-          time_limit_s: Optional[float] = None) -> Dict[str, Any]:
+          time_limit_s: Optional[float] = None,
+          on_step: Optional[Callable[[int, Dict[str, Any]], None]] = None) -> Dict[str, Any]:
     """Run (or resume) a training run. Returns ``{"history": [...], "val": [...], "summary": {...}}``.
 
     ``cfg`` is a dict from :func:`load_config`; ``steps`` overrides ``train.steps`` (the total
@@ -419,6 +544,8 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     ``time_limit_s``: stop before the step that would end past this many seconds of wall time,
     write ``ckpt_last.pt`` (no final validation) and return with ``summary["complete"]`` False;
     resuming from that checkpoint continues exactly (for jobs cut into time-limited chunks).
+    ``on_step(step, info)``: called after each optimizer step (``step`` counts from 1; ``info``
+    has ``loss``, ``stage``, ``step_time_s`` and ``controller``), e.g. by benchmarks/soak.py.
     """
     log = log or (lambda s: print(s, file=sys.stderr))
     cp_rank, cp_world = 0, 1
@@ -433,10 +560,9 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             progress = False
             log = (lambda s: None)
     cfg = copy.deepcopy(cfg)
-    tcfg = TrainConfig.from_dict(cfg["train"])
     if steps is not None:
-        tcfg.steps = int(steps)
-        cfg["train"]["steps"] = int(steps)
+        cfg["train"]["steps"] = steps  # range-checked with the section
+    tcfg = TrainConfig.from_dict(cfg["train"])
     dev = _resolve_device(device)
     if dev.type == "cpu" and tcfg.threads > 0:
         # context-parallel ranks on one machine share its cores
@@ -501,21 +627,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     vals: List[Dict[str, Any]] = []
     log_window = None
     if resume:
-        ck = torch.load(resume, map_location=dev, weights_only=False)
-        if controller is not None and ck.get("controller") is None:
-            raise ValueError(f"resume: {resume} has no DSV controller state "
-                             f"(it was trained with attention={ck.get('attention')})")
-        if controller is None and ck.get("controller") is not None:
-            raise ValueError(f"resume: {resume} was trained with attention=dsv; "
-                             "resume it with --attention dsv")
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        if controller is not None:
-            controller.load_state_dict(ck["controller"])
-        # RNG states are CPU ByteTensors; a checkpoint loaded with map_location="cuda" moved them
-        torch.set_rng_state(ck["torch_rng"].cpu())
-        if ck.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in ck["cuda_rng"]])
+        ck = _resume_from(resume, dev, cfg, attention, model, opt, controller, log)
         start = int(ck["step"])
         log_window = ck.get("log_window")
         # Drop metric lines past the checkpoint (a crashed run may have logged further).
@@ -555,13 +667,18 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             _save_checkpoint(path, step_, model, opt, controller, cfg, attention, history[-3:],
                              (win_tokens, win_time, win_loss, win_n))
 
+    val_se = [None]
+
     def run_val(step):
         t0 = time.perf_counter()
-        v = validation_loss(fwd_model, valset, dev, tcfg.precision, tcfg.val_batch_size)
-        rec = {"kind": "val", "step": step, "val_loss": v,
+        per = validation_losses(fwd_model, valset, dev, tcfg.precision, tcfg.val_batch_size)
+        v = float(per.mean()) if per.numel() else 0.0
+        val_se[0] = validation_se(per, len(tcfg.val_timesteps))
+        rec = {"kind": "val", "step": step, "val_loss": v, "val_loss_se": val_se[0],
                "val_time_s": time.perf_counter() - t0, **_controller_stats(controller)}
         vals.append(rec)
         write(rec)
+        say(f"step {step}: val_loss {v:.4f} (stage {rec.get('stage', 1)}, {rec['val_time_s']:.1f} s)")
         return v
 
     bar = None
@@ -573,6 +690,15 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
                        dynamic_ncols=True, file=sys.stderr)
         except ImportError:
             bar = None
+
+    def say(line):
+        """A console line (through `log`), printed above the progress bar."""
+        if bar is None:
+            log(line)
+        else:
+            with bar.external_write_mode(file=sys.stderr):
+                log(line)
+
     pool = ThreadPoolExecutor(max_workers=1)
     fut = pool.submit(stream.batch, start, tcfg.timestep_sampling) if start < tcfg.steps else None
     last_val = None
@@ -581,9 +707,13 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         win_tokens, win_time, win_loss, win_n = log_window
     train_time = 0.0
     stage2_tokens, stage2_time = 0, 0.0
+    stage1_tokens, stage1_time, cpu_note_done = 0, 0.0, dev.type != "cpu"
     wall0 = time.perf_counter()
     model.train()
     step = start
+    from .checkpoint import StopOnSignal
+
+    stop = StopOnSignal(log).__enter__()
     stopped_at = None
     try:
         for step in range(start, tcfg.steps):
@@ -610,6 +740,8 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             opt.zero_grad(set_to_none=True)
             if controller is not None:
                 controller.step()
+                if stage_before == 1 and controller.stage == 2:
+                    say(_switch_line(controller, step + 1))
             loss_v = float(loss.detach())  # host sync: step time below includes the whole step
             if dev.type == "cuda":
                 torch.cuda.synchronize()
@@ -623,9 +755,15 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             if stage_before == 2:
                 stage2_tokens += ntok
                 stage2_time += dt
+            else:
+                stage1_tokens += ntok
+                stage1_time += dt
             if not math.isfinite(loss_v):
                 raise FloatingPointError(f"loss is {loss_v} at step {step}")
             done = step + 1
+            if on_step is not None:
+                on_step(done, {"loss": loss_v, "step_time_s": dt, "controller": controller,
+                               "stage": int(getattr(controller, "stage", 1)) if controller is not None else 1})
             if done % tcfg.log_every == 0 or done == tcfg.steps:
                 st = _controller_stats(controller)
                 rec = {"kind": "train", "step": done, "loss": win_loss / win_n, "last_loss": loss_v,
@@ -644,6 +782,14 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
                     post["tok/s"] = f"{rec['tokens_per_s']:.0f}"
                     bar.set_postfix(post, refresh=False)
                 win_tokens, win_time, win_loss, win_n = 0, 0.0, 0.0, 0
+                if not cpu_note_done and stage2_time > 0 and stage1_time > 0:
+                    cpu_note_done = True
+                    tps1, tps2 = stage1_tokens / stage1_time, stage2_tokens / stage2_time
+                    if tps2 < tps1:
+                        say(f"note: tokens/s {tps1:.0f} in stage 1 -> {tps2:.0f} in stage 2: on the CPU the "
+                            "sparse path runs the C reference kernels plus top-K estimation, slower than "
+                            "dense attention at this size; the speed-up of sparse attention is a GPU "
+                            "result (docs/TRAINING.md)")
             if bar is not None:
                 bar.update(1)
             if tcfg.val_every > 0 and done % tcfg.val_every == 0 and done < tcfg.steps:
@@ -652,21 +798,27 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             if tcfg.ckpt_every > 0 and done % tcfg.ckpt_every == 0 and done < tcfg.steps:
                 save(os.path.join(out_dir, f"ckpt_{done}.pt"), done)
             if time_limit_s is not None and done < tcfg.steps:
-                stop = time.perf_counter() - wall0 + dt > time_limit_s
+                out_of_time = time.perf_counter() - wall0 + dt > time_limit_s
                 if cp_world > 1:  # every rank stops at the same step
                     import torch.distributed as dist
 
-                    flag = torch.tensor([float(stop)], device=dev)
+                    flag = torch.tensor([float(out_of_time)], device=dev)
                     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                    stop = bool(flag.item() > 0)
-                if stop:
+                    out_of_time = bool(flag.item() > 0)
+                if out_of_time:
                     stopped_at = done
                     break
+            if stop.requested(cp_world, dev) and done < tcfg.steps:
+                stopped_at = done
+                log(f"{stop.signal}: stopped after step {done} of {tcfg.steps}; resume with "
+                    f"--resume {os.path.join(out_dir, 'ckpt_last.pt')}")
+                break
         final_step = max(start, tcfg.steps) if stopped_at is None else stopped_at
         if stopped_at is None and (start < tcfg.steps or not vals):
             last_val = run_val(final_step)
         save(os.path.join(out_dir, "ckpt_last.pt"), final_step)
     finally:
+        stop.__exit__(None, None, None)
         pool.shutdown(wait=True, cancel_futures=True)
         if bar is not None:
             bar.close()
@@ -679,12 +831,16 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         "name": name, "attention": attention, "device": str(dev), "steps": tcfg.steps,
         "resumed_from": start if resume else None,
         "complete": stopped_at is None, "last_step": final_step,
+        "stopped_by": stop.signal if stopped_at is not None else None,
+        "stopped_at_step": stopped_at,
         "tokens_per_sample": tokens_per_sample, "batch_size": tcfg.batch_size,
         "final_val_loss": last_val,
+        "final_val_loss_se": val_se[0],
         "final_train_loss": history[-1]["loss"] if history else None,
         "train_time_s": train_time, "wall_time_s": time.perf_counter() - wall0,
         "tokens_per_s": (n_trained * tcfg.batch_size * tokens_per_sample / train_time
                          if train_time > 0 else None),
+        "stage1_tokens_per_s": stage1_tokens / stage1_time if stage1_time > 0 else None,
         "stage2_tokens_per_s": stage2_tokens / stage2_time if stage2_time > 0 else None,
         "stage2_steps": round(stage2_tokens / (tcfg.batch_size * tokens_per_sample)),
         "parameters": sum(p.numel() for p in params),
@@ -694,6 +850,8 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     if writer:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
+        for line in _summary_table(summary, vals, st, out_dir):
+            log(line)
     return {"history": history, "val": vals, "summary": summary, "out_dir": out_dir}
 
 
@@ -720,6 +878,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
 
     def body() -> int:
+        check_numeric_args(a, ints={"steps": 1})
         cfg = load_config(a.config, a.overrides)
         device = a.device
         if a.context_parallel:
@@ -743,9 +902,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "wall_time_s", "dsv_stage", "dsv_sparsity", "dsv_recall")
         print(json.dumps({k: s.get(k) for k in keys if k in s}))
         print(f"outputs in {res['out_dir']}")
-        return 0
+        # a run stopped by a signal (checkpoint saved) exits as shells expect: 128 + signal number
+        return {"SIGINT": 130, "SIGTERM": 143}.get(s.get("stopped_by"), 0)
 
-    return run_command(p.prog, body)
+    def guarded() -> int:
+        try:
+            return body()
+        except KeyboardInterrupt as e:
+            print(f"{p.prog}: interrupted{': ' + str(e) if str(e) else ''} (checkpoints on disk are "
+                  "intact: they are written atomically)", file=sys.stderr)
+            return 130
+
+    return run_command(p.prog, guarded)
 
 
 def _init_context_parallel(device: Optional[str]) -> str:

@@ -6,8 +6,10 @@ is printed, so pytest shows it next to any failure.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -70,3 +72,22 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what
         fin = torch.isfinite(want)
         got64, want = got64[fin], want[fin]
     torch.testing.assert_close(got64, want, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+# On a machine without a CUDA GPU, pytest's -ra summary (pyproject addopts) would list the GPU
+# tests' skips once per skip location: fold them into one line.
+_GPU_SKIP = re.compile(r"\b(GPUs?|CUDA)\b")
+_GPU_SKIP_LINE = inspect.currentframe().f_lineno - 1  # 0-based, as pytest stores it
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if not (rep.skipped and isinstance(rep.longrepr, tuple) and len(rep.longrepr) == 3):
+        return
+    if torch.cuda.is_available():
+        return
+    reason = str(rep.longrepr[2])
+    if item.path.name.endswith("_cuda.py") or _GPU_SKIP.search(reason):
+        rep.longrepr = (__file__, _GPU_SKIP_LINE, "GPU tests: no CUDA GPU on this machine")

@@ -1,24 +1,37 @@
 #!/usr/bin/env bash
-# compute-sanitizer memcheck + racecheck over a small-shape run of every CUDA op
-# (tests/sanitizer_driver.py). Needs a GPU (Firecracker machines: sanitizer works; gVisor: not).
-# Usage: tests/run_sanitizer.sh [logdir]   -- exit status 0 only when both tools report 0 errors.
+# compute-sanitizer over a small-shape run of every CUDA op (tests/sanitizer_driver.py):
+#   memcheck   every section but the fuzz matrix
+#   racecheck  the same sections (shared-memory races)
+#   fuzz       memcheck over the bad-input / edge-case fuzz matrix of tests/fuzz_worker.py on
+#              CUDA tensors (every public and raw op, both seeds of tests/test_fuzz.py), plus the
+#              deterministic backward; the driver also fails when a case fails its own check
+# Needs a GPU (Firecracker machines: sanitizer works; gVisor: not).
+# Usage: tests/run_sanitizer.sh [logdir] [steps...]   (default steps: memcheck racecheck fuzz;
+#        `tests/run_sanitizer.sh /tmp/san fuzz` runs only the fuzz matrix under memcheck)
+# Exit status 0 only when every step reports 0 errors and the driver exits 0.
 set -u
 cd "$(dirname "$0")/.."
 LOG=${1:-/tmp/dsv_sanitizer}
+shift || true
+STEPS=${*:-memcheck racecheck fuzz}
 mkdir -p "$LOG"
 PY=${PYTHON:-python3}
 # precise bounds: every tensor its own cudaMalloc
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 status=0
-for tool in memcheck racecheck; do
-  extra=""
-  [ "$tool" = memcheck ] && extra="--leak-check no"
-  [ "$tool" = racecheck ] && extra="--racecheck-report all"
-  compute-sanitizer --tool "$tool" $extra --error-exitcode 99 \
-    "$PY" tests/sanitizer_driver.py >"$LOG/$tool.log" 2>&1
+for step in $STEPS; do
+  case $step in
+    memcheck) tool=memcheck; extra="--leak-check no"; only=""; skip="fuzz";;
+    racecheck) tool=racecheck; extra="--racecheck-report all"; only=""; skip="fuzz";;
+    fuzz) tool=memcheck; extra="--leak-check no"; only="fuzz"; skip="";;
+    *) echo "unknown step $step (memcheck, racecheck, fuzz)"; exit 2;;
+  esac
+  DSV_SANITIZER_SECTIONS=$only DSV_SANITIZER_SKIP=$skip \
+    compute-sanitizer --tool "$tool" $extra --error-exitcode 99 \
+    "$PY" tests/sanitizer_driver.py >"$LOG/$step.log" 2>&1
   rc=$?
-  summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$LOG/$tool.log" | tail -1)
-  echo "sanitizer $tool: rc=$rc ${summary:-no summary line}"
+  summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$LOG/$step.log" | tail -1)
+  echo "sanitizer $step: rc=$rc ${summary:-no summary line}"
   [ $rc -ne 0 ] && status=1
 done
 exit $status

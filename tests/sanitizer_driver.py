@@ -4,9 +4,12 @@ Each op runs once or twice on tiny inputs (partial last groups, per-head counts,
 skip) so that memcheck and racecheck see every kernel. Ops are reached through torch.ops.dsv
 when the extension is built with CUDA; the sparse attention kernels also through DSV_ATTN_LIB
 (see tests/test_sparse_attention_cuda.py). Each section is independent: helpers that own
-other ops add theirs below as functions named run_<op>().
+other ops add theirs below as functions named run_<op>(). run_fuzz() runs the whole bad-input
+matrix of tests/fuzz_worker.py on CUDA tensors (DSV_SANITIZER_SECTIONS=fuzz: only that one;
+DSV_SANITIZER_SKIP=fuzz: all but that one).
 Exit code 0 when every section ran (errors are reported by the sanitizer itself); 3 when a GPU
-is present but a section found no kernels to run (the sanitizer run would be vacuous).
+is present but a section found no kernels to run (the sanitizer run would be vacuous); 4 when a
+fuzz case failed its check.
 """
 from __future__ import annotations
 
@@ -40,12 +43,16 @@ def run_sparse_attention():
         scale = 1.0 / math.sqrt(D)
         out, lse = T.attn_fwd(q, k, v, idx, cnt, G, scale)
         dout = torch.randn(q.shape, generator=gen).to(dtype).cuda()
-        for ratio, ranges in (("0", "1"), ("0", "3"), ("0", "a4"), ("1e9", "1")):
-            os.environ["DSV_KM_RATIO"] = ratio
-            os.environ["DSV_ATTN_RANGES"] = ranges
-            T.attn_bwd(dout, q, k, v, out, lse, idx, cnt, G, scale)
+        # backward kernels: default, wgmma for both query-major passes, mma.sync for both
+        for tile in ("", "w64x2", "32x2"):
+            os.environ["DSV_ATTN_BWD_TILE"] = tile
+            for ratio, ranges in (("0", "1"), ("0", "3"), ("0", "a4"), ("1e9", "1")):
+                os.environ["DSV_KM_RATIO"] = ratio
+                os.environ["DSV_ATTN_RANGES"] = ranges
+                T.attn_bwd(dout, q, k, v, out, lse, idx, cnt, G, scale)
         os.environ.pop("DSV_KM_RATIO", None)
         os.environ.pop("DSV_ATTN_RANGES", None)
+        os.environ.pop("DSV_ATTN_BWD_TILE", None)
         # entries to skip: out of range, unsorted, counts outside [0, kmax]
         bad = torch.randint(-10, S + 10, idx.shape, generator=gen).to(torch.int32).cuda()
         cnt2 = torch.tensor([[kmax + 9] + [-1] * (H - 1)], dtype=torch.int32).cuda()
@@ -103,16 +110,62 @@ def run_ops_kernels():
 # ---- END ops kernels -------------------------------------------------------------------------
 
 
+# ---- BEGIN fuzz: the bad-input matrix of tests/fuzz_worker.py on CUDA tensors -----------------
+FAILED = []
+
+
+def run_fuzz():
+    """Every case of the fuzz matrix (tests/test_fuzz.py) on CUDA tensors, in this process, so
+    that memcheck sees each kernel launch of bad, odd and NaN input; plus the deterministic
+    backward (ordered key-major fill) on lists with padding and a partial last group."""
+    import dsv_ext
+    if not dsv_ext.has_cuda_kernels():
+        print("fuzz: no kernels, skipped")
+        SKIPPED.append("fuzz")
+        return
+    import fuzz_worker as F
+    for seed in (0, 1):
+        cs = F.cases("cuda", seed)
+        for i, case in enumerate(cs):
+            status, msg = F.run_case(case)
+            torch.cuda.synchronize()
+            if status != "ok":
+                FAILED.append(f"fuzz seed {seed} case {i} {case[0]}: {status} {msg}")
+        print(f"fuzz seed {seed}: {len(cs)} cases, {len(FAILED)} failed so far")
+    from dsv_ext.reference import random_index
+    gen = torch.Generator().manual_seed(4)
+    for (S, H, D, G, kmax) in [(700, 2, 128, 64, 200), (333, 1, 64, 48, 90)]:
+        q, k, v, do = (torch.randn(1, S, H, D, generator=gen).to(torch.bfloat16).cuda() for _ in range(4))
+        idx, cnt = random_index(1, H, S, G, kmax, generator=gen, pad="random")
+        idx, cnt = idx.cuda(), cnt.cuda()
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        out = dsv_ext.sparse_attention(q, k, v, idx, cnt, G, deterministic=True)
+        out.backward(do)
+    torch.cuda.synchronize()
+    for line in FAILED:
+        print(line, file=sys.stderr)
+    print("fuzz: ok" if not FAILED else f"fuzz: {len(FAILED)} cases failed")
+# ---- END fuzz ----------------------------------------------------------------------------------
+
+
 def main():
     if not torch.cuda.is_available():
         print("no GPU")
         return 0
-    sections = [v for k, v in sorted(globals().items()) if k.startswith("run_") and callable(v)]
-    for fn in sections:
+    # DSV_SANITIZER_SECTIONS / DSV_SANITIZER_SKIP: comma-separated section names (e.g. "fuzz")
+    only = [x for x in os.environ.get("DSV_SANITIZER_SECTIONS", "").split(",") if x]
+    skip = [x for x in os.environ.get("DSV_SANITIZER_SKIP", "").split(",") if x]
+    sections = [(k[4:], v) for k, v in sorted(globals().items()) if k.startswith("run_") and callable(v)]
+    for name, fn in sections:
+        if (only and name not in only) or name in skip:
+            continue
         fn()
     if SKIPPED:  # a GPU but no kernels: the sanitizer would check nothing, so that is a failure
         print("no CUDA kernels for: " + ", ".join(SKIPPED), file=sys.stderr)
         return 3
+    if FAILED:  # fuzz cases that gave a wrong result or error (crashes end the process anyway)
+        return 4
     return 0
 
 

@@ -132,7 +132,7 @@ def test_profiler_reports_sparsity_and_ema():
 
 
 def test_switch_forced_by_config_and_sparse_dispatch():
-    cfg = _cfg(force_stage2_step=3, dispatch_threshold=0.0, profile_every=100)
+    cfg = _cfg(force_stage2_step=3, dispatch_threshold=0.0, profile_every=100, k_rule="theta")
     model = Tiny(cfg)
     ctl = DSVController(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -426,7 +426,7 @@ needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and dsv_ext.has_c
 @needs_cuda
 def test_cuda_controller_trains_switches_and_dispatches():
     cfg = DSVConfig(force_stage2_step=6, dispatch_threshold=0.0, use_calibration=False, predictor_lr=3e-3,
-                    profile_every=2)
+                    profile_every=2, k_rule="theta")  # predictors trained 6 steps: the theta rule's K < S
     torch.manual_seed(0)
     grid = (4, 8, 8)
     model = torch.nn.Sequential(*[DSVAttention(256, 2, grid=grid, config=cfg, qk_norm=True) for _ in range(2)]).cuda()

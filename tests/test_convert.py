@@ -53,7 +53,7 @@ def test_wan_stage1_outputs_and_grads_unchanged():
 
 def test_wan_trains_with_controller_and_goes_sparse():
     cfg = DSVConfig(group_size=8, k_multiple=8, row_sample_stride=4, force_stage2_step=2, dispatch_threshold=0.0,
-                    use_calibration=False)
+                    use_calibration=False, k_rule="theta")  # untrained predictors: the theta rule's K < S
     model = convert(_tiny_wan(), config=cfg)
     ctl = DSVController(model)
     assert len(ctl.modules) == 2 and ctl.config is cfg

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FRAGMENT_MARKERS = ("compute_loss", "for batch in loader")
+FRAGMENT_MARKERS = ("compute_loss", "for batch in loader", "path/to/")
 
 
 def _blocks(path):
@@ -31,3 +31,16 @@ def test_readme_has_runnable_examples():
 def test_readme_example_runs(i, capsys):
     torch.manual_seed(0)
     exec(compile(BLOCKS[i], f"README.md python block {i}", "exec"), {"__name__": "__readme__"})
+
+
+ADOPTION_BLOCKS = _blocks("docs/ADOPTION.md")
+
+
+@pytest.mark.parametrize("i", range(len(ADOPTION_BLOCKS)))
+def test_adoption_doc_example_runs(i, capsys):
+    if "diffusers" in ADOPTION_BLOCKS[i]:
+        pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    exec(compile(ADOPTION_BLOCKS[i], f"docs/ADOPTION.md python block {i}", "exec"), {"__name__": "__doc__"})
+    out = capsys.readouterr().out
+    assert ("2 3" in out) if "from_pretrained" in ADOPTION_BLOCKS[i] else ("True" in out)

@@ -251,7 +251,8 @@ def _sc_controller_cp(rank, world):
     S = world * L
     solo = [dist.new_group([r]) for r in range(world)]  # collective: every rank creates all
     cfg = DSVConfig(group_size=G, rank=R, row_sample_stride=4, k_multiple=G, min_density=0.0,
-                    force_stage2_step=3, profile_every=1, use_calibration=False, dispatch_threshold=0.0)
+                    force_stage2_step=3, profile_every=1, use_calibration=False, dispatch_threshold=0.0,
+                    recall_target=0.6, recall_max_density=1.0)  # recall rule: untrained predictors, K < S
     torch.manual_seed(SEED + 21)
     dim = 2 * D
     ref = torch.nn.Sequential(dsv_ext.DSVAttention(dim, 2, config=cfg), dsv_ext.DSVAttention(dim, 2, config=cfg))
@@ -400,7 +401,7 @@ def _sc_controller_agree(rank, world):
 
     cfg = DSVConfig(group_size=8, k_multiple=8, row_sample_stride=4, profile_every=1,
                     switch_check_every=1, force_stage2_step=2, use_calibration=False,
-                    dispatch_threshold=0.0, predictor_lr=1e-2)
+                    dispatch_threshold=0.0, predictor_lr=1e-2, k_rule="theta")  # untrained: K < S
     torch.manual_seed(0)
     model = torch.nn.ModuleList(DSVAttention(16, 2, grid=(2, 4, 4), config=cfg) for _ in range(3))
     ctl = DSVController(model)

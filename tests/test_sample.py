@@ -10,6 +10,7 @@ import torch
 
 from dsv_ext.models import dsv_attention_available
 from dsv_ext.train import load_config, train
+from dsv_ext.checkpoint import load_checkpoint, save_checkpoint
 
 PIL = pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
@@ -31,6 +32,8 @@ def tiny_config(**dsv_kw):
           "train.val_every=0", "train.val_videos=1", "train.val_timesteps=[0.5]", "train.threads=1",
           "dsv.profile_every=1", "dsv.switch_check_every=1", "dsv.force_stage2_step=2",
           "dsv.dispatch_threshold=0.0"]
+    # the theta K rule: predictors trained for 4 steps reach no recall target below K = S
+    dsv_kw = {"k_rule": "theta", **dsv_kw}
     ov += [f"dsv.{k}={v}" for k, v in dsv_kw.items()]
     return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ov)
 
@@ -53,13 +56,13 @@ def ckpt(tmp_path_factory):
 def active_ckpt(ckpt, tmp_path_factory):
     """The trained checkpoint with its adaLN-zero layers (still ~0 after 4 steps) set to random
     values, so attention changes the output at O(1) and a sparse approximation shows."""
-    ck = torch.load(ckpt, map_location="cpu", weights_only=True)
+    ck = load_checkpoint(ckpt, map_location="cpu")
     g = torch.Generator().manual_seed(0)
     for name, v in ck["model"].items():
         if name.endswith(("ada.1.weight", "final.linear.weight")):
             v.copy_(torch.randn(v.shape, generator=g) * 0.2)
     path = str(tmp_path_factory.mktemp("active") / "ckpt_active.pt")
-    torch.save(ck, path)
+    save_checkpoint(ck, path)
     return path
 
 
@@ -166,7 +169,7 @@ def test_full_and_dsv_agree_when_k_equals_s(active_ckpt, tmp_path, monkeypatch):
 @needs_dsv
 def test_load_for_sampling_restores_controller(ckpt):
     sm = load_for_sampling(ckpt, "cpu")
-    ck = torch.load(ckpt, map_location="cpu", weights_only=True)
+    ck = load_checkpoint(ckpt, map_location="cpu")
     assert not sm.model.training and sm.controller.stage == 2 and sm.step == 4
     assert sm.controller.step_count == ck["controller"]["step"]
     for (name, m), saved in zip(sm.controller.modules, ck["controller"]["blocks"]):
@@ -290,9 +293,10 @@ def test_cli(ckpt, tmp_path, capsys, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["sample_000.gif", "sample_000.npy",
                                             "sample_000.png", "sampling.json"]
     # bad arguments: one line naming the argument on stderr, exit status 2 (no traceback)
-    for args, msg in ((["--set", "k=1"], "error: --set"), (["--steps", "0"], "error: steps"),
-                      (["--index-refresh", "0"], "error: index_refresh"),
-                      (["--checkpoint", str(tmp_path / "nope.pt")], "error: checkpoint: no such file")):
+    for args, msg in ((["--set", "k=1"], "error: --set"), (["--steps", "0"], "error: --steps"),
+                      (["--index-refresh", "0"], "error: --index-refresh"),
+                      (["--checkpoint", str(tmp_path / "nope.pt")],
+                       f"error: checkpoint: {tmp_path / 'nope.pt'}: no such file")):
         argv = ["--checkpoint", ckpt, "--steps", "1", "--out", str(tmp_path)] + args
         assert main(argv) == 2
         err = capsys.readouterr().err

@@ -54,7 +54,8 @@ class _AttnShape(ctypes.Structure):
     _fields_ = [("batch", ctypes.c_int64), ("seqlen", ctypes.c_int64), ("heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("group_size", ctypes.c_int64),
                 ("num_groups", ctypes.c_int64), ("kmax", ctypes.c_int64),
-                ("scale", ctypes.c_double), ("dtype", ctypes.c_int)]
+                ("scale", ctypes.c_double), ("dtype", ctypes.c_int),
+                ("flags", ctypes.c_int)]  # dsv_attn_shape.flags (DSV_FLAG_DETERMINISTIC = 1)
 
 
 _DT = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
@@ -295,18 +296,30 @@ def need_backend():
         pytest.skip("no CUDA kernels: build the extension with CUDA or set DSV_ATTN_LIB")
 
 
-@pytest.fixture(params=["qmajor", "qmajor_v4", "qmajor3", "qmajor_a4", "kmajor"])
+@pytest.fixture(params=["qmajor", "qmajor_v4", "qmajor3", "qmajor_a4", "kmajor", "qmajor_wg",
+                        "qmajor_wg3", "kmajor_mma"])
 def path(request, monkeypatch):
-    """The dK/dV path of the backward: 'qmajor' forces the query-major reductions (TMA bulk
-    reductions from shared memory, the default), 'qmajor_v4' the same with 16-byte reductions
-    from registers (DSV_ATTN_BWD_REDUCE=v4), 'qmajor3' the same split into 3 key ranges,
-    'qmajor_a4' the automatic per-head choice of key ranges with at most 4 (scattered lists
-    4 ranges, coherent ones 2: what long sequences get), 'kmajor' lets every eligible head take
-    the key-major pass."""
-    monkeypatch.setenv("DSV_KM_RATIO", "1e9" if request.param == "kmajor" else "0")
-    monkeypatch.setenv("DSV_ATTN_RANGES", {"qmajor3": "3", "qmajor_a4": "a4"}.get(request.param, "1"))
-    monkeypatch.setenv("DSV_ATTN_BWD_REDUCE", "v4" if request.param == "qmajor_v4" else "bulk")
-    return request.param
+    """The dK/dV path of the backward: 'qmajor' forces the query-major reductions (default
+    kernel: DSV_ATTN_BWD_TILE unset), 'qmajor_v4' the mma.sync kernel with 16-byte reductions
+    from registers (DSV_ATTN_BWD_REDUCE=v4), 'qmajor3' the mma.sync kernel (TMA bulk reductions)
+    split into 3 key ranges, 'qmajor_a4' the automatic per-head choice of key ranges with at
+    most 4 (scattered lists 4 ranges, coherent ones 2: what long sequences get), 'kmajor' lets
+    every eligible head take the key-major pass (its dQ-only pass on wgmma where that applies:
+    D 64 / 128 and G >= 64 on an H100 / H200), 'kmajor_mma' the same with the dQ pass on
+    mma.sync (DSV_ATTN_BWD_TILE=32x2); 'qmajor_wg' / 'qmajor_wg3' the query-major reductions on
+    the wgmma backward (DSV_ATTN_BWD_TILE=w64x2; elsewhere mma.sync)."""
+    p = request.param
+    monkeypatch.setenv("DSV_KM_RATIO", "1e9" if p.startswith("kmajor") else "0")
+    monkeypatch.setenv("DSV_ATTN_RANGES", {"qmajor3": "3", "qmajor_wg3": "3",
+                                           "qmajor_a4": "a4"}.get(p, "1"))
+    monkeypatch.setenv("DSV_ATTN_BWD_REDUCE", "v4" if p == "qmajor_v4" else "bulk")
+    if p.endswith("_wg") or p.endswith("_wg3"):
+        monkeypatch.setenv("DSV_ATTN_BWD_TILE", "w64x2")
+    elif p in ("qmajor_v4", "qmajor3", "kmajor_mma"):
+        monkeypatch.setenv("DSV_ATTN_BWD_TILE", "32x2")
+    else:
+        monkeypatch.delenv("DSV_ATTN_BWD_TILE", raising=False)
+    return p
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,15 +445,19 @@ def test_paths_agree(gen):
     out, lse = attn_fwd(q, k, v, kv_index, kv_count, G, 0.1)
     dout = torch.randn(q.shape, generator=gen).to(q.dtype).cuda()
     res = {}
-    for key, r, nr in (("q", "0", "1"), ("q4", "0", "4"), ("k", "1e9", "1")):
+    for key, r, nr, tile in (("q", "0", "1", "32x2"), ("q4", "0", "4", "32x2"),
+                             ("k", "1e9", "1", "32x2"), ("w", "0", "1", "w64x2"),
+                             ("w4", "0", "4", "w64x2"), ("wk", "1e9", "1", "w64x2")):
         os.environ["DSV_KM_RATIO"] = r
         os.environ["DSV_ATTN_RANGES"] = nr
+        os.environ["DSV_ATTN_BWD_TILE"] = tile
         try:
             res[key] = attn_bwd(dout, q, k, v, out, lse, kv_index, kv_count, G, 0.1)
         finally:
             del os.environ["DSV_KM_RATIO"]
             del os.environ["DSV_ATTN_RANGES"]
-    for other in ("q4", "k"):
+            del os.environ["DSV_ATTN_BWD_TILE"]
+    for other in ("q4", "k", "w", "w4", "wk"):
         for a, b, name in zip(res[other], res["q"], ("dq", "dk", "dv")):
             check_close(f"{name} ({other} vs q)", a, b.double(), GTOL[torch.bfloat16])
 
@@ -487,3 +504,28 @@ def test_any_scale(scale, gen):
                                           pad="random")
     q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
     run_and_check(q, k, v, kv_index, kv_count, G, scale, gen)
+
+
+@pytest.mark.parametrize("tile", ["32x2", "w64x2"])
+def test_backward_nan_reaches_gradients(tile, gen, monkeypatch):
+    """A NaN in one query row gives NaN in that row's dq and in dk / dv of the keys its group
+    selected (as dense attention does), on the mma.sync and the wgmma backward; other rows of
+    dq stay finite."""
+    need_backend()
+    monkeypatch.setenv("DSV_ATTN_BWD_TILE", tile)
+    monkeypatch.setenv("DSV_KM_RATIO", "0")
+    B, H, S, D, G, kmax = 1, 1, 256, 128, 64, 100
+    kv_index, kv_count = ref.random_index(B, H, S, G, kmax, counts=kmax, generator=gen)
+    q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
+    q[0, 70, 0, 5] = float("nan")  # group 1
+    kv_index, kv_count = kv_index.cuda(), kv_count.cuda()
+    out, lse = attn_fwd(q, k, v, kv_index, kv_count, G, 0.1)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype).cuda()
+    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, kv_index, kv_count, G, 0.1)
+    torch.cuda.synchronize()
+    assert torch.isnan(dq[0, 70, 0]).all()
+    assert torch.isfinite(dq[0, :64]).all() and torch.isfinite(dq[0, 128:]).all()
+    sel = kv_index[0, 0, 1, :kmax].long()
+    sel = sel[sel >= 0].unique()
+    assert torch.isnan(dk[0, sel, 0]).any(dim=-1).all()
+    assert torch.isnan(dv[0, sel, 0]).any(dim=-1).all()

@@ -23,7 +23,10 @@ def micro_config(**train_kw):
                   "precision": "fp32", "seed": 0},
         "dsv": {"rank": 4, "group_size": 32, "cube": [2, 4, 4], "k_multiple": 16,
                 "min_density": 0.25, "profile_every": 1, "switch_check_every": 1,
-                "force_stage2_step": 3, "dispatch_threshold": 0.0, "predictor_lr": 1e-3},
+                "force_stage2_step": 3, "dispatch_threshold": 0.0, "predictor_lr": 1e-3,
+                # the theta K rule: predictors trained for a few steps reach no recall target
+                # below K = S (the recall rule in training: tests/test_quality.py)
+                "k_rule": "theta"},
     }
     cfg["train"].update(train_kw)
     return load_config(base=cfg)

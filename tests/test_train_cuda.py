@@ -22,7 +22,7 @@ def _cfg(steps=8):
                   "precision": "bf16"},
         "dsv": {"force_stage2_step": 4, "profile_every": 1, "switch_check_every": 1,
                 "dispatch_threshold": 0.0, "use_calibration": False, "group_size": 32,
-                "k_multiple": 64, "min_density": 0.25},
+                "k_multiple": 64, "min_density": 0.25, "k_rule": "theta"},  # a few steps: K < S
     })
 
 

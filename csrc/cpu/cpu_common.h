@@ -40,6 +40,15 @@ static inline int64_t dsv_off(const dsv_bshd* t, int64_t b, int64_t s, int64_t h
   return b * t->stride_b + s * t->stride_s + h * t->stride_h;
 }
 
+/* *out = a * b for a, b >= 0; DSV_ERR_INVALID when the product does not fit in int64 (the
+ * size checks of every entry point use this: no size computation may wrap). */
+static inline int dsv_mul_ok(int64_t a, int64_t b, int64_t* out) {
+  if (a < 0 || b < 0) return DSV_ERR_INVALID;
+  if (a != 0 && b > INT64_MAX / a) return DSV_ERR_INVALID;
+  *out = a * b;
+  return DSV_OK;
+}
+
 /* A count clamped to [0, kmax] as dsv.h requires. */
 static inline int64_t dsv_clamp_count(int32_t c, int64_t kmax) {
   int64_t v = (int64_t)c;

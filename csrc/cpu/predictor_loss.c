@@ -40,6 +40,15 @@ static int dsv_pl_check(const dsv_predictor_shape* p) {
       p->num_rows < 0)
     return DSV_ERR_INVALID;
   if (!dsv_is_float_dtype(p->dtype)) return DSV_ERR_UNSUPPORTED;
+  /* sizes of the activations and of the per-row scratch (B H num_rows (rank + 3) doubles) */
+  int64_t bh = 0, n = 0;
+  const int64_t wide = DSV_MAX(p->head_dim, p->rank);
+  if (dsv_mul_ok(p->batch, p->heads, &bh) != DSV_OK || dsv_mul_ok(bh, p->seqlen, &n) != DSV_OK ||
+      dsv_mul_ok(n, wide, &n) != DSV_OK || dsv_mul_ok(n, 8, &n) != DSV_OK)
+    return DSV_ERR_INVALID;
+  if (p->rank > INT64_MAX - 3 || dsv_mul_ok(bh, p->num_rows, &n) != DSV_OK ||
+      dsv_mul_ok(n, p->rank + 3, &n) != DSV_OK || dsv_mul_ok(n, 8, &n) != DSV_OK)
+    return DSV_ERR_INVALID;
   return DSV_OK;
 }
 
@@ -99,8 +108,11 @@ static int DSV_FN(pl_fwd)(const dsv_predictor_shape* p, const dsv_bshd* q, const
     const int64_t bh = t / NR, i = t % NR;
     const int64_t b = bh / H, h = bh % H;
     const int64_t row = rows[i];
-    double szp = 0, szz = 0, spp = 0;
+    /* a row outside [0, S) (given with check_rows=False) has no loss: NaN, which makes the
+     * mean NaN rather than counting it as some value */
+    double szp = NAN, szz = NAN, spp = NAN;
     if (row >= 0 && row < S) {
+      szp = szz = spp = 0;
       const DSV_T* qi = qd + dsv_off(q, b, row, h);
       const DSV_T* qli = qld + dsv_off(q_lr, b, row, h);
       for (int64_t j = 0; j < S; ++j) {

@@ -38,10 +38,17 @@ int dsv_profile_attention_cpu(const dsv_profile_shape* p, dsv_bshd q, dsv_bshd k
   if (!p) return DSV_ERR_INVALID;
   if (p->batch < 0 || p->seqlen < 0 || p->heads < 0 || p->head_dim <= 0 || p->num_rows < 0)
     return DSV_ERR_INVALID;
+  {
+    int64_t bh = 0, n = 0;
+    if (dsv_mul_ok(p->batch, p->heads, &bh) != DSV_OK || dsv_mul_ok(bh, p->seqlen, &n) != DSV_OK ||
+        dsv_mul_ok(n, p->head_dim, &n) != DSV_OK || dsv_mul_ok(n, 8, &n) != DSV_OK ||
+        dsv_mul_ok(bh, p->num_rows, &n) != DSV_OK || dsv_mul_ok(n, 16, &n) != DSV_OK)
+      return DSV_ERR_INVALID;
+  }
   if (!dsv_is_float_dtype(p->dtype)) return DSV_ERR_UNSUPPORTED;
   if (kv_index) {
     if (!kv_count || p->group_size <= 0 || p->kmax < 0 ||
-        p->num_groups != (p->seqlen + p->group_size - 1) / p->group_size)
+        p->num_groups != (p->seqlen == 0 ? 0 : (p->seqlen - 1) / p->group_size + 1))
       return DSV_ERR_INVALID;
   }
   if (p->batch == 0 || p->heads == 0) return DSV_OK;
@@ -102,6 +109,13 @@ static int DSV_FN(prof)(const dsv_profile_shape* p, const dsv_bshd* q, const dsv
       for (int64_t j = 0; j < S; ++j) {
         prob[j] = exp(prob[j] - mx);
         sum += prob[j];
+      }
+      if (!(sum > 0) || isinf(sum)) {
+        /* a NaN or +inf score (or every score -inf): the softmax is NaN, and so are this
+         * row's critical-set size and recall, which makes the head's means NaN */
+        crow[t] = NAN;
+        rrow[t] = NAN;
+        continue;
       }
       const double inv = 1.0 / sum;
       for (int64_t j = 0; j < S; ++j) prob[j] *= inv;

@@ -10,11 +10,23 @@
  */
 #include "cpu_common.h"
 
+/* Byte sizes of the tables (rows x max(dim, stride) x element size) must fit in int64. */
+static int dsv_rows_sizes_ok(int64_t dim, int64_t stride, int64_t count, int64_t num_rows,
+                             int64_t es) {
+  int64_t n = 0;
+  const int64_t w = DSV_MAX(dim, stride);
+  if (dsv_mul_ok(DSV_MAX(count, num_rows), w, &n) != DSV_OK || dsv_mul_ok(n, es, &n) != DSV_OK)
+    return DSV_ERR_INVALID;
+  return DSV_OK;
+}
+
 int dsv_gather_rows_cpu(dsv_dtype dtype, int64_t dim, const void* src, int64_t src_row_stride,
                         int64_t num_rows, const int64_t* index, int64_t count, void* dst) {
   const size_t es = dsv_dtype_size(dtype);
   if (es == 0) return DSV_ERR_UNSUPPORTED;
-  if (dim < 0 || count < 0 || num_rows < 0) return DSV_ERR_INVALID;
+  if (dim < 0 || count < 0 || num_rows < 0 || src_row_stride < 0) return DSV_ERR_INVALID;
+  if (dsv_rows_sizes_ok(dim, src_row_stride, count, num_rows, (int64_t)es) != DSV_OK)
+    return DSV_ERR_INVALID;
   if (count == 0 || dim == 0) return DSV_OK;
   if (!index || !dst || (num_rows > 0 && !src)) return DSV_ERR_INVALID;
   const unsigned char* s = (const unsigned char*)src;
@@ -46,7 +58,9 @@ int dsv_scatter_add_rows_cpu(dsv_dtype dtype, int64_t dim, const void* src,
                              int64_t src_row_stride, const int64_t* index, int64_t count,
                              int64_t num_rows, void* dst) {
   if (dsv_dtype_size(dtype) == 0) return DSV_ERR_UNSUPPORTED;
-  if (dim < 0 || count < 0 || num_rows < 0) return DSV_ERR_INVALID;
+  if (dim < 0 || count < 0 || num_rows < 0 || src_row_stride < 0) return DSV_ERR_INVALID;
+  if (dsv_rows_sizes_ok(dim, src_row_stride, count, num_rows, 8) != DSV_OK)
+    return DSV_ERR_INVALID;
   if (count == 0 || dim == 0 || num_rows == 0) return DSV_OK;
   if (!index || !dst || !src) return DSV_ERR_INVALID;
   const int64_t nblk = (dim + DSV_SCATTER_COLS - 1) / DSV_SCATTER_COLS;

@@ -44,10 +44,20 @@
 static int dsv_sa_check(const dsv_attn_shape* p) {
   if (!p) return DSV_ERR_INVALID;
   if (p->batch < 0 || p->seqlen < 0 || p->heads < 0 || p->head_dim <= 0 || p->group_size <= 0 ||
-      p->kmax < 0)
+      p->kmax < 0 || p->num_groups < 0)
     return DSV_ERR_INVALID;
-  if (p->num_groups != (p->seqlen + p->group_size - 1) / p->group_size) return DSV_ERR_INVALID;
+  /* ceil(S / G) without the overflow of S + G - 1 */
+  if (p->num_groups != (p->seqlen == 0 ? 0 : (p->seqlen - 1) / p->group_size + 1))
+    return DSV_ERR_INVALID;
   if (!dsv_is_float_dtype(p->dtype)) return DSV_ERR_UNSUPPORTED;
+  /* every element count and offset the kernels form must fit in int64 (and size_t) */
+  int64_t n = 0;
+  if (dsv_mul_ok(p->batch, p->heads, &n) != DSV_OK || dsv_mul_ok(n, p->seqlen, &n) != DSV_OK ||
+      dsv_mul_ok(n, p->head_dim, &n) != DSV_OK || dsv_mul_ok(n, 16, &n) != DSV_OK)
+    return DSV_ERR_INVALID;
+  if (dsv_mul_ok(p->batch, p->heads, &n) != DSV_OK || dsv_mul_ok(n, p->num_groups, &n) != DSV_OK ||
+      dsv_mul_ok(n, p->kmax, &n) != DSV_OK || dsv_mul_ok(n, 8, &n) != DSV_OK)
+    return DSV_ERR_INVALID;
   return DSV_OK;
 }
 
@@ -96,7 +106,8 @@ static inline DSV_T DSV_FN(sa_dot)(const DSV_T* a, const DSV_T* b, int64_t n) {
 static void DSV_FN(sa_fwd_group)(const dsv_attn_shape* p, const dsv_bshd* q, const dsv_bshd* k,
                                  const dsv_bshd* v, const int32_t* list, int64_t count, int64_t b,
                                  int64_t h, int64_t g, const dsv_bshd* out, DSV_T* lse,
-                                 DSV_T* m, DSV_T* l, DSV_T* acc, DSV_T* sc, int64_t* tidx) {
+                                 DSV_T* m, DSV_T* l, int64_t* nv, DSV_T* acc, DSV_T* sc,
+                                 int64_t* tidx) {
   const int64_t S = p->seqlen, D = p->head_dim, G = p->group_size;
   const DSV_T scale = (DSV_T)p->scale;
   const int64_t s0 = g * G;
@@ -109,6 +120,7 @@ static void DSV_FN(sa_fwd_group)(const dsv_attn_shape* p, const dsv_bshd* q, con
   for (int64_t i = 0; i < nq; ++i) {
     m[i] = -INFINITY;
     l[i] = 0;
+    nv[i] = 0;
     memset(acc + i * D, 0, (size_t)D * sizeof(DSV_T));
   }
   for (int64_t j0 = 0; j0 < count; j0 += DSV_SA_TILE) {
@@ -127,7 +139,12 @@ static void DSV_FN(sa_fwd_group)(const dsv_attn_shape* p, const dsv_bshd* q, con
         sc[j] = s;
         if (s > tmax) tmax = s;
       }
+      /* NaN scores do not move the maximum (the comparisons are false) but make exp() NaN
+       * below, so l and acc turn NaN and the row's output is NaN, as with SDPA; +inf scores
+       * give exp(inf - inf) = NaN the same way. Scores of -inf add exp(-inf) = 0. */
       const DSV_T mnew = tmax > m[i] ? tmax : m[i];
+      const DSV_T mu = mnew == -INFINITY ? (DSV_T)0 : mnew; /* all -inf so far: p = 0 */
+      nv[i] += nt;
       DSV_T* ai = acc + i * D;
       if (m[i] != mnew) { /* rescale the previous state (m[i] == -inf -> everything is 0) */
         const DSV_T alpha = (m[i] == -INFINITY) ? (DSV_T)0 : DSV_EXP(m[i] - mnew);
@@ -136,7 +153,7 @@ static void DSV_FN(sa_fwd_group)(const dsv_attn_shape* p, const dsv_bshd* q, con
         m[i] = mnew;
       }
       for (int64_t j = 0; j < nt; ++j) {
-        const DSV_T pj = DSV_EXP(sc[j] - mnew);
+        const DSV_T pj = DSV_EXP(sc[j] - mu);
         l[i] += pj;
         const DSV_T* vj = vd + dsv_off(v, b, tidx[j], h);
         DSV_OMP(simd)
@@ -147,13 +164,16 @@ static void DSV_FN(sa_fwd_group)(const dsv_attn_shape* p, const dsv_bshd* q, con
   for (int64_t i = 0; i < nq; ++i) {
     DSV_T* oi = od + dsv_off(out, b, s0 + i, h);
     DSV_T* lse_i = lse + (b * p->heads + h) * S + s0 + i;
-    if (l[i] > 0) {
+    if (nv[i] == 0) { /* an empty list: zeros, lse = -inf (dsv.h) */
+      for (int64_t d = 0; d < D; ++d) oi[d] = 0;
+      *lse_i = -INFINITY;
+    } else if (l[i] == 0) { /* every score -inf: softmax is 0 / 0, NaN as with SDPA */
+      for (int64_t d = 0; d < D; ++d) oi[d] = (DSV_T)NAN;
+      *lse_i = (DSV_T)NAN;
+    } else { /* l NaN (a NaN or +inf score) gives NaN output and lse */
       const DSV_T inv = (DSV_T)1 / l[i];
       for (int64_t d = 0; d < D; ++d) oi[d] = acc[i * D + d] * inv;
       *lse_i = m[i] + DSV_LOG(l[i]);
-    } else {
-      for (int64_t d = 0; d < D; ++d) oi[d] = 0;
-      *lse_i = -INFINITY;
     }
   }
 }
@@ -164,14 +184,16 @@ static int DSV_FN(sa_fwd)(const dsv_attn_shape* p, const dsv_bshd* q, const dsv_
   const int64_t B = p->batch, H = p->heads, NG = p->num_groups, G = p->group_size,
                 D = p->head_dim, KM = p->kmax;
   const int64_t ntasks = B * H * NG;
+  const int64_t GQ = DSV_MIN(G, p->seqlen); /* queries of the largest group */
   int err = 0;
   DSV_OMP(parallel) {
-    DSV_T* m = (DSV_T*)malloc((size_t)G * sizeof(DSV_T));
-    DSV_T* l = (DSV_T*)malloc((size_t)G * sizeof(DSV_T));
-    DSV_T* acc = (DSV_T*)malloc((size_t)(G * D) * sizeof(DSV_T));
+    DSV_T* m = (DSV_T*)malloc((size_t)GQ * sizeof(DSV_T));
+    DSV_T* l = (DSV_T*)malloc((size_t)GQ * sizeof(DSV_T));
+    int64_t* nv = (int64_t*)malloc((size_t)GQ * sizeof(int64_t));
+    DSV_T* acc = (DSV_T*)malloc((size_t)(GQ * D) * sizeof(DSV_T));
     DSV_T* sc = (DSV_T*)malloc(DSV_SA_TILE * sizeof(DSV_T));
     int64_t* tidx = (int64_t*)malloc(DSV_SA_TILE * sizeof(int64_t));
-    const int ok = m && l && acc && sc && tidx;
+    const int ok = m && l && nv && acc && sc && tidx;
     if (!ok) {
       DSV_OMP(atomic write)
       err = 1;
@@ -184,10 +206,11 @@ static int DSV_FN(sa_fwd)(const dsv_attn_shape* p, const dsv_bshd* q, const dsv_
       const int64_t b = bh / H, h = bh % H;
       const int64_t count = dsv_clamp_count(kv_count[bh], KM);
       const int32_t* list = count > 0 ? kv_index + (bh * NG + g) * KM : NULL;
-      DSV_FN(sa_fwd_group)(p, q, k, v, list, count, b, h, g, out, lse, m, l, acc, sc, tidx);
+      DSV_FN(sa_fwd_group)(p, q, k, v, list, count, b, h, g, out, lse, m, l, nv, acc, sc, tidx);
     }
     free(m);
     free(l);
+    free(nv);
     free(acc);
     free(sc);
     free(tidx);
@@ -230,7 +253,7 @@ static void DSV_FN(sa_bwd_group)(const dsv_attn_shape* p, const dsv_bshd* q, con
     if (nt == 0) continue;
     for (int64_t i = 0; i < nq; ++i) {
       const DSV_T li = lse_bh[s0 + i];
-      if (!(li > -INFINITY)) continue; /* no valid key: P = 0 */
+      if (li == -INFINITY) continue; /* no valid key: P = 0 (a NaN lse makes P, dq NaN) */
       const DSV_T* qi = qd + dsv_off(q, b, s0 + i, h);
       const DSV_T* doi = dod + dsv_off(dout, b, s0 + i, h);
       DSV_T* dqi = dqa + i * D;
@@ -264,6 +287,7 @@ static int DSV_FN(sa_bwd)(const dsv_attn_shape* p, const dsv_bshd* q, const dsv_
   const int64_t B = p->batch, H = p->heads, NG = p->num_groups, G = p->group_size,
                 D = p->head_dim, KM = p->kmax, S = p->seqlen;
   const int64_t nbh = B * H;
+  const int64_t GQ = DSV_MIN(G, S); /* queries of the largest group */
   const int nthreads = dsv_max_threads();
   DSV_T* dkd = (DSV_T*)dk->data;
   DSV_T* dvd = (DSV_T*)dv->data;
@@ -278,8 +302,8 @@ static int DSV_FN(sa_bwd)(const dsv_attn_shape* p, const dsv_bshd* q, const dsv_
   if (nbh >= team_b) {
     /* Mode A: one (b, h) pair per task; dk / dv slices are private to the task. */
     DSV_OMP(parallel) {
-      DSV_T* dqa = (DSV_T*)malloc((size_t)(G * D) * sizeof(DSV_T));
-      DSV_T* Di = (DSV_T*)malloc((size_t)G * sizeof(DSV_T));
+      DSV_T* dqa = (DSV_T*)malloc((size_t)(GQ * D) * sizeof(DSV_T));
+      DSV_T* Di = (DSV_T*)malloc((size_t)GQ * sizeof(DSV_T));
       int64_t* tidx = (int64_t*)malloc(DSV_SA_TILE * sizeof(int64_t));
       const int ok = dqa && Di && tidx;
       if (!ok) {
@@ -322,8 +346,8 @@ static int DSV_FN(sa_bwd)(const dsv_attn_shape* p, const dsv_bshd* q, const dsv_
       DSV_T* mk = priv + (size_t)tid * (size_t)(2 * S * D);
       DSV_T* mv = mk + S * D;
       memset(mk, 0, (size_t)(2 * S * D) * sizeof(DSV_T));
-      DSV_T* dqa = (DSV_T*)malloc((size_t)(G * D) * sizeof(DSV_T));
-      DSV_T* Di = (DSV_T*)malloc((size_t)G * sizeof(DSV_T));
+      DSV_T* dqa = (DSV_T*)malloc((size_t)(GQ * D) * sizeof(DSV_T));
+      DSV_T* Di = (DSV_T*)malloc((size_t)GQ * sizeof(DSV_T));
       int64_t* tidx = (int64_t*)malloc(DSV_SA_TILE * sizeof(int64_t));
       const int ok = dqa && Di && tidx;
       if (!ok) {

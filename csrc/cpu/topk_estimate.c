@@ -74,8 +74,18 @@ int dsv_topk_estimate_cpu(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_
   if (p->batch < 0 || p->seqlen < 0 || p->heads < 0 || p->rank <= 0 || p->group_size <= 0 ||
       p->kmax < 0)
     return DSV_ERR_INVALID;
-  if (p->num_groups != (p->seqlen + p->group_size - 1) / p->group_size) return DSV_ERR_INVALID;
+  if (p->num_groups != (p->seqlen == 0 ? 0 : (p->seqlen - 1) / p->group_size + 1))
+    return DSV_ERR_INVALID;
   if (!dsv_is_float_dtype(p->dtype)) return DSV_ERR_UNSUPPORTED;
+  {
+    int64_t n = 0;
+    if (dsv_mul_ok(p->batch, p->heads, &n) != DSV_OK || dsv_mul_ok(n, p->seqlen, &n) != DSV_OK ||
+        dsv_mul_ok(n, p->rank, &n) != DSV_OK || dsv_mul_ok(n, 8, &n) != DSV_OK)
+      return DSV_ERR_INVALID;
+    if (dsv_mul_ok(p->batch, p->heads, &n) != DSV_OK || dsv_mul_ok(n, p->num_groups, &n) != DSV_OK ||
+        dsv_mul_ok(n, p->kmax, &n) != DSV_OK || dsv_mul_ok(n, 8, &n) != DSV_OK)
+      return DSV_ERR_INVALID;
+  }
   if (p->batch == 0 || p->heads == 0 || p->num_groups == 0 || p->kmax == 0) return DSV_OK;
   if (!q_lr.data || !k_lr.data || !kv_count || !kv_index) return DSV_ERR_INVALID;
   if (p->dtype == DSV_FLOAT32) return topk_f32(p, &q_lr, &k_lr, kv_count, kv_index);
@@ -89,13 +99,14 @@ static int DSV_FN(topk)(const dsv_lowrank_shape* p, const dsv_bshd* q_lr, const 
   const int64_t B = p->batch, S = p->seqlen, H = p->heads, R = p->rank, G = p->group_size,
                 NG = p->num_groups, KM = p->kmax;
   const int64_t ntasks = B * H * NG;
+  const int64_t KS = DSV_MAX(DSV_MIN(KM, S), 1); /* a list keeps at most min(kmax, S) keys */
   const DSV_T* qd = (const DSV_T*)q_lr->data;
   const DSV_T* kd = (const DSV_T*)k_lr->data;
   int err = 0;
   DSV_OMP(parallel) {
     double* rep = (double*)malloc((size_t)R * sizeof(double));
-    double* hs = (double*)malloc((size_t)KM * sizeof(double));
-    int64_t* hp = (int64_t*)malloc((size_t)KM * sizeof(int64_t));
+    double* hs = (double*)malloc((size_t)KS * sizeof(double));
+    int64_t* hp = (int64_t*)malloc((size_t)KS * sizeof(int64_t));
     const int ok = rep && hs && hp;
     if (!ok) {
       DSV_OMP(atomic write)

@@ -30,7 +30,8 @@
 
 #define DSV_FULL_MASK 0xffffffffu
 
-static inline int64_t dsv_cdiv64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+/* ceil(a / b) for a >= 0, b > 0, without the overflow of a + b - 1 */
+static inline int64_t dsv_cdiv64(int64_t a, int64_t b) { return a <= 0 ? 0 : (a - 1) / b + 1; }
 static inline size_t dsv_align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 static inline int dsv_ptr_aligned(const void* p, size_t a) {
   return ((uintptr_t)p % a) == 0;
@@ -224,8 +225,10 @@ static __device__ __forceinline__ void dsv_stage_rows16_idx(uint32_t* smem, int 
   }
 }
 
-/* Order-preserving map of a float to uint32 (larger float -> larger key; -0 < +0). */
+/* Order-preserving map of a float to uint32 (larger float -> larger key; -0 < +0). NaN maps to
+ * the key of -inf: a NaN score ranks last, tied with -inf (as the CPU top-K ranks it). */
 static __device__ __forceinline__ uint32_t dsv_float_key(float f) {
+  if (f != f) return 0x007fffffu;
   const uint32_t u = __float_as_uint(f);
   return u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
 }

@@ -385,6 +385,8 @@ __global__ void dsv_pl_fwd_finalize_kernel(const dsv_pl_args a, float* loss, flo
       s1 += pp[1];
       s2 += pp[2];
     }
+    const int64_t pos = a.rows[i];
+    if (pos < 0 || pos >= a.S) s0 = s1 = s2 = NAN; /* a row outside [0, S): NaN loss (as on the CPU) */
     float* rs = row_stats + (bh * R + i) * 3;
     rs[0] = s0;
     rs[1] = s1;

@@ -4,7 +4,8 @@
  * For sampled row i of (b, h): P_j = softmax_j(scale * q_i . k_j) over all S keys; c_i = size of
  * the smallest set of keys whose probabilities reach theta; sparsity = 1 - mean_i c_i / S; with
  * an index, recall = mean_i of the mass of the distinct entries of the row's list.
- * Rows outside [0, S) are left out of the means; no usable row gives NaN.
+ * Rows outside [0, S) are left out of the means; no usable row gives NaN. A row whose logits
+ * contain NaN or +inf (or are all -inf) has no defined softmax: it makes its (b, h) NaN.
  *
  * Kernels (per chunk of row tiles, so the workspace stays bounded, about 256 MB at most):
  *  1. logits: tensor-core MMA (bf16/fp16, fp32 accumulate) of 64 sampled rows x a chunk of keys,
@@ -206,6 +207,22 @@ __global__ void __launch_bounds__(PA_SEL_THREADS) dsv_pa_select_kernel(const dsv
   for (int c = 0; c < a.nkc; ++c)
     if (pp[c].x > -INFINITY) Z += pp[c].y * expf(pp[c].x - M);
   const float invZ = 1.f / Z;
+  {
+    /* a NaN or +inf logit (or all -inf) leaves the softmax undefined: NaN c_i and recall for
+     * the row, hence NaN means for its (b, h), as on the CPU */
+    bool bad = !(Z > 0.f) || isinf(Z);
+    for (int64_t j = tid; j < S && !bad; j += PA_SEL_THREADS) {
+      const float l = L[j];
+      bad = isnan(l) || l == INFINITY;
+    }
+    if (__syncthreads_or(bad)) {
+      if (tid == 0) {
+        *outc = NAN;
+        *outr = NAN;
+      }
+      return;
+    }
+  }
 
   /* recall */
   float rec = 0.f;

@@ -35,13 +35,21 @@
  * to 1.15 (measured crossover on the H200 at S = 64k, D = 128: path 0 costs ~110 ms whatever
  * the lists; path 1 ~57 ms of dQ pass + ~41 ms per unit of the ratio) and can be set with the
  * environment variable DSV_KM_RATIO (0 forces path 0, a large value forces path 1 where
- * allowed). Key tiles of the query-major kernels: 32 keys x 2 cp.async stages by default
- * (DSV_ATTN_BWD_TILE = 32x2 / 64x2 / 32x3 / 32x4; see bwd_tile_cfg for the measurements).
+ * allowed). Deterministic mode (DSV_FLAG_DETERMINISTIC in dsv_attn_shape.flags): every head
+ * whose lists allow it takes path 1, its (group, mask) entries filled in ascending group order
+ * (km_fill_ordered_kernel: a ballot scan, not atomic positions), and one key range, so dQ is
+ * summed in registers too: no float atomics, bit-identical results run to run. (With ranges
+ * R > 1 the default path sums dQ over the ranges with fp32 reductions in an arbitrary order.)
+ * Key tiles of the query-major kernels: 32 keys x 2 cp.async stages by default
+ * (DSV_ATTN_BWD_TILE = 32x2 / 64x2 / 32x3 / 32x4; see bwd_tile_cfg for the measurements). On
+ * H100 / H200 the dQ-only pass runs on wgmma (sparse_attention_bwd_wg.cuh), and so does the pass
+ * with reductions with DSV_ATTN_BWD_TILE = w64x2.
  */
 #include <stdlib.h>
 #include <string.h>
 
 #include "attention_common.cuh"
+#include "sparse_attention_bwd_wg.cuh" /* the query-major backward on wgmma (sm_90a) */
 
 namespace dsv_attn {
 
@@ -310,6 +318,50 @@ __global__ void km_fill_kernel(const BwdParams<T> p) {
     const int pos = off[kb] + atomicAdd(cur + kb, 1);
     p.entg[bh * p.cap + pos] = g;
     p.entmask[bh * p.cap + pos] = mask;
+  }
+}
+
+/* Pass 3, deterministic mode (DSV_FLAG_DETERMINISTIC): the same (group, mask) entries, written
+ * in ascending group order, so that bwd_kmajor_kernel sums dK / dV in the same order on every
+ * run (km_fill_kernel's atomicAdd positions order a key block's entries by arrival). One warp
+ * per (b, h, key block): its lanes take 32 groups at a time, each finds the group's run of keys
+ * in the block by binary search (a key-major head's list is strictly ascending and in range up
+ * to its trimmed count, then negative), and a ballot ranks the groups that have one. grid
+ * (ceil(nkb / 4), H, B), 128 threads. */
+template <typename T>
+__global__ void km_fill_ordered_kernel(const BwdParams<T> p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kb = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
+  if (kb >= p.nkb) return;
+  const size_t bh = (size_t)b * p.H + h;
+  if (p.path[bh] != 1) return;
+  const int count = clamp_count(__ldg(p.kv_count + bh), p.kmax);
+  const int lo = kb * KB, hi = lo + KB;
+  int pos = p.kboff[bh * p.nkb + kb];
+  for (int g0 = 0; g0 < p.NG; g0 += 32) {
+    const int g = g0 + lane;
+    unsigned long long mask = 0ull;
+    if (g < p.NG) {
+      const int* list = p.kv_index + (bh * p.NG + g) * p.kmax;
+      int a = 0, e = count; /* first entry that is negative or >= lo */
+      while (a < e) {
+        const int m = (a + e) >> 1;
+        const int x = __ldg(list + m);
+        if (x >= 0 && x < lo) a = m + 1; else e = m;
+      }
+      for (int j = a; j < count; ++j) {
+        const int x = __ldg(list + j);
+        if (x < lo || x >= hi) break; /* negative (padding) or past the block */
+        mask |= 1ull << (x - lo);
+      }
+    }
+    const unsigned has = __ballot_sync(0xffffffffu, mask != 0ull);
+    if (mask != 0ull) {
+      const int at = pos + __popc(has & ((1u << lane) - 1u));
+      p.entg[bh * p.cap + at] = g;
+      p.entmask[bh * p.cap + at] = mask;
+    }
+    pos += __popc(has);
   }
 }
 
@@ -949,14 +1001,24 @@ static int launch_kmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream
 
 template <typename T, int D>
 static int bwd_main(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
-  int st;
+  int st = DSV_OK;
   /* query-major: dQ of key-major heads (no dK/dV), then dQ + dK/dV reductions of the others */
+  int wg = 0; /* wgmma backward (sparse_attention_bwd_wg.cuh): 1 dQ-only pass, 2 both passes */
+  if constexpr (D == 64 || D == 128) wg = bwd_wg_mode<T, D>(prm);
   if (prm.G <= 32) {
     if (prm.km_enabled && (st = qmajor_cfg<T, D, 32, false>(sh, prm, stream)) != DSV_OK) return st;
     if ((st = qmajor_cfg<T, D, 32, true>(sh, prm, stream)) != DSV_OK) return st;
   } else {
-    if (prm.km_enabled && (st = qmajor_cfg<T, D, 64, false>(sh, prm, stream)) != DSV_OK) return st;
-    if ((st = qmajor_cfg<T, D, 64, true>(sh, prm, stream)) != DSV_OK) return st;
+    if (prm.km_enabled) {
+      if constexpr (D == 64 || D == 128)
+        if (wg > 0) st = bwd_wg_launch_one<T, D, false>(sh, prm, stream);
+      if (wg == 0) st = qmajor_cfg<T, D, 64, false>(sh, prm, stream);
+      if (st != DSV_OK) return st;
+    }
+    if constexpr (D == 64 || D == 128)
+      if (wg == 2) st = bwd_wg_launch_reduce<T, D>(sh, prm, stream);
+    if (wg < 2) st = qmajor_cfg<T, D, 64, true>(sh, prm, stream);
+    if (st != DSV_OK) return st;
   }
   if constexpr (D <= 128) {
     if (prm.km_enabled) {
@@ -1020,15 +1082,18 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   prm.cap = L.cap;
   prm.scale = (float)sh->scale;
   prm.scale_log2 = (float)(sh->scale * 1.4426950408889634);
+  const bool deterministic = (sh->flags & DSV_FLAG_DETERMINISTIC) != 0;
   float ratio = 1.15f;
   const char* env = getenv("DSV_KM_RATIO");
   if (env && *env) ratio = (float)atof(env);
+  if (deterministic) ratio = 3.0e38f; /* key-major for every head whose lists allow it */
   prm.km_ratio = ratio;
   prm.km_enabled = L.km_enabled && ratio > 0.f;
   {
     const RangeCfg rc = bwd_ranges(sh);
-    prm.nranges = rc.rmax;
-    prm.ranges_forced = rc.forced;
+    /* deterministic: one key range, so that dQ is summed in registers (no fp32 reductions) */
+    prm.nranges = deterministic ? 1 : rc.rmax;
+    prm.ranges_forced = deterministic ? 1 : rc.forced;
   }
 
   const int B = (int)sh->batch;
@@ -1046,7 +1111,12 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
     dim3 g3((unsigned)prm.NG, (unsigned)prm.H, (unsigned)B);
     km_count_kernel<T><<<g3, 128, 0, stream>>>(prm);
     km_scan_kernel<T><<<(unsigned)BH, 1024, 0, stream>>>(prm);
-    if (prm.km_enabled) km_fill_kernel<T><<<g3, 128, 0, stream>>>(prm);
+    if (prm.km_enabled && deterministic) {
+      dim3 gf((unsigned)((prm.nkb + 3) / 4), (unsigned)prm.H, (unsigned)B);
+      km_fill_ordered_kernel<T><<<gf, 128, 0, stream>>>(prm);
+    } else if (prm.km_enabled) {
+      km_fill_kernel<T><<<g3, 128, 0, stream>>>(prm);
+    }
     if (cudaGetLastError() != cudaSuccess) return DSV_ERR_CUDA;
   }
   {
@@ -1098,6 +1168,8 @@ extern "C" int dsv_sparse_attention_bwd_cuda(const dsv_attn_shape* p, dsv_bshd q
     return DSV_ERR_UNSUPPORTED;
   if (!kv_count || !lse || (p->kmax > 0 && !kv_index)) return DSV_ERR_INVALID;
   if (!workspace || workspace_bytes < bwd_layout(p).total) return DSV_ERR_NOMEM;
+  /* deterministic: the key-major path for every head, which exists for head_dim <= 128 */
+  if ((p->flags & DSV_FLAG_DETERMINISTIC) && p->head_dim > 128) return DSV_ERR_UNSUPPORTED;
   cudaStream_t s = (cudaStream_t)stream;
   if (p->dtype == DSV_BFLOAT16)
     return bwd_run<__nv_bfloat16>(p, q, k, v, out, dout, lse, kv_index, kv_count, dq, dk, dv,

@@ -159,12 +159,25 @@ __device__ __forceinline__ void pack_p(uint32_t* pa, const float (&s)[BN / 8][4]
 template <typename T, int D>
 __device__ __forceinline__ void store_out_lse(const FwdParams<T>& p, const float (&o)[D / 8][4],
                                               float m0, float m1, float l0, float l1, int b, int h,
-                                              int row0, int nrows, int warp, int lane) {
+                                              int row0, int nrows, int warp, int lane,
+                                              const int* list, int count) {
   l0 = quad_sum(l0);
   l1 = quad_sum(l1);
-  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
-  const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
   const int lr0 = warp * 16 + (lane >> 2), lr1 = lr0 + 8;
+  /* A NaN or +inf score makes l NaN (the running maximum ignores NaN, exp2(NaN) and
+   * exp2(inf - inf) do not): out and lse are NaN then, as with softmax, and the backward turns
+   * a NaN lse into NaN gradients. l == 0: either no valid key (an empty list: 0, lse -inf) or
+   * every score -inf (the softmax is 0 / 0: NaN, as SDPA gives); a look at the list tells
+   * them apart, only in the rare CTA that has such a row (every thread reaches this point). */
+  float zero_out = 0.f, zero_lse = -INFINITY;
+  if (__syncthreads_or((l0 == 0.f && lr0 < nrows) || (l1 == 0.f && lr1 < nrows))) {
+    bool any = false;
+    for (int j = threadIdx.x; j < count && !any; j += blockDim.x)
+      any = (unsigned)__ldg(list + j) < (unsigned)p.S;
+    if (__syncthreads_or(any)) zero_out = zero_lse = __int_as_float(0x7fc00000);
+  }
+  const float inv0 = l0 == 0.f ? zero_out : 1.f / l0;
+  const float inv1 = l1 == 0.f ? zero_out : 1.f / l1;
   T* obase = p.out + b * p.ob + h * p.oh;
   if (lr0 < nrows) {
     T* orow = obase + (int64_t)(row0 + lr0) * p.os + (lane & 3) * 2;
@@ -180,8 +193,8 @@ __device__ __forceinline__ void store_out_lse(const FwdParams<T>& p, const float
   }
   if ((lane & 3) == 0) {
     float* lrow = p.lse + ((size_t)b * p.H + h) * p.S + row0;
-    if (lr0 < nrows) lrow[lr0] = l0 > 0.f ? (m0 + log2f(l0)) * DSV_LN2 : -INFINITY;
-    if (lr1 < nrows) lrow[lr1] = l1 > 0.f ? (m1 + log2f(l1)) * DSV_LN2 : -INFINITY;
+    if (lr0 < nrows) lrow[lr0] = l0 == 0.f ? zero_lse : (m0 + log2f(l0)) * DSV_LN2;
+    if (lr1 < nrows) lrow[lr1] = l1 == 0.f ? zero_lse : (m1 + log2f(l1)) * DSV_LN2;
   }
 }
 
@@ -276,7 +289,7 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
   }
   cp_async_wait<0>();
 
-  store_out_lse<T, D>(p, o, m0, m1, l0, l1, c.b, c.h, c.row0, c.nrows, warp, lane);
+  store_out_lse<T, D>(p, o, m0, m1, l0, l1, c.b, c.h, c.row0, c.nrows, warp, lane, c.list, c.count);
 }
 
 /* S = Q K^T for one key tile on wgmma: D / 16 steps of k16 over swizzled Q (64 rows) and K (BN
@@ -390,7 +403,7 @@ __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const Fwd
     wg_fence_regs<D / 2>(&o[0][0]);
   }
   cp_async_wait<0>();
-  store_out_lse<T, D>(p, o, m0, m1, l0, l1, c.b, c.h, c.row0, c.nrows, warp, lane);
+  store_out_lse<T, D>(p, o, m0, m1, l0, l1, c.b, c.h, c.row0, c.nrows, warp, lane, c.list, c.count);
 #endif
 }
 
@@ -552,7 +565,8 @@ int check_attn_args(const dsv_attn_shape* p) {
   if (p->batch < 0 || p->seqlen < 0 || p->heads < 0 || p->head_dim <= 0 || p->group_size <= 0 ||
       p->kmax < 0)
     return DSV_ERR_INVALID;
-  if (p->num_groups != (p->seqlen + p->group_size - 1) / p->group_size) return DSV_ERR_INVALID;
+  if (p->num_groups != (p->seqlen == 0 ? 0 : (p->seqlen - 1) / p->group_size + 1))
+    return DSV_ERR_INVALID;
   if (p->dtype != DSV_BFLOAT16 && p->dtype != DSV_FLOAT16) return DSV_ERR_UNSUPPORTED;
   if (p->head_dim != 64 && p->head_dim != 96 && p->head_dim != 128 && p->head_dim != 256)
     return DSV_ERR_UNSUPPORTED;
