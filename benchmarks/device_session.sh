@@ -6,7 +6,8 @@
 # on the attention kernels, and compute-sanitizer. Each step has its own time limit so the call
 # ends in time; all logs are packed into $OUT/logs.tgz (the device tool returns at most 8 files).
 #   usage: bash benchmarks/device_session.sh   (carry .dsvwheels for diffusers, .devso if built)
-#   env:   STEPS="tests bench ncu san" (default all), BUILD_LIMIT, TEST_LIMIT, BENCH_LIMIT, ...
+#   env:   STEPS="tests bench ncu san" (default; also compare infer train grid det soak), BUILD_LIMIT,
+#          TEST_LIMIT, BENCH_LIMIT, ...
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"tests bench ncu san"}
@@ -58,6 +59,14 @@ esac
 case " $STEPS " in *" train "*)
   timeout ${TRAIN_LIMIT:-330} python3 benchmarks/bench_train.py --out "$OUT/results" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
   echo "bench_train rc=$?"; tail -15 "$OUT/train.log";;
+esac
+case " $STEPS " in *" det "*)
+  timeout ${DET_LIMIT:-120} python3 benchmarks/bench_kernels.py --deterministic --out "$OUT/results" > "$OUT/det.log" 2>&1
+  echo "deterministic bench rc=$?"; grep -v '^{' "$OUT/det.log" | tail -12;;
+esac
+case " $STEPS " in *" soak "*)
+  timeout ${SOAK_LIMIT:-300} python3 benchmarks/soak.py --device cuda --no-progress --out "$OUT/soak" ${SOAK_ARGS:-} > "$OUT/soak.log" 2>&1
+  echo "soak rc=$?"; tail -20 "$OUT/soak.log";;
 esac
 case " $STEPS " in *" san "*)
   timeout ${SAN_LIMIT:-400} bash tests/run_sanitizer.sh "$OUT/san"; echo "sanitizer rc=$?";;
