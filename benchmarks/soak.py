@@ -14,7 +14,9 @@ Flatness (the pass/fail rule): the run is cut into its DSV stages; in each stage
 ``--warmup`` steps are warm-up, the maximum over the next ``--window`` steps is the baseline
 (a window spanning several profiler / predictor-training periods, so periodic spikes are in
 it), and the maximum over every later step of the stage may exceed the baseline by at most the
-tolerance (``--tol-alloc`` 16, ``--tol-reserved`` 256, ``--tol-rss`` 256 MiB). A leak of 30 KiB
+tolerance (``--tol-alloc`` 16, ``--tol-reserved`` 256, ``--tol-rss`` 256 MiB; ``reserved`` may
+also grow by as much as ``peak`` grew: the caching allocator keeps what the largest step needed,
+so only reserved memory beyond the working set's growth counts as fragmentation). A leak of 30 KiB
 per step shows up in ``alloc`` over the 550 judged steps of stage 2; one-off allocations (the
 stage switch, the first sparse step) fall into the warm-up. ``peak`` is reported with the sum
 of the per-head K of the sparse blocks (``k_total``), not judged: the profiler keeps adjusting
@@ -96,6 +98,11 @@ def judge(records: List[Dict[str, Any]], warmup: int, window: int,
             v[m] = {"baseline_mib": round(base, 3), "max_after_mib": round(after, 3),
                     "growth_mib": round(growth, 3), "tol_mib": tol[m],
                     "ok": growth <= tol[m] if m in JUDGED else None}
+            if m == "reserved" and "baseline_mib" in v.get("peak", {}):
+                # the caching allocator keeps what the largest step needed: reserved memory may
+                # follow the step's peak (K grows in stage 2); only growth beyond it is judged
+                allowed = max(0.0, v["peak"]["growth_mib"]) + tol[m]
+                v[m].update(allowed_mib=round(allowed, 3), ok=growth <= allowed)
         ks = [r.get("k_total") for r in records[seg["first"]:seg["last"] + 1]]
         if judged and all(k is not None for k in ks):
             v["k_total"] = {"baseline": max(ks[warmup:warmup + window]), "max_after": max(ks[warmup + window:])}
@@ -129,7 +136,8 @@ def write_markdown(res: Dict[str, Any], path: str) -> None:
              f"torch {res['torch']}. Stage switch at step {res['switch_step']} "
              f"(forced at {s['switch_step']} at the latest). Warm-up {s['warmup']} steps per stage, "
              f"baseline = max over the next {s['window']} steps; pass when the max over the rest of "
-             "the stage is within the tolerance of the baseline.", "",
+             "the stage is within the tolerance of the baseline (reserved: plus the growth of the step's "
+             "peak).", "",
              f"**Result: {'PASS (memory flat)' if res['passed'] else 'FAIL (memory grew)'}**; "
              f"{res['wall_time_s']:.0f} s, median step {res['median_step_ms']:.1f} ms.", "",
              "| stage | steps | metric | baseline MiB | max after MiB | growth MiB | tol MiB | ok |",
@@ -146,7 +154,7 @@ def write_markdown(res: Dict[str, Any], path: str) -> None:
             ok = "info" if d["ok"] is None else ("yes" if d["ok"] else "**no**")
             lines.append(f"| {v['stage']} | {v['first_step']}-{v['last_step']} | {m} | "
                          f"{d['baseline_mib']:.1f} | {d['max_after_mib']:.1f} | {d['growth_mib']:+.2f} | "
-                         f"{d['tol_mib']:.0f} | {ok} |")
+                         f"{d['tol_mib']:.0f}{' + peak growth' if 'allowed_mib' in d else ''} | {ok} |")
     ks = [(v["stage"], v["k_total"]) for v in res["verdicts"] if v.get("k_total") and v["stage"] == 2]
     if ks:
         lines += ["", f"Sum of the per-head K of the sparse blocks (stage 2): {ks[0][1]['baseline']} in the "
