@@ -49,6 +49,17 @@ def _rope_mochi(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.stack([a, b], dim=-1).flatten(-2)
 
 
+def _text_qkv(attn, encoder_hidden_states: torch.Tensor):
+    """The text tokens' q, k, v of a joint attention layer ([B, N, H, D]), with its added norms."""
+    eq, ek, ev = (p(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+                  for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+    if attn.norm_added_q is not None:
+        eq = attn.norm_added_q(eq)
+    if attn.norm_added_k is not None:
+        ek = attn.norm_added_k(ek)
+    return eq, ek, ev
+
+
 class _DSVProcessor:
     """Base: keeps the replaced processor for the calls this one does not handle."""
 
@@ -151,12 +162,7 @@ class DSVHunyuanVideoAttnProcessor(_DSVProcessor):
             else:
                 q, k = _rope_pairs(q, cos, sin), _rope_pairs(k, cos, sin)
         if not single:
-            eq, ek, ev = (p(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-                          for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
-            if attn.norm_added_q is not None:
-                eq = attn.norm_added_q(eq)
-            if attn.norm_added_k is not None:
-                ek = attn.norm_added_k(ek)
+            eq, ek, ev = _text_qkv(attn, encoder_hidden_states)
             q, k, v = torch.cat([q, eq], dim=1), torch.cat([k, ek], dim=1), torch.cat([v, ev], dim=1)
         mask = attention_mask
         if mask is not None and mask.ndim == 2 and mask.shape[0] == q.shape[0] and mask.shape[1] == k.shape[1]:
@@ -189,12 +195,7 @@ class DSVMochiAttnProcessor(_DSVProcessor):
             q = attn.norm_q(q)
         if attn.norm_k is not None:
             k = attn.norm_k(k)
-        eq, ek, ev = (p(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-                      for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
-        if attn.norm_added_q is not None:
-            eq = attn.norm_added_q(eq)
-        if attn.norm_added_k is not None:
-            ek = attn.norm_added_k(ek)
+        eq, ek, ev = _text_qkv(attn, encoder_hidden_states)
         if image_rotary_emb is not None:
             q, k = _rope_mochi(q, *image_rotary_emb), _rope_mochi(k, *image_rotary_emb)
         # [B, H, S, D] as the model lays them out

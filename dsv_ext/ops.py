@@ -261,30 +261,29 @@ def _check_group_size(group_size, seqlen: Optional[int] = None) -> int:
     return group_size
 
 
-def _check_weight(name: str, x) -> float:
-    if isinstance(x, bool) or not isinstance(x, (numbers.Real, torch.Tensor)):
-        raise TypeError(f"{name}: expected a float, got {type(x).__name__}")
+def _finite_float(name: str, x, expected: str = "a float") -> float:
+    """x as a finite Python float; TypeError / ValueError naming the argument otherwise."""
+    if isinstance(x, (bool, str, bytes)):
+        raise TypeError(f"{name}: expected {expected}, got {type(x).__name__}")
     try:
         x = float(x)
     except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"{name}: expected a float, got {type(x).__name__}") from None
+        raise TypeError(f"{name}: expected {expected}, got {type(x).__name__}") from None
     if not math.isfinite(x):
         raise ValueError(f"{name}: must be finite, got {x}")
     return x
 
 
+def _check_weight(name: str, x) -> float:
+    if not isinstance(x, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"{name}: expected a float, got {type(x).__name__}")
+    return _finite_float(name, x)
+
+
 def _scale_of(scale, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, (str, bytes)):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-    try:
-        scale = float(scale)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}") from None
-    if not math.isfinite(scale):
-        raise ValueError(f"scale: must be finite, got {scale}")
-    return scale
+    return _finite_float("scale", scale, "a float or None")
 
 
 _SIGNED_INDEX_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
