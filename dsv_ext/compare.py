@@ -518,7 +518,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
 
     def body() -> int:
-        check_numeric_args(a, ints={"steps": 1})
+        check_numeric_args(a, ints={"steps": 1, "samples": 0}, numbers={"time_limit": 0})
         if a.seeds < 1:
             raise ValueError(f"--seeds: expected an integer >= 1, got {a.seeds}")
         ov = list(a.overrides)

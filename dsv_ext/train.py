@@ -878,7 +878,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
 
     def body() -> int:
-        check_numeric_args(a, ints={"steps": 1})
+        check_numeric_args(a, ints={"steps": 1}, numbers={"time_limit": 0})
         cfg = load_config(a.config, a.overrides)
         device = a.device
         if a.context_parallel:

@@ -354,7 +354,10 @@ def test_numeric_cli_arguments_are_range_checked(tmp_path, capsys):
     base = ["--config", str(cfgp), "--out", str(tmp_path / "o"), "--no-progress"]
     cases = [(train_main, base + ["--steps", "-1"], "--steps: expected an integer >= 1, got -1"),
              (train_main, base + ["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
-             (compare_main, base + ["--steps", "-5"], "--steps: expected an integer >= 1, got -5")]
+             (compare_main, base + ["--steps", "-5"], "--steps: expected an integer >= 1, got -5"),
+             (train_main, base + ["--time-limit", "0"], "--time-limit: expected a finite number > 0, got 0"),
+             (compare_main, base + ["--time-limit", "inf"], "--time-limit: expected a finite number > 0"),
+             (compare_main, base + ["--samples", "-1"], "--samples: expected an integer >= 0, got -1")]
     sbase = ["--checkpoint", str(tmp_path / "none.pt"), "--out", str(tmp_path / "s")]
     for arg, val, msg in (("--steps", "-1", "integer >= 1"), ("--num-samples", "0", "integer >= 1"),
                           ("--seed", "-3", "integer >= 0"), ("--batch-size", "0", "integer >= 1"),
