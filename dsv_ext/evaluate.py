@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from .attention import SparseAttention
+from .checkpoint import load_checkpoint
 from .cli import run_command
 from .recall import density_for_recall, recall_curve
 from .train import (TrainConfig, _autocast, _resolve_device, _Stream, _ValSet, build_model,
@@ -364,11 +365,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
 
     def body() -> int:
-        if not os.path.isfile(a.checkpoint):
-            raise ValueError(f"--checkpoint: no such file {a.checkpoint!r}")
-        ckpt = torch.load(a.checkpoint, map_location="cpu", weights_only=False)
-        if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
-            raise ValueError(f"--checkpoint: {a.checkpoint!r} is not a dsv_ext.train checkpoint")
+        ckpt = load_checkpoint(a.checkpoint, map_location="cpu")  # verified, one-line errors
         ov = list(a.overrides)
         if a.val_videos is not None:
             ov.append(f"train.val_videos={a.val_videos}")

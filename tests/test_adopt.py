@@ -32,7 +32,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")
 
 def _cfg():
     return DSVConfig(group_size=8, k_multiple=8, rank=4, row_sample_stride=4, force_stage2_step=2,
-                     dispatch_threshold=0.0, use_calibration=False)
+                     dispatch_threshold=0.0, use_calibration=False,
+                     k_rule="theta")  # untrained predictors: the theta rule's K < S
 
 
 @pytest.fixture

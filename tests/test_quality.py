@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from dsv_ext.checkpoint import load_checkpoint, save_checkpoint
 from dsv_ext.models import dsv_attention_available
 from test_train import micro_config
 
@@ -58,12 +59,12 @@ def micro_ckpt(tmp_path_factory):
     train(cfg, out_dir=str(out), attention="dsv", device="cpu", progress=False)
     # adaLN-zero layers (still ~0 after 6 steps) set to random values, so that attention changes
     # the output at O(1) and a sparse approximation shows
-    ck = torch.load(str(out / "ckpt_last.pt"), map_location="cpu", weights_only=False)
+    ck = load_checkpoint(str(out / "ckpt_last.pt"), map_location="cpu")
     g = torch.Generator().manual_seed(0)
     for name, v in ck["model"].items():
         if name.endswith(("ada.1.weight", "final.linear.weight")):
             v.copy_(torch.randn(v.shape, generator=g) * 0.2)
-    torch.save(ck, str(out / "ckpt_active.pt"))
+    save_checkpoint(ck, str(out / "ckpt_active.pt"))
     return str(out / "ckpt_active.pt")
 
 
