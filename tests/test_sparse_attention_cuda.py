@@ -529,3 +529,39 @@ def test_backward_nan_reaches_gradients(tile, gen, monkeypatch):
     sel = sel[sel >= 0].unique()
     assert torch.isnan(dk[0, sel, 0]).any(dim=-1).all()
     assert torch.isnan(dv[0, sel, 0]).any(dim=-1).all()
+
+
+@pytest.mark.parametrize("tile", ["", "32x2"])
+def test_deterministic_backward_repeats_bitwise(tile, gen, monkeypatch):
+    """Deterministic mode at G = 64, D = 128 (the key-major path; its dQ pass on wgmma by default
+    on an H100 / H200, on mma.sync with DSV_ATTN_BWD_TILE=32x2): two backward runs give
+    bit-identical gradients, which match the reference."""
+    need_backend()
+    if not _have_ops():
+        pytest.skip("needs the built extension (dsv_ext.sparse_attention)")
+    import dsv_ext
+    monkeypatch.setenv("DSV_ATTN_BWD_TILE", tile)
+    B, H, S, D, G, kmax = 1, 2, 300, 128, 64, 150
+    kv_index, kv_count = ref.random_index(B, H, S, G, kmax, counts=[[kmax, 97]], generator=gen)
+    q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype).cuda()
+    grads = []
+    kv_index, kv_count = kv_index.cuda(), kv_count.cuda()
+    scale = 1 / math.sqrt(D)
+    for _ in range(2):
+        qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        out = dsv_ext.sparse_attention(qq, kk, vv, kv_index, kv_count, G, scale,
+                                       deterministic=True)
+        out.backward(dout)
+        grads.append((qq.grad, kk.grad, vv.grad))
+    for a, b, name in zip(grads[0], grads[1], ("dq", "dk", "dv")):
+        assert torch.equal(a, b), f"{name}: deterministic runs differ"
+    qr, kr, vr = (t.detach().double().cpu().requires_grad_(True) for t in (q, k, v))
+    out_ref, lse_ref = ref.sparse_attention_lse_ref(qr, kr, vr, kv_index.cpu(), kv_count.cpu(), G,
+                                                    scale)
+    out_ref.backward(dout.double().cpu())
+    targets = grad_targets(q, k, v, dout.cpu(), out.detach(), out_ref, lse_ref,
+                           (qr.grad, kr.grad, vr.grad), kv_index, kv_count, G, scale,
+                           torch.bfloat16)
+    for g, (t, sl), name in zip(grads[0], targets, ("dq", "dk", "dv")):
+        check_close(name, g, t, GTOL[torch.bfloat16], sl)
