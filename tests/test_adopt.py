@@ -32,7 +32,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")
 
 def _cfg():
     return DSVConfig(group_size=8, k_multiple=8, rank=4, row_sample_stride=4, force_stage2_step=2,
-                     dispatch_threshold=0.0, use_calibration=False)
+                     dispatch_threshold=0.0, use_calibration=False,
+                     k_rule="theta")  # untrained predictors: the theta rule's K < S (blocks go sparse)
 
 
 @pytest.fixture
@@ -593,7 +594,7 @@ def test_diffusers_joint_model_cuda_stage2(sparse_calls):
                 encoder_attention_mask=(torch.arange(40) < torch.tensor([[40], [25]])).long().cuda(),
                 pooled_projections=torch.randn(B, 8, device="cuda"))
     convert(model, config=DSVConfig(group_size=32, k_multiple=16, force_stage2_step=2, dispatch_threshold=0.0,
-                                    use_calibration=False))
+                                    use_calibration=False, k_rule="theta"))  # untrained: K < S
     ctl = DSVController(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     for _ in range(3):
