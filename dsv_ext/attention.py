@@ -136,6 +136,16 @@ def sparse_supported(device: torch.device, head_dim: int, rank: int) -> bool:
     return torch.device(device).type != "cuda" or head_dim in _CUDA_SPARSE_HEAD_DIMS
 
 
+def _estimate_index(qp: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                    counts: torch.Tensor, group_size: int, kmax: int) -> torch.Tensor:
+    """Each query group's top-K keys from the low-rank projections of (cube-ordered) queries qp and
+    keys k ([B, S, H, D]) by the predictor weights wq, wk ([H, D, r]); no gradient."""
+    with torch.no_grad():
+        q_lr = torch.einsum("bshd,hdr->bshr", qp.detach(), wq.detach().to(qp.dtype)).contiguous()
+        k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), wk.detach().to(k.dtype)).contiguous()
+    return _need_ops().topk_estimate(q_lr, k_lr, counts, group_size, kmax)
+
+
 def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                 perm: Optional[torch.Tensor], inv: Optional[torch.Tensor], kv_count: torch.Tensor,
                 kmax: int, group_size: int, scale: Optional[float] = None,
@@ -160,10 +170,7 @@ def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Ten
     qp = q.index_select(1, perm) if perm is not None else q
     counts = kv_count.view(1, H).expand(B, H).contiguous()
     if index is None:
-        with torch.no_grad():
-            q_lr = torch.einsum("bshd,hdr->bshr", qp.detach(), wq.detach().to(q.dtype)).contiguous()
-            k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), wk.detach().to(k.dtype)).contiguous()
-        index = ops.topk_estimate(q_lr, k_lr, counts, group_size, kmax)
+        index = _estimate_index(qp, k, wq, wk, counts, group_size, kmax)
     out = ops.sparse_attention(qp, k, v, index, counts, group_size, scale, check_index=False,
                                deterministic=deterministic)
     out = out.index_select(1, inv) if inv is not None else out
@@ -218,10 +225,7 @@ def joint_sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: tor
     qp = qv.index_select(1, perm) if perm is not None else qv
     counts = kv_count.view(1, H).expand(B, H).contiguous()
     if index is None:
-        with torch.no_grad():
-            q_lr = torch.einsum("bshd,hdr->bshr", qp.detach(), wq.detach().to(q.dtype)).contiguous()
-            k_lr = torch.einsum("bshd,hdr->bshr", kv.detach(), wk.detach().to(k.dtype)).contiguous()
-        index = ops.topk_estimate(q_lr, k_lr, counts, group_size, kmax)
+        index = _estimate_index(qp, kv, wq, wk, counts, group_size, kmax)
     with torch.no_grad():  # the joint lists, built in int32 in one buffer
         ngv, ng, L = index.shape[2], -(-S // group_size), kmax + n_text
         full = torch.empty(B, H, ng, L, dtype=torch.int32, device=q.device)

@@ -535,21 +535,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               progress=not a.no_progress, keep_checkpoints=a.keep_checkpoints,
                               resume=a.resume, time_limit_s=a.time_limit, samples=a.samples,
                               sample_steps=a.sample_steps)
-            if not r.get("complete", True):
-                print(f"incomplete: {json.dumps(r['progress'])} of {r['steps']} steps; "
-                      f"continue with --resume --out {out}")
-                return 0
-            print(open(os.path.join(out, "compare_seeds.md")).read())
-            print(f"outputs in {out}")
-            return 0
+            return report(r, out, "compare_seeds.md")
         res = compare(cfg, out, steps=a.steps, device=a.device, progress=not a.no_progress,
                       keep_checkpoints=a.keep_checkpoints, resume=a.resume,
                       time_limit_s=a.time_limit, samples=a.samples, sample_steps=a.sample_steps)
+        return report(res, out, "compare.md")
+
+    def report(res, out: str, md: str) -> int:
         if not res.get("complete", True):
             print(f"incomplete: {json.dumps(res['progress'])} of {res['steps']} steps; "
                   f"continue with --resume --out {out}")
             return 0
-        print(open(os.path.join(out, "compare.md")).read())
+        print(open(os.path.join(out, md)).read())
         print(f"outputs in {out}")
         return 0
 
