@@ -1,7 +1,7 @@
 """DSVConfig: every threshold, schedule, rank and rate of the DSV drop-in attention.
 
 One dataclass holds all knobs of SparseAttention / DSVController / the op dispatcher. Defaults
-follow the DSV paper (arXiv 2502.07590) and ../shared/SPEC.md section 1. Load overrides from YAML:
+follow the DSV paper (arXiv 2502.07590). Load overrides from YAML:
 
     cfg = DSVConfig.from_yaml("configs/dsv_default.yaml")
     cfg = DSVConfig(rank=8, switch_loss=0.02)          # or in code

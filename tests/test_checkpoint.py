@@ -14,25 +14,14 @@ import yaml
 from dsv_ext import checkpoint as ckpt_mod
 from dsv_ext.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
 from dsv_ext.train import load_config, main as train_main, train
+from test_train import micro_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def micro_cfg(**train_kw):
-    """64 tokens, 2 blocks of width 32: milliseconds a step on the CPU."""
-    cfg = {
-        "name": "micro",
-        "model": {"hidden": 32, "depth": 2, "heads": 2, "patch": [1, 2, 2]},
-        "data": {"source": "procedural", "frames": 4, "height": 8, "width": 8, "channels": 4},
-        "train": {"steps": 4, "batch_size": 2, "lr": 1e-3, "warmup_steps": 2, "log_every": 1,
-                  "val_every": 0, "val_videos": 2, "val_timesteps": [0.25, 0.75],
-                  "precision": "fp32", "seed": 0},
-        "dsv": {"rank": 4, "group_size": 32, "cube": [2, 4, 4], "k_multiple": 16,
-                "min_density": 0.25, "profile_every": 1, "switch_check_every": 1,
-                "force_stage2_step": 3, "dispatch_threshold": 0.0, "predictor_lr": 1e-3},
-    }
-    cfg["train"].update(train_kw)
-    return cfg
+    """The micro config of test_train (64 tokens, 2 blocks of width 32), 4 steps, as a dict."""
+    return micro_dict(**{"steps": 4, **train_kw})
 
 
 def _state(gen):

@@ -12,8 +12,9 @@ from dsv_ext.train import load_config, main, train
 needs_dsv = pytest.mark.skipif(not dsv_attention_available(), reason="DSVAttention not importable")
 
 
-def micro_config(**train_kw):
-    """64 tokens (latents 4 x 4 x 8 x 8, patch 1x2x2), 2 blocks of width 32: milliseconds a step."""
+def micro_dict(**train_kw):
+    """64 tokens (latents 4 x 4 x 8 x 8, patch 1x2x2), 2 blocks of width 32: milliseconds a step
+    (the config as a plain dict, as a YAML file would hold it)."""
     cfg = {
         "name": "micro",
         "model": {"hidden": 32, "depth": 2, "heads": 2, "patch": [1, 2, 2]},
@@ -29,7 +30,12 @@ def micro_config(**train_kw):
                 "k_rule": "theta"},
     }
     cfg["train"].update(train_kw)
-    return load_config(base=cfg)
+    return cfg
+
+
+def micro_config(**train_kw):
+    """micro_dict, resolved (defaults filled in)."""
+    return load_config(base=micro_dict(**train_kw))
 
 
 def _read(path):

@@ -68,7 +68,7 @@ static size_t align_up(size_t x) { return (x + 255) & ~(size_t)255; }
 /* Key ranges of the query-major reduction path. R ranges make the CTAs running at one time touch
  * 1/R of a head's K, V and fp32 dK, dV accumulators, which then stay in L2; it costs an fp32 dQ
  * buffer (B H S D floats) and a few empty CTAs. Measured on the H200 (L2 reported as 60 MiB;
- * session 5, benchmarks/PERF_LOG.md v7), backward ms for R = 1 / 2 / 4 / 8, H = 24, 0.9, G = 64:
+ * kernels v7, benchmarks/PERF_LOG.md), backward ms for R = 1 / 2 / 4 / 8, H = 24, 0.9, G = 64:
  *   S = 64k,  D = 64:  random 40.9 / 41.9 / 43.0 / 45.2   smooth 40.5 / 41.6 / 42.6 / 44.4
  *   S = 64k,  D = 128: random 84.5 / 81.7 / 82.9 / 87.0   smooth 79.1 / 81.1 / 82.9 / 86.8
  *   S = 128k, D = 64:  random 157.5 / 161.7 / 161.5 / 166.4 smooth 159.6 / 159.4 / 161.3 / 166.2
@@ -950,7 +950,7 @@ static int launch_qmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream
 }
 
 /* Key-tile configuration of the query-major kernels for D <= 128: DSV_ATTN_BWD_TILE "32x2"
- * (default), "64x2", "32x3" or "32x4". Measured at S = 64k, D = 128, sparsity 0.9 (session 2,
+ * (default), "64x2", "32x3" or "32x4". Measured at S = 64k, D = 128, sparsity 0.9 (kernels v4,
  * same run, v4 reductions): G = 64: 32x2 89.0 ms, 32x3 100.6, 64x2 105.7, 32x4 117.8; G = 32:
  * 32x2 196.2, 32x3 197.3, 64x2 180.7, 32x4 176.1 (run-to-run spread ~10%). */
 static int bwd_tile_cfg() {

@@ -441,9 +441,9 @@ static int launch_fwd_wg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cuda
  * 128, G >= 64, row strides below 4 GB; elsewhere they fall back to mma.sync 32x2), "32x2",
  * "64x2", "32x3", "32x4", "32x5" the mma.sync kernel (for D <= 128). Unset: wgmma w32x2 (4 CTAs
  * per SM, registers capped at 128) where it applies, else mma.sync 32x2. Measured at S = 64k, H =
- * 24, D = 128, G = 64, sparsity 0.9, random lists (session 4, same run): w32x2 15.7 ms, w32x3
+ * 24, D = 128, G = 64, sparsity 0.9, random lists (kernels v6, same run): w32x2 15.7 ms, w32x3
  * 16.2, w64x2 16.3, w32x4 19.0 (a pipelined variant, PERF_LOG v6: 19.1 / 23.5); mma.sync 32x2
- * 25.7, 64x2 27.1, 32x3 26.7, 32x4 30.4, 32x5 31.6. mma.sync, G = 32 (BM = 32, session 2): 32x2
+ * 25.7, 64x2 27.1, 32x3 26.7, 32x4 30.4, 32x5 31.6. mma.sync, G = 32 (BM = 32, kernels v4): 32x2
  * 36.5, 64x2 66.0, 32x3 48.5, 32x4 65.0 (5 CTAs per SM). */
 enum FwdTile { FT_DEFAULT, FT_32x2, FT_64x2, FT_32x3, FT_32x4, FT_32x5, FT_W32x2, FT_W32x3,
                FT_W64x2, FT_W32x4 };
