@@ -75,16 +75,19 @@ def paired_stats(a: torch.Tensor, b: torch.Tensor, per_video: int) -> Dict[str, 
 
 def provenance(device) -> Dict[str, str]:
     """When, from which commit and on what a result was measured (UTC date, git commit of the
-    checkout the package runs from or "unknown", device name)."""
+    checkout the package runs from, or the environment variable DSV_COMMIT when set, else
+    "unknown"; device name)."""
     import datetime
     import subprocess
 
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                         cwd=os.path.dirname(os.path.abspath(__file__)),
-                                         stderr=subprocess.DEVNULL).strip()
-    except Exception:  # noqa: BLE001 - not a git checkout, or no git
-        commit = "unknown"
+    commit = os.environ.get("DSV_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                             cwd=os.path.dirname(os.path.abspath(__file__)),
+                                             stderr=subprocess.DEVNULL).strip()
+        except Exception:  # noqa: BLE001 - not a git checkout, or no git
+            commit = "unknown"
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
