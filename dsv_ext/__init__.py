@@ -7,6 +7,7 @@ DSVAttention, DenseAttention), the training controller (DSVController), the conf
 """
 from importlib import import_module
 
+from . import _compat
 from .ops import (
     ProfileResult,
     gather_rows,
@@ -44,12 +45,18 @@ __all__ = [
 ]
 
 
+_compat.install()  # old module paths (dsv_ext/_compat.py) keep working, with a warning
+
+
 def __getattr__(name):
     if name in _LAZY:
         module = import_module(f".{_LAZY[name] or name}", __name__)
         value = module if _LAZY[name] is None else getattr(module, name)
         globals()[name] = value
         return value
+    moved = _compat.alias(name)
+    if moved is not None:
+        return moved
     raise AttributeError(f"module 'dsv_ext' has no attribute {name!r}")
 
 

@@ -1,0 +1,70 @@
+"""Old module paths that still work, with a DeprecationWarning.
+
+``MOVED`` maps an old dotted module name to the module that now holds its code. ``import
+dsv_ext.train``, ``from dsv_ext.attention import SparseAttention`` and ``python -m dsv_ext.train``
+all keep working: the import returns the new module itself (same classes and functions), and
+``python -m`` runs the new module as the program. A name is looked up here only when no module of
+that name exists (the finder sits last on ``sys.meta_path``).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+from typing import Dict
+
+# old module -> new module (add one line per moved module)
+MOVED: Dict[str, str] = {}
+
+
+def _message(old: str, new: str, run: bool = False) -> str:
+    if run:
+        return f"python -m {old} is deprecated; use python -m {new}"
+    return f"module {old} is deprecated; import {new} instead"
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, old: str, new: str):
+        self.old, self.new = old, new
+
+    def create_module(self, spec):
+        return None  # the default module; exec_module swaps in the new one
+
+    def exec_module(self, module) -> None:
+        warnings.warn(_message(self.old, self.new), DeprecationWarning, stacklevel=2)
+        # importlib returns sys.modules[name] after exec_module: the new module itself
+        sys.modules[self.old] = importlib.import_module(self.new)
+
+    def get_code(self, fullname):  # used by ``python -m OLD`` (runpy)
+        src = (f"import runpy, warnings\n"
+               f"warnings.warn({_message(self.old, self.new, run=True)!r}, DeprecationWarning)\n"
+               f"runpy.run_module({self.new!r}, run_name='__main__', alter_sys=True)\n")
+        return compile(src, f"<{self.old}: moved to {self.new}>", "exec")
+
+    def is_package(self, fullname) -> bool:
+        return False
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        new = MOVED.get(fullname)
+        if new is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(fullname, new))
+
+
+def install() -> None:
+    """Put the finder of the old names last on ``sys.meta_path`` (once)."""
+    if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
+        sys.meta_path.append(_AliasFinder())
+
+
+def alias(name: str):
+    """The module an old submodule name of ``dsv_ext`` (``"train"``) now is, imported through
+    the finder (so with its warning); None when ``name`` is not an old name."""
+    full = f"dsv_ext.{name}"
+    if full not in MOVED:
+        return None
+    return importlib.import_module(full)
