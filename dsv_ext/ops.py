@@ -296,11 +296,11 @@ def _check_index_dtype(name: str, t: torch.Tensor, want: str) -> None:
         raise TypeError(f"{name}: expected a signed integer tensor ({want}), got {t.dtype}")
 
 
-def _as_int32(name: str, t, device: torch.device) -> torch.Tensor:
+def _as_int32(name: str, t, device: torch.device, ref_name: str = "q") -> torch.Tensor:
     _check_tensor(name, t)
     _check_index_dtype(name, t, "int32 or int64")
     if t.device != device:
-        raise ValueError(f"{name}: on {t.device}, but q is on {device}")
+        raise ValueError(f"{name}: on {t.device}, but {ref_name} is on {device}")
     if t.dtype == torch.int64:  # saturate: a wrapped value could land inside the valid range
         t = t.clamp(-2**31, 2**31 - 1)
     return t.to(torch.int32).contiguous()
@@ -494,7 +494,7 @@ def topk_estimate(q_lr: torch.Tensor, k_lr: torch.Tensor, kv_count: torch.Tensor
     _check_cuda_dtype("q_lr", q_lr)
     B, S, H, _ = q_lr.shape
     group_size = _check_group_size(group_size, S)
-    kv_count = _as_int32("kv_count", kv_count, q_lr.device)
+    kv_count = _as_int32("kv_count", kv_count, q_lr.device, "q_lr")
     _check_counts(kv_count, B, H)
     if kmax is not None:
         kmax = _as_int("kmax", kmax, "an int or None")
