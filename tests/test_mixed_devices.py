@@ -93,7 +93,8 @@ def _raw_args(x):
     """The arguments of every raw op, on x's device (bfloat16 activations)."""
     with torch.no_grad():
         out, lse = torch.ops.dsv.sparse_attention_fwd(x["q"], x["k"], x["v"], x["kv_index"], x["kv_count"], G, 0.25)
-        loss, stats = torch.ops.dsv.predictor_loss_fwd(x["q"], x["k"], x["q_lr"], x["k_lr"], x["rows"], 0.25, 0.95, 0.05)
+        loss, stats = torch.ops.dsv.predictor_loss_fwd(x["q"], x["k"], x["q_lr"], x["k_lr"], x["rows"],
+                                                       0.25, 0.95, 0.05)
     return {
         "sparse_attention_fwd": dict(q=x["q"], k=x["k"], v=x["v"], kv_index=x["kv_index"], kv_count=x["kv_count"],
                                      group_size=G, scale=0.25),
