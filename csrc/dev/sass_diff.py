@@ -70,7 +70,11 @@ def sass_by_kernel(objs, cuobjdump):
             for ln in body.splitlines():
                 if ln.strip().startswith(".....") or ln.strip().startswith("Fatbin"):
                     break
-                lines.append(re.sub(r"/\*[0-9a-f]{4,}\*/", "", ln).rstrip())
+                # without the address column; whitespace collapsed (cuobjdump pads the columns
+                # by the longest line of the file)
+                ln = " ".join(re.sub(r"/\*[0-9a-f]{4,}\*/", "", ln).split())
+                if ln:
+                    lines.append(ln)
             out[name.strip()] = "\n".join(lines).strip()
     return out
 
