@@ -2,7 +2,8 @@
 
 Skipped without a GPU. The kernels are reached through torch.ops.dsv (the built extension) or,
 when the environment variable DSV_ATTN_LIB names a shared library built from
-csrc/cuda/sparse_attention_{fwd,bwd}.cu alone (benchmarks/device_run.sh builds one), through
+csrc/cuda/sparse_attention_*.cu and tuning.cu alone (benchmarks/device_run.sh builds one; the
+csrc/dev/ attention variant libraries export the same functions), through
 ctypes, so the kernels can be checked before the whole extension builds.
 
 Reference: dense masked softmax in float64 (dsv_ext/reference.py, loaded by path), with key
