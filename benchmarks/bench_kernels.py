@@ -24,7 +24,10 @@ Usage: python benchmarks/bench_kernels.py [--quick] [--flex] [--out DIR]
        python benchmarks/bench_kernels.py --deterministic [--S ...] [--D ...]   (cost of
        sparse_attention(..., deterministic=True) in the backward, and a bit-identity check)
 The kernels are reached through dsv_ext (built with CUDA) or, with DSV_ATTN_LIB set, through
-the ctypes wrapper of tests/test_sparse_attention_cuda.py.
+the ctypes wrapper of tests/test_sparse_attention_cuda.py. The kernels run with the device's
+kernel tuning; time one forced backward path or key-range count per process with
+DSV_KERNEL_TUNING (e.g. "km_ratio=0,bwd_ranges=4"), kernel variants with the csrc/dev/
+libraries as DSV_ATTN_LIB.
 """
 from __future__ import annotations
 
@@ -294,28 +297,6 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
     torch.cuda.synchronize()
     peak_extra = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
     bwd_ms = bench(bwd, reps)
-    variants = {"bwd_qmajor_ms": None, "bwd_kmajor_ms": None}
-    old = os.environ.get("DSV_KM_RATIO")
-    for name, val in (() if NO_VARIANTS else (("qmajor", "0"), ("kmajor", "1e9"))):
-        os.environ["DSV_KM_RATIO"] = val
-        variants[f"bwd_{name}_ms"] = bench(bwd, 2, 1)
-    if old is None:
-        os.environ.pop("DSV_KM_RATIO", None)
-    else:
-        os.environ["DSV_KM_RATIO"] = old
-    old = os.environ.get("DSV_ATTN_RANGES")
-    for R in RANGES:  # the backward with its dK/dV reductions split into R key ranges
-        os.environ["DSV_ATTN_RANGES"] = str(R)
-        variants[f"bwd_ranges{R}_ms"] = bench(bwd, reps, 1)
-        print(f"  S={S} {dist} DSV_ATTN_RANGES={R}: bwd {variants[f'bwd_ranges{R}_ms']:.2f} ms", flush=True)
-    if old is None:
-        os.environ.pop("DSV_ATTN_RANGES", None)
-    else:
-        os.environ["DSV_ATTN_RANGES"] = old
-    if TILE_SWEEP and not SWEPT.get((dist, D, G)):
-        SWEPT[(dist, D, G)] = True
-        print(f"  tile sweep S={S} D={D} G={G} sparsity={sparsity} {dist}:", flush=True)
-        tile_sweep(q, k, v, do, kv_index, cnt, G, scale, out, lse, bwd)
     if PROFILE and not PROFILED.get(dist):
         PROFILED[dist] = True
         profile_bwd(fwd=lambda: T.attn_fwd(q, k, v, kv_index, cnt, G, scale), bwd=bwd,
@@ -323,8 +304,8 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
     rec = dict(S=S, H=H, D=D, G=G, B=B, sparsity=sparsity, dist=dist, dtype=str(dtype).split(".")[-1],
                K=K, estimate=est_name, est_ms=est_ms, fwd_ms=fwd_ms, bwd_ms=bwd_ms,
                fwdbwd_ms=fwd_ms + bwd_ms, total_ms=est_ms + fwd_ms + bwd_ms,
-               km_ratio_median=float(ratio.median()), km_heads=int((ratio <= float(os.environ.get("DSV_KM_RATIO", "1.15"))).sum()),
-               peak_extra_bwd_mib=peak_extra, **variants)
+               km_ratio_median=float(ratio.median()), km_heads=int((ratio <= KM_RATIO).sum()),
+               peak_extra_bwd_mib=peak_extra)
     flops = 4.0 * S * K * H * D * B
     rec["fwd_tflops"] = flops / fwd_ms / 1e9
     rec["fwdbwd_tflops"] = 3.5 * flops / (fwd_ms + bwd_ms) / 1e9
@@ -334,40 +315,8 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
 
 
 PROFILE = False
-NO_VARIANTS = False
-RANGES = ()
 PROFILED = {}
-TILE_SWEEP = False
-SWEPT = {}
-
-
-def tile_sweep(q, k, v, do, kv_index, cnt, G, scale, out_ref, lse_ref, bwd):
-    """Time each compiled key-tile configuration (BN keys x NS stages) of the forward and of the
-    query-major backward kernels, and both dK/dV reduction forms of the backward, and check
-    each against the default configuration."""
-    grads_ref = bwd()
-    fwd_cfgs = ("w32x3", "w32x2", "w64x2", "w32x4", "64x2", "32x2", "32x3", "32x4", "32x5")
-    for var, cfgs, kind in (("DSV_ATTN_FWD_TILE", fwd_cfgs, "fwd"),
-                            ("DSV_ATTN_BWD_TILE", ("64x2", "32x2", "32x3", "32x4"), "bwd"),
-                            ("DSV_ATTN_BWD_REDUCE", ("v4", "bulk"), "bwd")):
-        for cfg in cfgs:
-            os.environ[var] = cfg
-            try:
-                if kind == "fwd":
-                    o, l = T.attn_fwd(q, k, v, kv_index, cnt, G, scale)
-                    diff = max((o.float() - out_ref.float()).abs().max().item(),
-                               (l - lse_ref).abs().nan_to_num(0.0).max().item())
-                    ms = bench(lambda: T.attn_fwd(q, k, v, kv_index, cnt, G, scale), 3, 1)
-                else:
-                    gs = bwd()
-                    diff = max((a.float() - b.float()).abs().max().item()
-                               for a, b in zip(gs, grads_ref))
-                    ms = bench(bwd, 3, 1)
-                print(f"  {var}={cfg} ({kind}): {ms:.2f} ms, max |diff| vs default {diff:.3e}", flush=True)
-            except Exception as e:  # noqa: BLE001
-                print(f"  {var}={cfg}: failed {e}")
-            finally:
-                os.environ.pop(var, None)
+KM_RATIO = 1.15  # the kernels' key-major ratio (the device's kernel tuning, set in main)
 
 
 def profile_bwd(fwd, bwd, title):
@@ -390,13 +339,13 @@ def write_outputs(records, outdir, meta):
     with open(os.path.join(outdir, "kernels.json"), "w") as f:
         # a JSON list, one record per shape; the run's date, commit, card and settings in each
         json.dump([dict(r, **{"run_" + k: v for k, v in meta.items()}) for r in records], f, indent=1)
-    cols = ["S", "D", "G", "sparsity", "dist", "K", "est_ms", "fwd_ms", "bwd_ms", "bwd_qmajor_ms",
-            "bwd_kmajor_ms", "cudnn_fwdbwd_ms", "flash_fwdbwd_ms", "flex_fwdbwd_ms", "fwdbwd_tflops",
+    cols = ["S", "D", "G", "sparsity", "dist", "K", "est_ms", "fwd_ms", "bwd_ms",
+            "cudnn_fwdbwd_ms", "flash_fwdbwd_ms", "flex_fwdbwd_ms", "fwdbwd_tflops",
             "speedup_vs_cudnn_fwdbwd", "speedup_vs_flex_fwdbwd", "peak_extra_bwd_mib"]
     lines = [f"# Kernel benchmark ({meta['date']}, commit {meta['commit']}, {meta['card']})", "",
              f"H={meta['H']}, B=1, {meta['dtype']}, estimate: {meta['estimate']}. Times in ms "
              "(median of CUDA-event timings). speedup = dense fwd+bwd / (est + fwd + bwd). "
-             "bwd_qmajor / bwd_kmajor: backward with every head forced onto one dK/dV path.", "",
+             f"Kernel tuning: {meta.get('kernel_tuning', 'device defaults')}.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in records:
         row = []
@@ -478,15 +427,9 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dense", nargs="*", default=["cudnn", "flash"], help="dense baselines")
-    ap.add_argument("--tile-sweep", action="store_true", help="time the key-tile configurations")
     ap.add_argument("--profile", action="store_true", help="per-kernel times (torch.profiler)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="only merge kernels.json files of earlier runs into one table/plot in --out")
-    ap.add_argument("--no-variants", action="store_true",
-                    help="skip timing the backward with each dK/dV path forced (saves time on grids)")
-    ap.add_argument("--ranges", type=int, nargs="*",
-                    help="also time the backward with DSV_ATTN_RANGES set to each of these (key ranges of the "
-                         "query-major dK/dV reductions)")
     ap.add_argument("--S", type=int, nargs="*")
     ap.add_argument("--D", type=int, nargs="*")
     ap.add_argument("--G", type=int, nargs="*")
@@ -527,11 +470,11 @@ def main():
     Gs = args.G or Gs
     sps = args.sparsity or sps
     dists = args.dist or dists
-    global PROFILE, TILE_SWEEP, NO_VARIANTS, RANGES
+    global PROFILE, KM_RATIO
     PROFILE = args.profile
-    NO_VARIANTS = args.no_variants
-    RANGES = tuple(args.ranges or ())
-    TILE_SWEEP = args.tile_sweep
+    if T.backend() == "ops":
+        from dsv_ext.ops import kernel_tuning
+        KM_RATIO = float(kernel_tuning().get("km_ratio", KM_RATIO))
     gen = torch.Generator().manual_seed(0)
     est_name, est = estimate_fn()
     print(f"backend={T.backend()} estimate={est_name}")
@@ -541,6 +484,9 @@ def main():
                 commit=git_commit(), card=torch.cuda.get_device_name(), H=H, dtype="bf16",
                 estimate=est_name, torch=torch.__version__,
                 env={k: v for k, v in os.environ.items() if k.startswith("DSV_")})
+    if T.backend() == "ops":
+        from dsv_ext.ops import kernel_tuning
+        meta["kernel_tuning"] = ",".join(f"{k}={v}" for k, v in kernel_tuning().items())
     for S in Ss:
         for D in Ds:
             dense = dense_times(B, S, H, D, dtype, max(3, args.reps // 2), tuple(args.dense))
@@ -567,10 +513,10 @@ def main():
                         records.append(rec)
                         print(json.dumps(rec), flush=True)
                         write_outputs(records, args.out, meta)
-    print("\nS D G sparsity dist | est fwd bwd (qmajor kmajor) | cudnn fwdbwd | speedup")
+    print("\nS D G sparsity dist | est fwd bwd | cudnn fwdbwd | speedup")
     for r in records:
         print(f"{r['S']} {r['D']} {r['G']} {r['sparsity']} {r['dist']} | {r['est_ms']:.2f} "
-              f"{r['fwd_ms']:.2f} {r['bwd_ms']:.2f} ({r['bwd_qmajor_ms'] or 0:.2f} {r['bwd_kmajor_ms'] or 0:.2f})"
+              f"{r['fwd_ms']:.2f} {r['bwd_ms']:.2f}"
               f" | {r.get('cudnn_fwdbwd_ms')} | {r.get('speedup_vs_cudnn_fwdbwd')}")
 
 

@@ -6,7 +6,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-B="python3 benchmarks/bench_kernels.py --reps 3 --no-variants"
+B="python3 benchmarks/bench_kernels.py --reps 3"
 run() { local name=$1; shift; timeout ${GRID_LIMIT:-150} $B "$@" --out "$OUT/grid_$name" > "$OUT/grid_$name.log" 2>&1
         echo "grid $name rc=$?"; grep -v '^{' "$OUT/grid_$name.log" | tail -n +3 | grep -v '^S=' | tail -20; }
 run flex   --S 65536 --D 128 --G 64 --sparsity 0.9 0.95 --dist random --flex

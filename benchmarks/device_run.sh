@@ -16,15 +16,18 @@ ARCH="-gencode=arch=compute_90a,code=sm_90a"
 FL="-std=c++17 -O3 $ARCH -Xcompiler -fPIC -Icsrc -lineinfo --split-compile=0"
 B=/tmp/dsvb; mkdir -p $B
 t0=$(date +%s)
-timeout 150 nvcc $FL -c csrc/cuda/sparse_attention_fwd.cu -o $B/fwd.o & p1=$!
-timeout 150 nvcc $FL -c csrc/cuda/sparse_attention_bwd.cu -o $B/bwd.o & p2=$!
+# the attention library: forward, the backward's files and the per-device tuning, one job each
+pids=""
+for f in csrc/cuda/sparse_attention_*.cu csrc/cuda/tuning.cu; do
+  timeout 150 nvcc $FL -c $f -o $B/attn_$(basename $f .cu).o & pids="$pids $!"
+done
 timeout 150 nvcc $FL -c csrc/cuda/topk_estimate.cu -o $B/topk.o 2> $B/topk.err & p3=$!
 p4=$p3
-case "$STEPS" in *micro*) timeout 100 nvcc -O3 $ARCH benchmarks/atomic_microbench.cu -o $B/amb & p4=$! ;; esac
+case "$STEPS" in *micro*) timeout 100 nvcc -O3 $ARCH csrc/dev/atomic_microbench.cu -o $B/amb & p4=$! ;; esac
 gcc -O2 -fPIC -Icsrc -c csrc/cpu/status.c -o $B/status.o
-wait $p1 $p2 $p3 $p4
+wait $pids $p3 $p4
 echo "build: $(( $(date +%s) - t0 )) s"
-LIBOBJ="$B/fwd.o $B/bwd.o $B/status.o"
+LIBOBJ="$(ls $B/attn_*.o) $B/status.o"
 if [ -s $B/topk.o ] && nvcc -shared $LIBOBJ $B/topk.o -o $B/libdsvattn.so -lcudart && \
    python3 -c "import ctypes; ctypes.CDLL('$B/libdsvattn.so')"; then
   echo "lib: attention + topk"

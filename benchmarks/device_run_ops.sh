@@ -53,7 +53,7 @@ if [ -n "${VARIANT:-}" ]; then
     for f in predictor_loss profile_attention rows; do
       nvcc -std=c++17 -O3 $ARCH -Xcompiler -fPIC -Icsrc -c csrc/cuda/$f.cu -o $B/$f.o &
     done
-    nvcc -std=c++17 -O3 $ARCH -Xcompiler -fPIC -Icsrc -DDSV_TOPK_TWO_PHASE -c csrc/cuda/topk_estimate.cu -o $B/topk_estimate.o &
+    nvcc -std=c++17 -O3 $ARCH -Xcompiler -fPIC -Icsrc -c csrc/cuda/topk_estimate.cu -o $B/topk_estimate.o &
     wait; mkdir -p .dsvops; nvcc -shared $B/*.o -o .dsvops/libdsvops_fast.so -lcudart
   fi
   export DSV_OPS_LIB=$(readlink -f .dsvops/libdsvops_fast.so)

@@ -50,6 +50,7 @@ typedef enum dsv_status {
   DSV_ERR_UNSUPPORTED = -2, /* dtype / head dim / group size not compiled for this device */
   DSV_ERR_CUDA = -3,        /* a CUDA launch or call failed */
   DSV_ERR_NOMEM = -4,       /* host allocation failed, or the workspace is too small */
+  DSV_ERR_TUNING = -5,      /* DSV_KERNEL_TUNING is malformed (unknown key or bad value) */
 } dsv_status;
 
 typedef enum dsv_dtype {
@@ -204,6 +205,13 @@ int dsv_profile_attention_cuda(const dsv_profile_shape* p, dsv_bshd q, dsv_bshd 
                                const int32_t* rows, const int32_t* kv_index,
                                const int32_t* kv_count, void* sparsity, void* recall,
                                void* workspace, size_t workspace_bytes, void* stream);
+/* The kernel tuning chosen for CUDA device `device` (filled once per device: SM count, L2 size,
+ * compute capability, and the choices the launches make from them; the environment variable
+ * DSV_KERNEL_TUNING="key=value,..." overrides keys for experiments) written into buf as
+ * "key=value,key=value" (NUL-terminated). DSV_ERR_NOMEM when len is too small, DSV_ERR_TUNING
+ * when DSV_KERNEL_TUNING is malformed, DSV_ERR_CUDA when the device cannot be queried. */
+int dsv_cuda_kernel_tuning(int device, char* buf, int64_t len);
+
 int dsv_gather_rows_cuda(dsv_dtype dtype, int64_t dim, const void* src, int64_t src_row_stride,
                          int64_t num_rows, const int64_t* index, int64_t count, void* dst,
                          void* stream);

@@ -33,6 +33,7 @@
 #endif
 
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -568,6 +569,25 @@ Tensor scatter_add_rows_cuda(Tensor src, Tensor index, int64_t num_rows) {
 }
 #endif  // DSV_WITH_CUDA
 
+// ------------------------------------------------------------------------------------------
+// kernel tuning
+
+// The kernel tuning of CUDA device `device` as the bytes of "key=value,key=value"
+// (dsv_cuda_kernel_tuning); a CPU-only build reports "cuda_kernels=0".
+Tensor kernel_tuning(int64_t device) {
+  STD_TORCH_CHECK(device >= 0 && device < 64, "device: expected a CUDA device index in [0, 64), got ", device);
+#ifdef DSV_WITH_CUDA
+  char buf[512];
+  check_status(dsv_cuda_kernel_tuning((int)device, buf, (int64_t)sizeof buf), "kernel_tuning");
+#else
+  const char buf[] = "cuda_kernels=0";
+#endif
+  const int64_t n = (int64_t)strlen(buf);
+  Tensor t = torch::stable::empty({n}, ScalarType::Byte);
+  if (n > 0) memcpy(t.data_ptr(), buf, (size_t)n);
+  return t;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------
@@ -582,6 +602,7 @@ STABLE_TORCH_LIBRARY(dsv, m) {
   m.def("profile_attention(Tensor q, Tensor k, Tensor rows, float theta, float scale, Tensor? kv_index, Tensor? kv_count, int group_size) -> (Tensor, Tensor)");
   m.def("gather_rows(Tensor src, Tensor index) -> Tensor");
   m.def("scatter_add_rows(Tensor src, Tensor index, int num_rows) -> Tensor");
+  m.def("kernel_tuning(int device) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(dsv, CPU, m) {
@@ -593,6 +614,11 @@ STABLE_TORCH_LIBRARY_IMPL(dsv, CPU, m) {
   m.impl("profile_attention", TORCH_BOX(&profile_attention_cpu));
   m.impl("gather_rows", TORCH_BOX(&gather_rows_cpu));
   m.impl("scatter_add_rows", TORCH_BOX(&scatter_add_rows_cpu));
+}
+
+// no tensor arguments: one kernel for every backend
+STABLE_TORCH_LIBRARY_IMPL(dsv, CompositeExplicitAutograd, m) {
+  m.impl("kernel_tuning", TORCH_BOX(&kernel_tuning));
 }
 
 #ifdef DSV_WITH_CUDA

@@ -2,7 +2,8 @@
 
 ``python -m dsv_ext.info`` (or ``python -m dsv_ext``) prints a report: versions, the build (CUDA
 kernels or CPU only, nvcc targets, whether the Hopper wgmma forward was compiled), the GPUs and
-the attention kernels each will get, and the dispatcher's calibration entries for them. Use it
+the attention kernels each will get with the kernel tuning chosen for it
+(``dsv_ext.ops.kernel_tuning``), and the dispatcher's calibration entries for them. Use it
 first when sparse attention is slower than expected: a build without CUDA kernels runs the C
 reference kernels, a build for another target than sm_90a runs the mma.sync forward on an
 H100 / H200, and a GPU without calibration entries falls back to the sparsity threshold.
@@ -18,7 +19,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from . import __version__
-from .ops import has_cuda_kernels
+from .ops import has_cuda_kernels, kernel_tuning
 
 __all__ = ["build_info", "environment", "main"]
 
@@ -53,6 +54,17 @@ def _forward_kernel(build: Dict[str, object], capability) -> str:
     return "mma.sync"
 
 
+def _tuning(build: Dict[str, object], index: Optional[int]):
+    """The kernel tuning of GPU `index` (dsv_ext.ops.kernel_tuning; None: the current device),
+    or why there is none."""
+    if not build["cuda_kernels"]:
+        return kernel_tuning()  # {"cuda_kernels": 0}
+    try:
+        return kernel_tuning(index)
+    except (RuntimeError, ValueError) as e:
+        return f"unavailable: {e}"
+
+
 def _calibration_entries(name: str) -> List[str]:
     from .dispatch import Dispatcher, builtin_table, default_calibration_path
 
@@ -75,6 +87,7 @@ def environment() -> Dict[str, object]:
         "torch_cuda": torch.version.cuda,
         "build": build,
         "cpu_threads": torch.get_num_threads(),
+        "kernel_tuning": _tuning(build, None),  # the current device's (each GPU's: "gpus")
         "gpus": [],
     }
     if torch.cuda.is_available():
@@ -84,6 +97,7 @@ def environment() -> Dict[str, object]:
             env["gpus"].append({
                 "index": i, "name": name, "capability": f"{cap[0]}.{cap[1]}",
                 "attention_forward": _forward_kernel(build, cap),
+                "kernel_tuning": _tuning(build, i),
                 "calibration": _calibration_entries(name),
             })
     return env
@@ -100,11 +114,16 @@ def _report(env: Dict[str, object]) -> str:
         + (f"; built against torch {b['torch']}" if b.get("torch") else ""),
         f"CPU threads: {env['cpu_threads']}",
     ]
+    if not b["cuda_kernels"]:
+        lines.append("kernel tuning: none (no CUDA kernels built)")
     if not env["gpus"]:
         lines.append("GPUs: none visible (the C kernels run on the CPU)")
     for g in env["gpus"]:
         lines.append(f"GPU {g['index']}: {g['name']} (compute capability {g['capability']})")
         lines.append(f"  attention forward: {g['attention_forward']}")
+        t = g["kernel_tuning"]
+        lines.append("  kernel tuning: " + (",".join(f"{k}={v}" for k, v in t.items()) if isinstance(t, dict) else t)
+                     + (" (DSV_KERNEL_TUNING set)" if os.environ.get("DSV_KERNEL_TUNING") else ""))
         cal = g["calibration"]
         lines.append(f"  dispatcher calibration: {len(cal)} entries" if cal else
                      "  dispatcher calibration: none for this GPU (blocks go sparse from "

@@ -28,6 +28,7 @@ __all__ = [
     "gather_rows",
     "scatter_add_rows",
     "has_cuda_kernels",
+    "kernel_tuning",
     "DEFAULT_COS_WEIGHT",
     "DEFAULT_NORM_WEIGHT",
 ]
@@ -55,6 +56,71 @@ _ops = torch.ops.dsv
 def has_cuda_kernels() -> bool:
     """True when the extension was built with its CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("dsv::sparse_attention_fwd", "CUDA")
+
+
+# the keys that DSV_KERNEL_TUNING may set (csrc/cuda/tuning.cu)
+KERNEL_TUNING_KEYS = ("sm_count", "l2_bytes", "wgmma", "km_ratio", "bwd_ranges", "bwd_rmax")
+
+
+def _check_tuning_env() -> None:
+    """ValueError naming DSV_KERNEL_TUNING when it is not "key=value,..." with known keys and
+    numeric values (the kernels refuse it too; this names the offending part)."""
+    spec = os.environ.get("DSV_KERNEL_TUNING")
+    if not spec:
+        return
+    for part in spec.split(","):
+        if not part:
+            continue
+        key, eq, val = part.partition("=")
+        if not eq:
+            raise ValueError(f"DSV_KERNEL_TUNING: expected key=value, got {part!r}")
+        if key not in KERNEL_TUNING_KEYS:
+            raise ValueError(f"DSV_KERNEL_TUNING: unknown key {key!r}; the keys are "
+                             + ", ".join(KERNEL_TUNING_KEYS))
+        try:
+            float(val)
+        except ValueError:
+            raise ValueError(f"DSV_KERNEL_TUNING: {key} must be a number, got {val!r}") from None
+
+
+def kernel_tuning(device=None) -> dict:
+    """The kernel tuning the CUDA kernels use on ``device`` (an index, ``"cuda:N"`` or a
+    ``torch.device``; default the current device): ``sm_count``, ``l2_bytes``, ``cc`` (compute
+    capability, 10 major + minor), ``wgmma`` (1: the Hopper warpgroup-MMA kernels run), ``km_ratio``
+    (the backward's key-major threshold), ``bwd_ranges`` / ``bwd_rmax`` (the backward's key ranges:
+    forced count / the automatic rule's most; 0 = automatic). It is chosen once per device; the
+    environment variable ``DSV_KERNEL_TUNING="key=value,..."`` overrides keys for experiments.
+    A build without CUDA kernels gives ``{"cuda_kernels": 0}``.
+
+    >>> import dsv_ext.ops
+    >>> isinstance(dsv_ext.ops.kernel_tuning(), dict)
+    True
+    """
+    if not has_cuda_kernels():
+        return {"cuda_kernels": 0}
+    if device is None:
+        if not torch.cuda.is_available():
+            return {"cuda_kernels": 1, "devices": 0}
+        device = torch.cuda.current_device()
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"device: expected a CUDA device, got {device}")
+        device = device.index if device.index is not None else torch.cuda.current_device()
+    if isinstance(device, bool) or not isinstance(device, numbers.Integral):
+        raise TypeError(f"device: expected an int, str or torch.device, got {type(device).__name__}")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not 0 <= device < n:
+        raise ValueError(f"device: no CUDA device {device} ({n} visible)")
+    _check_tuning_env()
+    raw = bytes(_ops.kernel_tuning(int(device)).tolist()).decode()
+    out = {}
+    for part in raw.split(","):
+        key, _, val = part.partition("=")
+        num = float(val)
+        out[key] = int(num) if num.is_integer() and key != "km_ratio" else num
+    return out
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

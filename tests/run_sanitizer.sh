@@ -5,6 +5,9 @@
 #   fuzz       memcheck over the bad-input / edge-case fuzz matrix of tests/fuzz_worker.py on
 #              CUDA tensors (every public and raw op, both seeds of tests/test_fuzz.py), plus the
 #              deterministic backward; the driver also fails when a case fails its own check
+#   paths      memcheck over the sparse attention section once per DSV_KERNEL_TUNING setting that
+#              forces a backward path (query-major with 1 / 3 key ranges, the automatic ranges,
+#              key-major; mma.sync instead of wgmma), the tuning being read once per process
 # Needs a GPU (Firecracker machines: sanitizer works; gVisor: not).
 # Usage: tests/run_sanitizer.sh [logdir] [steps...]   (default steps: memcheck racecheck fuzz;
 #        `tests/run_sanitizer.sh /tmp/san fuzz` runs only the fuzz matrix under memcheck)
@@ -13,7 +16,7 @@ set -u
 cd "$(dirname "$0")/.."
 LOG=${1:-/tmp/dsv_sanitizer}
 shift || true
-STEPS=${*:-memcheck racecheck fuzz}
+STEPS=${*:-memcheck racecheck fuzz paths}
 mkdir -p "$LOG"
 PY=${PYTHON:-python3}
 # precise bounds: every tensor its own cudaMalloc
@@ -24,7 +27,19 @@ for step in $STEPS; do
     memcheck) tool=memcheck; extra="--leak-check no"; only=""; skip="fuzz";;
     racecheck) tool=racecheck; extra="--racecheck-report all"; only=""; skip="fuzz";;
     fuzz) tool=memcheck; extra="--leak-check no"; only="fuzz"; skip="";;
-    *) echo "unknown step $step (memcheck, racecheck, fuzz)"; exit 2;;
+    paths)
+      for t in km_ratio=0,bwd_ranges=1 km_ratio=0,bwd_ranges=3 km_ratio=0,bwd_rmax=4 \
+               km_ratio=1e9,bwd_ranges=1 km_ratio=0,wgmma=0 km_ratio=1e9,wgmma=0; do
+        DSV_KERNEL_TUNING=$t DSV_SANITIZER_SECTIONS=sparse_attention \
+          compute-sanitizer --tool memcheck --leak-check no --error-exitcode 99 \
+          "$PY" tests/sanitizer_driver.py >"$LOG/paths_$t.log" 2>&1
+        rc=$?
+        summary=$(grep -E "ERROR SUMMARY" "$LOG/paths_$t.log" | tail -1)
+        echo "sanitizer paths ($t): rc=$rc ${summary:-no summary line}"
+        [ $rc -ne 0 ] && status=1
+      done
+      continue;;
+    *) echo "unknown step $step (memcheck, racecheck, fuzz, paths)"; exit 2;;
   esac
   DSV_SANITIZER_SECTIONS=$only DSV_SANITIZER_SKIP=$skip \
     compute-sanitizer --tool "$tool" $extra --error-exitcode 99 \

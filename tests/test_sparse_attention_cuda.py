@@ -2,7 +2,8 @@
 
 Skipped without a GPU. The kernels are reached through torch.ops.dsv (the built extension) or,
 when the environment variable DSV_ATTN_LIB names a shared library built from
-csrc/cuda/sparse_attention_{fwd,bwd}.cu alone (benchmarks/device_run.sh builds one), through
+csrc/cuda/sparse_attention_*.cu and tuning.cu alone (benchmarks/device_run.sh builds one; the
+csrc/dev/ attention variant libraries export the same functions), through
 ctypes, so the kernels can be checked before the whole extension builds.
 
 Reference: dense masked softmax in float64 (dsv_ext/reference.py, loaded by path), with key
@@ -22,6 +23,8 @@ import importlib.util
 import math
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -296,30 +299,42 @@ def need_backend():
         pytest.skip("no CUDA kernels: build the extension with CUDA or set DSV_ATTN_LIB")
 
 
-@pytest.fixture(params=["qmajor", "qmajor_v4", "qmajor3", "qmajor_a4", "kmajor", "qmajor_wg",
-                        "qmajor_wg3", "kmajor_mma"])
-def path(request, monkeypatch):
-    """The dK/dV path of the backward: 'qmajor' forces the query-major reductions (default
-    kernel: DSV_ATTN_BWD_TILE unset), 'qmajor_v4' the mma.sync kernel with 16-byte reductions
-    from registers (DSV_ATTN_BWD_REDUCE=v4), 'qmajor3' the mma.sync kernel (TMA bulk reductions)
-    split into 3 key ranges, 'qmajor_a4' the automatic per-head choice of key ranges with at
-    most 4 (scattered lists 4 ranges, coherent ones 2: what long sequences get), 'kmajor' lets
-    every eligible head take the key-major pass (its dQ-only pass on wgmma where that applies:
-    D 64 / 128 and G >= 64 on an H100 / H200), 'kmajor_mma' the same with the dQ pass on
-    mma.sync (DSV_ATTN_BWD_TILE=32x2); 'qmajor_wg' / 'qmajor_wg3' the query-major reductions on
-    the wgmma backward (DSV_ATTN_BWD_TILE=w64x2; elsewhere mma.sync)."""
-    p = request.param
-    monkeypatch.setenv("DSV_KM_RATIO", "1e9" if p.startswith("kmajor") else "0")
-    monkeypatch.setenv("DSV_ATTN_RANGES", {"qmajor3": "3", "qmajor_wg3": "3",
-                                           "qmajor_a4": "a4"}.get(p, "1"))
-    monkeypatch.setenv("DSV_ATTN_BWD_REDUCE", "v4" if p == "qmajor_v4" else "bulk")
-    if p.endswith("_wg") or p.endswith("_wg3"):
-        monkeypatch.setenv("DSV_ATTN_BWD_TILE", "w64x2")
-    elif p in ("qmajor_v4", "qmajor3", "kmajor_mma"):
-        monkeypatch.setenv("DSV_ATTN_BWD_TILE", "32x2")
-    else:
-        monkeypatch.delenv("DSV_ATTN_BWD_TILE", raising=False)
-    return p
+# The backward's paths, each forced by a DSV_KERNEL_TUNING setting. The kernel tuning is read
+# once per process, so test_backward_path runs the tests that take the `path` fixture in a child
+# process per setting; in this process they run with the automatic choices ("auto").
+PATHS = {
+    "qmajor": "km_ratio=0,bwd_ranges=1",      # query-major dK / dV (TMA bulk reductions)
+    "qmajor3": "km_ratio=0,bwd_ranges=3",     # the same split into 3 key ranges
+    "qmajor_a4": "km_ratio=0,bwd_rmax=4",     # the automatic per-head ranges, at most 4 (scattered
+                                              # lists 4, coherent 2: what long sequences get)
+    "kmajor": "km_ratio=1e9,bwd_ranges=1",    # key-major wherever allowed (dQ pass on wgmma where
+                                              # it applies: D 64 / 128, G >= 64, H100 / H200)
+    "kmajor_mma": "km_ratio=1e9,wgmma=0",     # the same on mma.sync only (forward included)
+    "qmajor_mma": "km_ratio=0,wgmma=0",       # query-major on mma.sync only
+}
+PATH_TESTS = ("matches_reference or strided_inputs or coherent_blocks or padded_lists or "
+              "bad_entries or large_group_sizes or nan_reaches or deterministic_backward")
+
+
+@pytest.fixture
+def path():
+    """The backward path of this process: "auto", or the PATHS key of a test_backward_path child."""
+    return os.environ.get("DSV_TEST_PATH", "auto")
+
+
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_backward_path(name):
+    """The tests that take `path` (PATH_TESTS), in a child process whose DSV_KERNEL_TUNING forces
+    one backward path."""
+    need_backend()
+    if os.environ.get("DSV_TEST_PATH"):
+        pytest.skip("inside a path run")
+    env = dict(os.environ, DSV_KERNEL_TUNING=PATHS[name], DSV_TEST_PATH=name)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__), "-k", PATH_TESTS],
+                       env=env, capture_output=True, text=True, timeout=3000, cwd=ROOT)
+    assert r.returncode == 0, f"path {name}:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+    assert " passed" in r.stdout, r.stdout[-2000:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,28 +353,6 @@ def test_matches_reference(dtype, D, G, gen, path):
     kv_index, kv_count = ref.random_index(B, H, S, G, kmax, counts=counts, generator=gen,
                                           pad="random")
     q, k, v = make_inputs(B, S, H, D, dtype, gen)
-    run_and_check(q, k, v, kv_index, kv_count, G, 1.0 / math.sqrt(D), gen)
-
-
-@pytest.mark.parametrize("tiles", ["w32x2", "w32x3", "w64x2", "w32x4", "64x2", "32x2", "32x3",
-                                   "32x4", "32x5"])
-@pytest.mark.parametrize("D,G", [(64, 32), (64, 64), (128, 32), (128, 64), (96, 128)])
-def test_every_key_tile_config(tiles, D, G, gen, monkeypatch):
-    """Each key-tile configuration (DSV_ATTN_FWD_TILE / DSV_ATTN_BWD_TILE, chosen per launch)
-    against the reference, query-major backward: the forward's wgmma kernel ("w..."; where it
-    does not apply, D = 96 or G = 32, the mma.sync 32x2 kernel runs) and its mma.sync kernel,
-    with the backward's configurations (its default with the wgmma ones)."""
-    need_backend()
-    monkeypatch.setenv("DSV_ATTN_FWD_TILE", tiles)
-    if not tiles.startswith("w"):
-        monkeypatch.setenv("DSV_ATTN_BWD_TILE", tiles if tiles != "32x5" else "32x4")
-    monkeypatch.setenv("DSV_KM_RATIO", "0")
-    B, H = 1, 2
-    S = 2 * G + 33
-    kmax = min(S, 200)
-    kv_index, kv_count = ref.random_index(B, H, S, G, kmax, counts=[[kmax, 97]], generator=gen,
-                                          pad="random")
-    q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
     run_and_check(q, k, v, kv_index, kv_count, G, 1.0 / math.sqrt(D), gen)
 
 
@@ -435,29 +428,39 @@ def test_large_group_sizes_and_tiny_seq(gen, path):
         run_and_check(q, k, v, kv_index, kv_count, G, 0.125, gen)
 
 
-def test_paths_agree(gen):
-    """Key-major and query-major dK/dV agree with each other on the same inputs."""
+_AGREE_CHILD = r"""
+import os, sys, torch
+sys.path.insert(0, os.path.join(os.environ["DSV_ROOT"], "tests"))
+import test_sparse_attention_cuda as T
+gen = torch.Generator().manual_seed(7)
+B, S, H, D, G, kmax = 1, 1000, 2, 128, 64, 256
+kv_index, kv_count = T.ref.random_index(B, H, S, G, kmax, counts=kmax, generator=gen)
+q, k, v = T.make_inputs(B, S, H, D, torch.bfloat16, gen)
+kv_index, kv_count = kv_index.cuda(), kv_count.cuda()
+out, lse = T.attn_fwd(q, k, v, kv_index, kv_count, G, 0.1)
+dout = torch.randn(q.shape, generator=gen).to(q.dtype).cuda()
+dq, dk, dv = T.attn_bwd(dout, q, k, v, out, lse, kv_index, kv_count, G, 0.1)
+torch.save([t.cpu() for t in (dq, dk, dv)], sys.argv[1])
+"""
+
+
+def test_paths_agree(tmp_path):
+    """Key-major and query-major dK/dV (with 1 or 4 key ranges, mma.sync or wgmma dQ) agree with
+    each other on the same inputs; each tuning in a child process."""
     need_backend()
-    B, S, H, D, G, kmax = 1, 1000, 2, 128, 64, 256
-    kv_index, kv_count = ref.random_index(B, H, S, G, kmax, counts=kmax, generator=gen)
-    q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
-    kv_index, kv_count = kv_index.cuda(), kv_count.cuda()
-    out, lse = attn_fwd(q, k, v, kv_index, kv_count, G, 0.1)
-    dout = torch.randn(q.shape, generator=gen).to(q.dtype).cuda()
+    if os.environ.get("DSV_TEST_PATH"):
+        pytest.skip("inside a path run")
     res = {}
-    for key, r, nr, tile in (("q", "0", "1", "32x2"), ("q4", "0", "4", "32x2"),
-                             ("k", "1e9", "1", "32x2"), ("w", "0", "1", "w64x2"),
-                             ("w4", "0", "4", "w64x2"), ("wk", "1e9", "1", "w64x2")):
-        os.environ["DSV_KM_RATIO"] = r
-        os.environ["DSV_ATTN_RANGES"] = nr
-        os.environ["DSV_ATTN_BWD_TILE"] = tile
-        try:
-            res[key] = attn_bwd(dout, q, k, v, out, lse, kv_index, kv_count, G, 0.1)
-        finally:
-            del os.environ["DSV_KM_RATIO"]
-            del os.environ["DSV_ATTN_RANGES"]
-            del os.environ["DSV_ATTN_BWD_TILE"]
-    for other in ("q4", "k", "w", "w4", "wk"):
+    for key, tuning in (("q", "km_ratio=0,bwd_ranges=1"), ("q4", "km_ratio=0,bwd_ranges=4"),
+                        ("k", "km_ratio=1e9,bwd_ranges=1"), ("kmma", "km_ratio=1e9,wgmma=0"),
+                        ("qmma", "km_ratio=0,wgmma=0")):
+        f = tmp_path / f"{key}.pt"
+        env = dict(os.environ, DSV_KERNEL_TUNING=tuning, DSV_ROOT=ROOT)
+        r = subprocess.run([sys.executable, "-c", _AGREE_CHILD, str(f)], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        res[key] = torch.load(f)
+    for other in ("q4", "k", "kmma", "qmma"):
         for a, b, name in zip(res[other], res["q"], ("dq", "dk", "dv")):
             check_close(f"{name} ({other} vs q)", a, b.double(), GTOL[torch.bfloat16])
 
@@ -506,14 +509,11 @@ def test_any_scale(scale, gen):
     run_and_check(q, k, v, kv_index, kv_count, G, scale, gen)
 
 
-@pytest.mark.parametrize("tile", ["32x2", "w64x2"])
-def test_backward_nan_reaches_gradients(tile, gen, monkeypatch):
+def test_backward_nan_reaches_gradients(gen, path):
     """A NaN in one query row gives NaN in that row's dq and in dk / dv of the keys its group
-    selected (as dense attention does), on the mma.sync and the wgmma backward; other rows of
-    dq stay finite."""
+    selected (as dense attention does), on every backward path (test_backward_path); other rows
+    of dq stay finite."""
     need_backend()
-    monkeypatch.setenv("DSV_ATTN_BWD_TILE", tile)
-    monkeypatch.setenv("DSV_KM_RATIO", "0")
     B, H, S, D, G, kmax = 1, 1, 256, 128, 64, 100
     kv_index, kv_count = ref.random_index(B, H, S, G, kmax, counts=kmax, generator=gen)
     q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
@@ -531,16 +531,14 @@ def test_backward_nan_reaches_gradients(tile, gen, monkeypatch):
     assert torch.isnan(dv[0, sel, 0]).any(dim=-1).all()
 
 
-@pytest.mark.parametrize("tile", ["", "32x2"])
-def test_deterministic_backward_repeats_bitwise(tile, gen, monkeypatch):
+def test_deterministic_backward_repeats_bitwise(gen, path):
     """Deterministic mode at G = 64, D = 128 (the key-major path; its dQ pass on wgmma by default
-    on an H100 / H200, on mma.sync with DSV_ATTN_BWD_TILE=32x2): two backward runs give
-    bit-identical gradients, which match the reference."""
+    on an H100 / H200, on mma.sync in the "..._mma" path runs of test_backward_path): two
+    backward runs give bit-identical gradients, which match the reference."""
     need_backend()
     if not _have_ops():
         pytest.skip("needs the built extension (dsv_ext.sparse_attention)")
     import dsv_ext
-    monkeypatch.setenv("DSV_ATTN_BWD_TILE", tile)
     B, H, S, D, G, kmax = 1, 2, 300, 128, 64, 150
     kv_index, kv_count = ref.random_index(B, H, S, G, kmax, counts=[[kmax, 97]], generator=gen)
     q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)

@@ -395,21 +395,3 @@ def test_topk_matches_cpu(gen):
     same = (gpu == cpu).float().mean().item()
     assert same > 0.99, f"GPU and CPU lists agree on only {same:.4f} of the entries"
     check_topk(cpu.cuda(), q, k, cnt, G, 300)
-
-
-@pytest.mark.parametrize("dtype,r", [(torch.bfloat16, 16), (torch.float16, 16), (torch.bfloat16, 48),
-                                     (torch.float16, 64)])
-def test_topk_tile_loop_variants_agree(gen, monkeypatch, dtype, r):
-    """The two tile-loop variants (DSV_TOPK_TWO_PHASE=1, the default, and 0) compute the same
-    scores by construction, so their lists must be bit-identical, and both the exact top-K.
-    (fp16 with r >= 48 always takes the block-at-a-time loops: both settings run the same code.)"""
-    need_backend()
-    S, H, G = 3000, 2, 64
-    q, k = _lowrank(1, S, H, r, dtype, gen)
-    cnt = torch.tensor([[300, 601]], dtype=torch.int32, device="cuda")
-    outs = {}
-    for v in ("0", "1"):
-        monkeypatch.setenv("DSV_TOPK_TWO_PHASE", v)
-        outs[v] = topk_estimate(q, k, cnt, G, 640)
-        check_topk(outs[v], q, k, cnt, G, 640)
-    assert torch.equal(outs["0"], outs["1"]), "the two tile-loop variants selected different keys"

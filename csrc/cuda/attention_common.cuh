@@ -3,7 +3,8 @@
  * (sparse_attention_fwd.cu, sparse_attention_bwd.cu).
  *
  * Tensor-core path: mma.sync.m16n8k16 (bf16 / fp16 inputs, fp32 accumulation), operands staged
- * in shared memory with cp.async (16-byte chunks) and read with ldmatrix. Shared-memory tiles
+ * in shared memory with cp.async (16-byte chunks) and read with ldmatrix (the PTX wrappers:
+ * ptx.cuh). Shared-memory tiles
  * of D-element rows are padded by 8 elements (16 bytes) per row, which makes the 8 row
  * addresses of every ldmatrix fall into 8 distinct bank groups for D in {64, 96, 128, 256}.
  *
@@ -21,6 +22,7 @@
 #include <stdint.h>
 
 #include "dsv.h"
+#include "ptx.cuh"
 
 #define DSV_LOG2E 1.4426950408889634f
 #define DSV_LN2 0.6931471805599453f
@@ -47,62 +49,6 @@ template <> struct Elem<__half> {
   static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
   static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
 };
-
-/* D = A * B + D, m16n8k16, fp32 accumulators. */
-template <typename T>
-__device__ __forceinline__ void mma16816(float* d, const uint32_t* a, const uint32_t* b);
-
-template <>
-__device__ __forceinline__ void mma16816<__nv_bfloat16>(float* d, const uint32_t* a,
-                                                        const uint32_t* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-template <>
-__device__ __forceinline__ void mma16816<__half>(float* d, const uint32_t* a, const uint32_t* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* shared memory access */
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t* r, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t* r, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-/* 16-byte async copy global -> shared (a shared address, or a generic pointer to shared
- * memory); when `valid` is false nothing is read and the 16 bytes are zero-filled (src must
- * still be a mapped address; callers pass the tensor base). */
-__device__ __forceinline__ void cp_async16_s(uint32_t saddr, const void* gmem, bool valid) {
-  int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  cp_async16_s(smem_u32(smem), gmem, valid);
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 /* Row-major tile in shared memory, R rows of D elements padded to D + 8. Fragment loaders:
  *  load_a(frag, tile, r0, c0):   A fragment of the 16x16 block at (r0, c0), tile is [m][k]
@@ -316,26 +262,6 @@ struct PaddedKeyGather<T, D, NT, BN, false> {
   }
 };
 
-/* Bulk asynchronous reductions (sm_90): the TMA unit adds `bytes` (a multiple of 16) of fp32
- * from shared memory into global memory (both 16-byte aligned); the issuing thread goes on at
- * once. Shared-memory writes by ordinary stores must be made visible to the async proxy
- * (fence_proxy_async_smem + a barrier) before the issue, and the source may be overwritten
- * only after the issuing thread's bulk_wait_read0. */
-__device__ __forceinline__ void bulk_reduce_add_f32(float* gdst, const float* ssrc, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-               ::"l"(gdst), "r"(smem_u32(ssrc)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() {
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void bulk_wait_read0() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
 /* A list's length without its trailing negative entries: the -1 padding of lists shorter than
  * kv_count (query rows padded with all -1 lists, lists of fewer valid keys). Negative entries
  * are skipped anyway; trimming them saves their tiles. A CTA-wide backward scan, NT entries at
@@ -358,15 +284,6 @@ __device__ __forceinline__ int trim_count(const int* list, int count) {
     }
   }
   return 0;
-}
-
-/* 2^x on the special-function unit, subnormal results flushed to zero (exp2f adds a range
- * check and two multiplies around the same instruction to keep them: 4 more instructions per
- * score in the softmax loops, and probabilities below 2^-126 do not matter there). */
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 __device__ __forceinline__ float quad_max(float x) {

@@ -3,7 +3,7 @@
  * (topk_estimate.cu, predictor_loss.cu, profile_attention.cu, rows.cu).
  *
  * Everything here is prefixed dsv_ and static/inline so that it can be included next to
- * attention_common.cuh without clashes. C-style CUDA: no STL, templates only for dtypes/tiles.
+ * attention_common.cuh without clashes; the PTX wrappers (mma16816, cp_async16, ...) are ptx.cuh's. C-style CUDA: no STL, templates only for dtypes/tiles.
  */
 #ifndef DSV_CUDA_COMMON_CUH
 #define DSV_CUDA_COMMON_CUH
@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "dsv.h"
+#include "ptx.cuh"
 
 /* Return DSV_ERR_CUDA from the enclosing function when the last launch / call failed. */
 #define DSV_CUDA_TRY(call)                          \
@@ -97,54 +98,6 @@ template <typename T> static __device__ __forceinline__ float dsv_round_to(float
   return dsv_to_float(dsv_cvt<T>::from(x));
 }
 
-/* ---- tensor-core MMA m16n8k16, fp32 accumulate (d += a * b) ---- */
-template <typename T>
-static __device__ __forceinline__ void dsv_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                               uint32_t a3, uint32_t b0, uint32_t b1);
-template <>
-__device__ __forceinline__ void dsv_mma<__nv_bfloat16>(float (&d)[4], uint32_t a0, uint32_t a1,
-                                                       uint32_t a2, uint32_t a3, uint32_t b0,
-                                                       uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void dsv_mma<__half>(float (&d)[4], uint32_t a0, uint32_t a1,
-                                                uint32_t a2, uint32_t a3, uint32_t b0,
-                                                uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-/* Transpose an 8x8 matrix of 16-bit values held as one register per lane (row lane/4, cols
- * 2*(lane%4)+{0,1}) across the warp. */
-static __device__ __forceinline__ uint32_t dsv_movmatrix_trans(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-
-/* ---- cp.async ---- */
-static __device__ __forceinline__ uint32_t dsv_smem_addr(const void* p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-static __device__ __forceinline__ void dsv_cp_async16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dsv_smem_addr(smem)),
-               "l"(gmem));
-}
-static __device__ __forceinline__ void dsv_cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-static __device__ __forceinline__ void dsv_cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
-
 /*
  * Stage rows [row0, row0 + nrows) of a [*, dim] view (row r at base + r * row_stride elements,
  * dim contiguous) into shared memory as 16-bit values, row-major with `sw` 32-bit words per row,
@@ -166,7 +119,7 @@ static __device__ __forceinline__ void dsv_stage_rows16(uint32_t* smem, int sw, 
     uint32_t* dst = smem + r * sw + ch * 4;
     const int e0 = ch * 8;
     if (row < nvalid && vec && e0 + 8 <= dim) {
-      dsv_cp_async16(dst, base + row * row_stride + e0);
+      cp_async16(dst, base + row * row_stride + e0);
     } else {
       uint32_t w[4];
 #pragma unroll
@@ -206,7 +159,7 @@ static __device__ __forceinline__ void dsv_stage_rows16_idx(uint32_t* smem, int 
     uint32_t* dst = smem + r * sw + ch * 4;
     const int e0 = ch * 8;
     if (row >= 0 && vec && e0 + 8 <= dim) {
-      dsv_cp_async16(dst, base + row * row_stride + e0);
+      cp_async16(dst, base + row * row_stride + e0);
     } else {
       uint32_t w[4];
 #pragma unroll

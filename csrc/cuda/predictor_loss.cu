@@ -152,9 +152,9 @@ __global__ void __launch_bounds__(PL_THREADS) dsv_pl_rows_kernel(const dsv_pl_ar
     dsv_stage_rows16<T>(klt, SWR, klb, a.kl_ss, kbeg, TL, kend, (int)a.r, RP, a.klvec, tid,
                         PL_THREADS);
   }
-  dsv_cp_async_commit();
+  cp_async_commit();
   for (int it = 0; it < ntiles; ++it) {
-    dsv_cp_async_wait_all();
+    cp_async_wait_all();
     __syncthreads();
     if (it + 1 < ntiles) {
       const int64_t r0 = kbeg + (int64_t)(it + 1) * TL;
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(PL_THREADS) dsv_pl_rows_kernel(const dsv_pl_ar
       dsv_stage_rows16<T>(klt + ((it + 1) & 1) * TL * SWR, SWR, klb, a.kl_ss, r0, TL, kend,
                           (int)a.r, RP, a.klvec, tid, PL_THREADS);
     }
-    dsv_cp_async_commit();
+    cp_async_commit();
     const uint32_t* ktc = kt + (it & 1) * TL * SWD;
     const uint32_t* kltc = klt + (it & 1) * TL * SWR;
     float gprev[4] = {0.f, 0.f, 0.f, 0.f};
@@ -173,11 +173,11 @@ __global__ void __launch_bounds__(PL_THREADS) dsv_pl_rows_kernel(const dsv_pl_ar
       float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int ks = 0; ks < KSD; ++ks)
-        dsv_mma<T>(d, AQ[ks][0], AQ[ks][1], AQ[ks][2], AQ[ks][3], ktc[n * SWD + ks * 8 + j4],
+        mma16816<T>(d, AQ[ks][0], AQ[ks][1], AQ[ks][2], AQ[ks][3], ktc[n * SWD + ks * 8 + j4],
                    ktc[n * SWD + ks * 8 + j4 + 4]);
 #pragma unroll
       for (int ks = 0; ks < KSR; ++ks)
-        dsv_mma<T>(e, AL[ks][0], AL[ks][1], AL[ks][2], AL[ks][3], kltc[n * SWR + ks * 8 + j4],
+        mma16816<T>(e, AL[ks][0], AL[ks][1], AL[ks][2], AL[ks][3], kltc[n * SWR + ks * 8 + j4],
                    kltc[n * SWR + ks * 8 + j4 + 4]);
       /* keys beyond kend are zero rows: z = p = 0 contributes nothing */
       const float z0 = d[0] * scale, z1 = d[1] * scale, z2 = d[2] * scale, z3 = d[3] * scale;
@@ -206,8 +206,8 @@ __global__ void __launch_bounds__(PL_THREADS) dsv_pl_rows_kernel(const dsv_pl_ar
             const int col = nb * 8 + (lane >> 2);
             const uint32_t b0 = dsv_pl_pair_col(kltc, SWR, kbase, col);
             const uint32_t b1 = dsv_pl_pair_col(kltc, SWR, kbase + 8, col);
-            dsv_mma<T>(acc[nb], al[0], al[1], al[2], al[3], b0, b1);
-            dsv_mma<T>(acc[nb], ah[0], ah[1], ah[2], ah[3], b0, b1);
+            mma16816<T>(acc[nb], al[0], al[1], al[2], al[3], b0, b1);
+            mma16816<T>(acc[nb], ah[0], ah[1], ah[2], ah[3], b0, b1);
           }
         } else {
           gprev[0] = g[0];
@@ -299,12 +299,12 @@ __global__ void __launch_bounds__(PL_THREADS) dsv_pl_dk_kernel(const dsv_pl_args
   } while (0)
 
   if (ntiles > 0) DSV_PL_STAGE_Q(0, 0);
-  dsv_cp_async_commit();
+  cp_async_commit();
   for (int it = 0; it < ntiles; ++it) {
-    dsv_cp_async_wait_all();
+    cp_async_wait_all();
     __syncthreads();
     if (it + 1 < ntiles) DSV_PL_STAGE_Q((it + 1) & 1, (int64_t)(it + 1) * TL);
-    dsv_cp_async_commit();
+    cp_async_commit();
     const uint32_t* qtc = qt + (it & 1) * TL * SWD;
     const uint32_t* qltc = qlt + (it & 1) * TL * SWR;
     const float2* ctc = ct + (it & 1) * TL;
@@ -315,11 +315,11 @@ __global__ void __launch_bounds__(PL_THREADS) dsv_pl_dk_kernel(const dsv_pl_args
       float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int ks = 0; ks < KSD; ++ks)
-        dsv_mma<T>(d, AK[ks][0], AK[ks][1], AK[ks][2], AK[ks][3], qtc[n * SWD + ks * 8 + j4],
+        mma16816<T>(d, AK[ks][0], AK[ks][1], AK[ks][2], AK[ks][3], qtc[n * SWD + ks * 8 + j4],
                    qtc[n * SWD + ks * 8 + j4 + 4]);
 #pragma unroll
       for (int ks = 0; ks < KSR; ++ks)
-        dsv_mma<T>(e, AKL[ks][0], AKL[ks][1], AKL[ks][2], AKL[ks][3], qltc[n * SWR + ks * 8 + j4],
+        mma16816<T>(e, AKL[ks][0], AKL[ks][1], AKL[ks][2], AKL[ks][3], qltc[n * SWR + ks * 8 + j4],
                    qltc[n * SWR + ks * 8 + j4 + 4]);
       /* columns are sampled rows blk*8 + 2*j4 + {0, 1} */
       const float2 c0 = ctc[blk * 8 + 2 * j4], c1 = ctc[blk * 8 + 2 * j4 + 1];
@@ -340,8 +340,8 @@ __global__ void __launch_bounds__(PL_THREADS) dsv_pl_dk_kernel(const dsv_pl_args
           const int col = nb * 8 + (lane >> 2);
           const uint32_t b0 = dsv_pl_pair_col(qltc, SWR, kbase, col);
           const uint32_t b1 = dsv_pl_pair_col(qltc, SWR, kbase + 8, col);
-          dsv_mma<T>(acc[nb], al[0], al[1], al[2], al[3], b0, b1);
-          dsv_mma<T>(acc[nb], ah[0], ah[1], ah[2], ah[3], b0, b1);
+          mma16816<T>(acc[nb], al[0], al[1], al[2], al[3], b0, b1);
+          mma16816<T>(acc[nb], ah[0], ah[1], ah[2], ah[3], b0, b1);
         }
       } else {
         gprev[0] = g[0];

@@ -96,15 +96,15 @@ __global__ void __launch_bounds__(PA_THREADS) dsv_pa_logits_kernel(const dsv_pa_
 
   dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, kbeg, TL, kend, (int)a.D, DP, a.kvec, tid,
                       PA_THREADS);
-  dsv_cp_async_commit();
+  cp_async_commit();
   for (int it = 0; it < ntiles; ++it) {
-    dsv_cp_async_wait_all();
+    cp_async_wait_all();
     __syncthreads();
     if (it + 1 < ntiles)
       dsv_stage_rows16<T>(ktile + ((it + 1) & 1) * TL * SW, SW, kb, a.k_ss,
                           kbeg + (int64_t)(it + 1) * TL, TL, kend, (int)a.D, DP,
                           a.kvec, tid, PA_THREADS);
-    dsv_cp_async_commit();
+    cp_async_commit();
     const uint32_t* kt = ktile + (it & 1) * TL * SW;
     const int64_t t0 = kbeg + (int64_t)it * TL;
 #pragma unroll 2
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(PA_THREADS) dsv_pa_logits_kernel(const dsv_pa_
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         const uint32_t b0 = kt[n * SW + ks * 8 + j4], b1 = kt[n * SW + ks * 8 + j4 + 4];
-        dsv_mma<T>(d, A[ks][0], A[ks][1], A[ks][2], A[ks][3], b0, b1);
+        mma16816<T>(d, A[ks][0], A[ks][1], A[ks][2], A[ks][3], b0, b1);
       }
       const int64_t key0 = t0 + blk * 8 + j4 * 2;
 #pragma unroll

@@ -1,11 +1,11 @@
 /*
  * sparse_attention_bwd_wg.cuh - the query-major backward of sparse grouped attention on Hopper
- * warpgroup MMAs (wgmma, sm_90a). Included by sparse_attention_bwd.cu (the kernel is templated
- * on its BwdParams), whose bwd_main launches it (bwd_wg_launch_one / bwd_wg_launch_reduce) where
- * it applies
- * (bwd_wg_mode: an sm_90a build on a compute capability 9.0 device, D = 64 or 128, G >= 64,
- * row strides of k and v below 4 GB): by default for the dQ-only pass of the key-major heads,
- * for both passes with DSV_ATTN_BWD_TILE = "w64x2".
+ * warpgroup MMAs (wgmma, sm_90a). Included by sparse_attention_bwd_qmajor.cu (the kernel is
+ * templated on its BwdParams), which launches it (bwd_wg_launch_one) for the dQ-only pass of the
+ * key-major heads where it applies (the tuning's wgmma: an sm_90a build on a compute capability
+ * 9.0 device; bwd_wg_applies: D = 64 or 128, G >= 64, row strides of k and v below 4 GB). The
+ * pass with dK / dV reductions (ATOMIC) is the same kernel; it ships on mma.sync (csrc/dev/
+ * attn_bwd_variants.cu launches it on wgmma, with NORED a measurement without the reductions).
  *
  * One warpgroup (4 warps, 128 threads) per chunk of 64 queries of a group, the forward's recipe
  * (sparse_attn_fwd_wg_kernel): Q and dO tiles and the gathered K / V tiles (64 keys, 2 cp.async
@@ -18,15 +18,12 @@
  *   key-major: the transposed-A flag, B = dO MN-major); then dS -> the same 8 KB,
  *   dK_t = dS^T Q the same way, issued before dV_t's reductions so that they overlap it;
  *   dV_t, dK_t (64 keys x D, fp32 in registers) go to the fp32 accumulators with 16-byte
- *   red.global.add.v4.f32 (pairs of lanes swap halves), as DSV_ATTN_BWD_REDUCE=v4 does.
+ *   red.global.add.v4.f32 (pairs of lanes swap halves).
  * P and dS are rounded to the input type for the products, as in the mma.sync kernels. A NaN
  * score gives NaN P and dS, which reach dq, dk and dv (no guards). Key ranges (nranges > 1) are
  * handled as in bwd_qmajor_kernel (binary search of the sorted list, dQ reduced in fp32).
  * Shared memory (D = 128): Q, dO 2 x 16 KB, K / V 2 stages x 2 x 16 KB, P / dS 8 KB, ~106 KB:
  * 2 CTAs per SM (8 warps, as the mma.sync kernel), 243 registers (dq, dV_t, dK_t 64 each).
- * Measured (S = 64k, H = 24, 0.9, D = 128, PERF_LOG v8): 78.8 ms (random lists) / 79.4 (smooth)
- * against mma.sync's 80.7 / 79.0, both bound by the fp32 reductions (~49 ms of it: without them
- * this kernel takes ~30 ms); its dQ-only pass 16.7 ms against 27.9.
  */
 #ifndef DSV_SPARSE_ATTENTION_BWD_WG_CUH
 #define DSV_SPARSE_ATTENTION_BWD_WG_CUH
@@ -337,42 +334,12 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
 #endif
 }
 
-/* The wgmma backward needs sm_90a code (setup.py defines DSV_WGMMA) and a device that runs it. */
-static bool bwd_wg_device() {
-#if defined(DSV_WGMMA)
-  static int cached = -1;
-  if (cached < 0) {
-    int dev = 0, major = 0, minor = 0;
-    cached = cudaGetDevice(&dev) == cudaSuccess &&
-             cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
-                 cudaSuccess &&
-             cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) ==
-                 cudaSuccess &&
-             major == 9 && minor == 0;
-  }
-  return cached == 1;
-#else
-  return false;
-#endif
-}
-
-/* Where the wgmma backward runs: DSV_ATTN_BWD_TILE = "w64x2" selects it for both query-major
- * passes; unset, it runs the dQ-only pass of the key-major heads (measured faster in every case:
- * S = 64k, H = 24, 0.9, D = 128 16.8 vs 27.9 ms, D = 64 9.4 vs 15.1 ms) and the pass with dK / dV
- * reductions stays on mma.sync (equal within +-2.5%: both are bound by the L2 reductions; PERF_LOG
- * v8); any other value selects the mma.sync kernels for both. Returns 0 (none), 1 (the dQ-only
- * pass) or 2 (both passes). */
+/* Whether the wgmma kernel applies to these parameters (the device side, an sm_90a build on a
+ * 9.0 device, is the tuning's wgmma): D 64 or 128, G >= 64, K / V row strides below 4 GB. */
 template <typename T, int D, typename Prm>
-static int bwd_wg_mode(const Prm& prm) {
-  if constexpr (D != 64 && D != 128) {
-    return 0;
-  } else {
-    const int64_t lim = (int64_t)UINT32_MAX / (int64_t)sizeof(T); /* KeyGather's 32-bit strides */
-    if (prm.G < 64 || prm.ks > lim || prm.vs > lim || !bwd_wg_device()) return 0;
-    const char* e = getenv("DSV_ATTN_BWD_TILE");
-    if (e && *e) return strcmp(e, "w64x2") ? 0 : 2;
-    return 1;
-  }
+static bool bwd_wg_applies(const Prm& prm) {
+  const int64_t lim = (int64_t)UINT32_MAX / (int64_t)sizeof(T); /* KeyGather's 32-bit strides */
+  return (D == 64 || D == 128) && prm.G >= 64 && prm.ks <= lim && prm.vs <= lim;
 }
 
 template <typename T, int D, bool ATOMIC, typename Prm, bool NORED = false>
@@ -390,21 +357,6 @@ static int bwd_wg_launch_one(const dsv_attn_shape* sh, Prm& prm, cudaStream_t st
             (unsigned)sh->batch);
   kern<<<grid, 128, smem, stream>>>(prm);
   return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
-}
-
-template <typename T> struct BwgIsBf16 { static constexpr bool value = false; };
-template <> struct BwgIsBf16<__nv_bfloat16> { static constexpr bool value = true; };
-
-/* The query-major pass with dK / dV reductions on wgmma (the heads of path 0). */
-template <typename T, int D, typename Prm>
-static int bwd_wg_launch_reduce(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
-  if constexpr (D == 128 && BwgIsBf16<T>::value) {
-    /* measurement only (wrong dK / dV): DSV_ATTN_BWD_WG_DIAG=nored skips the reductions, to
-     * separate their cost from the rest of the kernel (bf16, D = 128) */
-    const char* e = getenv("DSV_ATTN_BWD_WG_DIAG");
-    if (e && !strcmp(e, "nored")) return bwd_wg_launch_one<T, D, true, Prm, true>(sh, prm, stream);
-  }
-  return bwd_wg_launch_one<T, D, true>(sh, prm, stream);
 }
 
 }  // namespace dsv_attn

@@ -11,10 +11,8 @@
  *  - sparse_attn_fwd_kernel (every other case): BM / 16 warps of 16 query rows each on
  *    mma.sync.m16n8k16 with ldmatrix from padded tiles.
  */
-#include <stdlib.h>
-#include <string.h>
-
 #include "attention_common.cuh"
+#include "tuning.h"
 #include "wgmma.cuh"
 
 namespace dsv_attn {
@@ -435,108 +433,51 @@ static int launch_fwd_wg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cuda
   return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
 }
 
-/* Key-tile configuration: BN keys per tile x NS pipeline stages. The environment variable
- * DSV_ATTN_FWD_TILE selects one, for tuning and tests: "w32x2", "w32x3", "w64x2", "w32x4" run the
- * wgmma kernel (where it applies: an sm_90a build on a compute capability 9.0 device, D 64 or
- * 128, G >= 64, row strides below 4 GB; elsewhere they fall back to mma.sync 32x2), "32x2",
- * "64x2", "32x3", "32x4", "32x5" the mma.sync kernel (for D <= 128). Unset: wgmma w32x2 (4 CTAs
- * per SM, registers capped at 128) where it applies, else mma.sync 32x2. Measured at S = 64k, H =
- * 24, D = 128, G = 64, sparsity 0.9, random lists (kernels v6, same run): w32x2 15.7 ms, w32x3
- * 16.2, w64x2 16.3, w32x4 19.0 (a pipelined variant, PERF_LOG v6: 19.1 / 23.5); mma.sync 32x2
- * 25.7, 64x2 27.1, 32x3 26.7, 32x4 30.4, 32x5 31.6. mma.sync, G = 32 (BM = 32, kernels v4): 32x2
- * 36.5, 64x2 66.0, 32x3 48.5, 32x4 65.0 (5 CTAs per SM). */
-enum FwdTile { FT_DEFAULT, FT_32x2, FT_64x2, FT_32x3, FT_32x4, FT_32x5, FT_W32x2, FT_W32x3,
-               FT_W64x2, FT_W32x4 };
-
-static FwdTile fwd_tile_cfg() {
-  static const struct { const char* name; FwdTile t; } names[] = {
-      {"32x2", FT_32x2},   {"64x2", FT_64x2},   {"32x3", FT_32x3},   {"32x4", FT_32x4},
-      {"32x5", FT_32x5},   {"w32x2", FT_W32x2}, {"w32x3", FT_W32x3}, {"w64x2", FT_W64x2},
-      {"w32x4", FT_W32x4}};
-  const char* e = getenv("DSV_ATTN_FWD_TILE");
-  if (e)
-    for (const auto& n : names)
-      if (!strcmp(e, n.name)) return n.t;
-  return FT_DEFAULT;
-}
-
-/* The wgmma kernel needs sm_90a code (setup.py defines DSV_WGMMA when it builds for
- * compute_90a) and a device that runs it. */
-static bool wgmma_device() {
-#if defined(DSV_WGMMA)
-  int dev = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-    return false;
-  return major == 9 && minor == 0;
-#else
-  return false;
-#endif
-}
-
-template <typename T, int D, int BM>
-static int fwd_launch_cfg(const dsv_attn_shape* sh, const FwdParams<T>& prm, FwdTile cfg,
-                          cudaStream_t stream) {
-  if constexpr (D > 128) {
-    return launch_fwd<T, D, BM, 32, 2>(sh, prm, stream);
-  } else {
-    switch (cfg) {
-      case FT_32x4: return launch_fwd<T, D, BM, 32, 4>(sh, prm, stream);
-      case FT_32x5: return launch_fwd<T, D, BM, 32, 5>(sh, prm, stream);
-      case FT_64x2: return launch_fwd<T, D, BM, 64, 2>(sh, prm, stream);
-      case FT_32x3: return launch_fwd<T, D, BM, 32, 3>(sh, prm, stream);
-      default: return launch_fwd<T, D, BM, 32, 2>(sh, prm, stream);
-    }
-  }
-}
-
+/* The shipped key tiles: wgmma with 32 keys x 2 stages and 4 CTAs per SM (registers capped at
+ * 128) where it applies (the tuning's wgmma: an sm_90a build on a 9.0 device; D 64 or 128,
+ * G >= 64, K / V row strides below 4 GB), else mma.sync with 32 keys x 2 stages, BM = 32, 64 or
+ * 128 queries per CTA by the group size. The other tiles are in csrc/dev/attn_fwd_tiles.cu. */
 template <typename T, int D>
-static int fwd_dispatch_bm(const dsv_attn_shape* sh, FwdParams<T>& prm, cudaStream_t stream) {
+static int fwd_dispatch_bm(const dsv_attn_shape* sh, FwdParams<T>& prm, int wgmma,
+                           cudaStream_t stream) {
   const int G = prm.G;
-  const FwdTile cfg = fwd_tile_cfg();
   if constexpr (D == 64 || D == 128) {
-    const bool wg_cfg = cfg == FT_DEFAULT || cfg >= FT_W32x2;
     const int64_t lim = (int64_t)UINT32_MAX / (int64_t)sizeof(T); /* KeyGather's 32-bit strides */
-    if (wg_cfg && G >= 64 && prm.ks <= lim && prm.vs <= lim && wgmma_device()) {
+    if (wgmma && G >= 64 && prm.ks <= lim && prm.vs <= lim) {
       prm.chunks = (G + 63) / 64;
-      switch (cfg) {
-        case FT_W32x3: return launch_fwd_wg<T, D, 32, 3>(sh, prm, stream);
-        case FT_W64x2: return launch_fwd_wg<T, D, 64, 2>(sh, prm, stream);
-        case FT_W32x4: return launch_fwd_wg<T, D, 32, 4>(sh, prm, stream);
-        default: return launch_fwd_wg<T, D, 32, 2, 4>(sh, prm, stream); /* w32x2 */
-      }
+      return launch_fwd_wg<T, D, 32, 2, 4>(sh, prm, stream);
     }
   }
   if (G <= 32) {
     prm.chunks = 1;
-    return fwd_launch_cfg<T, D, 32>(sh, prm, cfg, stream);
+    return launch_fwd<T, D, 32, 32, 2>(sh, prm, stream);
   }
   if constexpr (D <= 128) {
     if (G % 128 == 0) {
       prm.chunks = G / 128;
-      return fwd_launch_cfg<T, D, 128>(sh, prm, cfg, stream);
+      return launch_fwd<T, D, 128, 32, 2>(sh, prm, stream);
     }
   }
   prm.chunks = (G + 63) / 64;
-  return fwd_launch_cfg<T, D, 64>(sh, prm, cfg, stream);
+  return launch_fwd<T, D, 64, 32, 2>(sh, prm, stream);
 }
 
 template <typename T>
-static int fwd_dispatch(const dsv_attn_shape* sh, FwdParams<T>& prm, cudaStream_t stream) {
+static int fwd_dispatch(const dsv_attn_shape* sh, FwdParams<T>& prm, int wgmma,
+                        cudaStream_t stream) {
   switch (sh->head_dim) {
-    case 64: return fwd_dispatch_bm<T, 64>(sh, prm, stream);
-    case 96: return fwd_dispatch_bm<T, 96>(sh, prm, stream);
-    case 128: return fwd_dispatch_bm<T, 128>(sh, prm, stream);
-    case 256: return fwd_dispatch_bm<T, 256>(sh, prm, stream);
+    case 64: return fwd_dispatch_bm<T, 64>(sh, prm, wgmma, stream);
+    case 96: return fwd_dispatch_bm<T, 96>(sh, prm, wgmma, stream);
+    case 128: return fwd_dispatch_bm<T, 128>(sh, prm, wgmma, stream);
+    case 256: return fwd_dispatch_bm<T, 256>(sh, prm, wgmma, stream);
     default: return DSV_ERR_UNSUPPORTED;
   }
 }
 
 template <typename T>
-static int fwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
-                   const int32_t* kv_index, const int32_t* kv_count, dsv_bshd out, void* lse,
-                   cudaStream_t stream) {
+static FwdParams<T> fwd_params(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
+                               const int32_t* kv_index, const int32_t* kv_count, dsv_bshd out,
+                               void* lse) {
   FwdParams<T> prm;
   prm.q = (const T*)q.data;
   prm.k = (const T*)k.data;
@@ -556,7 +497,19 @@ static int fwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   prm.kmax = (int)sh->kmax;
   prm.chunks = 1;
   prm.scale_log2 = (float)(sh->scale * 1.4426950408889634);
-  return fwd_dispatch<T>(sh, prm, stream);
+  return prm;
+}
+
+/* The argument checks and the run; `tile` picks a variant of csrc/dev/ (nullptr: the shipped
+ * dispatch). */
+template <typename T>
+using FwdDispatchFn = int (*)(const dsv_attn_shape*, FwdParams<T>&, int, const char*, cudaStream_t);
+
+template <typename T>
+static int fwd_shipped(const dsv_attn_shape* sh, FwdParams<T>& prm, int wgmma, const char* tile,
+                       cudaStream_t stream) {
+  (void)tile;
+  return fwd_dispatch<T>(sh, prm, wgmma, stream);
 }
 
 /* Shared argument checks of forward and backward. Returns DSV_OK or an error. */
@@ -587,13 +540,12 @@ extern "C" size_t dsv_sparse_attention_fwd_workspace_cuda(const dsv_attn_shape* 
   return 0;
 }
 
-extern "C" int dsv_sparse_attention_fwd_cuda(const dsv_attn_shape* p, dsv_bshd q, dsv_bshd k,
-                                             dsv_bshd v, const int32_t* kv_index,
-                                             const int32_t* kv_count, dsv_bshd out, void* lse,
-                                             void* workspace, size_t workspace_bytes,
-                                             void* stream) {
-  (void)workspace;
-  (void)workspace_bytes;
+namespace dsv_attn {
+
+static int fwd_entry(FwdDispatchFn<__half> f16, FwdDispatchFn<__nv_bfloat16> bf16,
+                     const char* tile, const dsv_attn_shape* p, dsv_bshd q, dsv_bshd k,
+                     dsv_bshd v, const int32_t* kv_index, const int32_t* kv_count, dsv_bshd out,
+                     void* lse, void* stream) {
   int st = check_attn_args(p);
   if (st != DSV_OK) return st;
   if (p->batch == 0 || p->seqlen == 0 || p->heads == 0) return DSV_OK;
@@ -601,8 +553,27 @@ extern "C" int dsv_sparse_attention_fwd_cuda(const dsv_attn_shape* p, dsv_bshd q
       !check_bshd_aligned(out))
     return DSV_ERR_UNSUPPORTED;
   if (!kv_count || !lse || (p->kmax > 0 && !kv_index)) return DSV_ERR_INVALID;
+  const dsv_tuning* tun = nullptr;
+  if ((st = dsv_tuning_current(&tun)) != DSV_OK) return st;
   cudaStream_t s = (cudaStream_t)stream;
-  if (p->dtype == DSV_BFLOAT16)
-    return fwd_run<__nv_bfloat16>(p, q, k, v, kv_index, kv_count, out, lse, s);
-  return fwd_run<__half>(p, q, k, v, kv_index, kv_count, out, lse, s);
+  if (p->dtype == DSV_BFLOAT16) {
+    FwdParams<__nv_bfloat16> prm =
+        fwd_params<__nv_bfloat16>(p, q, k, v, kv_index, kv_count, out, lse);
+    return bf16(p, prm, tun->wgmma, tile, s);
+  }
+  FwdParams<__half> prm = fwd_params<__half>(p, q, k, v, kv_index, kv_count, out, lse);
+  return f16(p, prm, tun->wgmma, tile, s);
+}
+
+}  // namespace dsv_attn
+
+extern "C" int dsv_sparse_attention_fwd_cuda(const dsv_attn_shape* p, dsv_bshd q, dsv_bshd k,
+                                             dsv_bshd v, const int32_t* kv_index,
+                                             const int32_t* kv_count, dsv_bshd out, void* lse,
+                                             void* workspace, size_t workspace_bytes,
+                                             void* stream) {
+  (void)workspace;
+  (void)workspace_bytes;
+  return fwd_entry(fwd_shipped<__half>, fwd_shipped<__nv_bfloat16>, nullptr, p, q, k, v,
+                   kv_index, kv_count, out, lse, stream);
 }

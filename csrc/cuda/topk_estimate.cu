@@ -24,9 +24,8 @@
  *    per tile, each lane quad rebuilds the group's 64-bit selection mask in position order and
  *    writes ranks from popcounts, so the list comes out ascending without any sort.
  * Work per pass at S = 64k, 24 heads, 1024 groups: 1.6G scores (3 MMAs per 128 scores) plus a
- * few integer ops and at most one shared atomic per score. Measured on the H200 (bf16, r = 16,
- * G = 64, 24 heads): S = 64k, K = 10%: 8.3 ms; S = 128k, K = 20%: 35.5 ms with the two-phase tile
- * loops (the default; block at a time: 10.6 / 46.8 ms, issue-bound on the per-score integer work).
+ * few integer ops and at most one shared atomic per score, in two-phase tile loops (times:
+ * benchmarks/PERF_LOG.md).
  */
 #include <stdlib.h>
 
@@ -73,7 +72,7 @@ static __device__ __forceinline__ uint32_t dsv_tk_keep_lowest(uint32_t x, int n)
   return kept;
 }
 
-/* Two-phase tile loops (template parameter TWO; the default, DSV_TOPK_TWO_PHASE=0 turns them off). */
+/* Two-phase tile loops (template parameter TWO). */
 /* hist[(u >> shift) & 255] += 1 when ok and u matches the prefix, else sink += 1: an
  * unconditional shared reduction, so that no branch is needed per score */
 static __device__ __forceinline__ void dsv_tk_hist_inc(uint32_t base, uint32_t u, uint32_t pmask,
@@ -99,9 +98,9 @@ static __device__ __forceinline__ void dsv_tk_tile_scores(const uint32_t* kt,
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       const uint32_t b0 = kt[n * SW + ks * 8 + j4], b1 = kt[n * SW + ks * 8 + j4 + 4];
-      dsv_mma<T>(d[blk], A[ks][2][0], A[ks][2][1], A[ks][2][2], A[ks][2][3], b0, b1);
-      dsv_mma<T>(d[blk], A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
-      dsv_mma<T>(d[blk], A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
+      mma16816<T>(d[blk], A[ks][2][0], A[ks][2][1], A[ks][2][2], A[ks][2][3], b0, b1);
+      mma16816<T>(d[blk], A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
+      mma16816<T>(d[blk], A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
     }
   }
 }
@@ -160,9 +159,9 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   constexpr int KS = RP / 16;
   constexpr int SW = RP / 2 + 4; /* 32-bit words per staged key row (conflict-free B loads) */
   /* Tile loops. With TWO (the default): the MMA chains of all 8 blocks of a tile first, then
-   * branch-free histogram updates (fewer instructions, more independent MMAs in flight; 22-25%
-   * faster on the H200, identical lists). Without (DSV_TOPK_TWO_PHASE=0): one 8-key block at a
-   * time (unroll 2), histogram atomics behind a branch. ptxas (CUDA 13.0) miscompiles fully unrolled
+   * branch-free histogram updates (fewer instructions, more independent MMAs in flight;
+   * identical lists). Without (TWO = false, csrc/dev/): one 8-key block at a time (unroll 2),
+   * histogram atomics behind a branch. ptxas (CUDA 13.0) miscompiles fully unrolled
    * fp16 tile loops for RP >= 48 (HMMA results overwritten unread: seen in the SASS and as lost
    * keys on the H200), so those instantiations always keep the block-at-a-time loops. */
   constexpr bool kTwoPhase = TWO && (dsv_is_bf16<T>::value || RP <= 32);
@@ -291,25 +290,25 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       if (all_done) break;
       const uint32_t prefA = st_prefix[gA], prefB = st_prefix[gB];
       const bool actA = vA && !st_done[gA], actB = vB && !st_done[gB];
-      const uint32_t hA_addr = dsv_smem_addr(histw + (lane >> 2) * TK_BINS);
+      const uint32_t hA_addr = smem_u32(histw + (lane >> 2) * TK_BINS);
       const uint32_t hB_addr = hA_addr + 8 * TK_BINS * 4;
-      const uint32_t sink = dsv_smem_addr(dummy + tid);
+      const uint32_t sink = smem_u32(dummy + tid);
       (void)hA_addr;
       (void)hB_addr;
       (void)sink;
 
       dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, 0, TK_TILE, S, (int)a.r, RP, a.kvec, tid,
                           TK_THREADS);
-      dsv_cp_async_commit();
+      cp_async_commit();
       for (int it = 0; it < ntiles; ++it) {
-        dsv_cp_async_wait_all();
+        cp_async_wait_all();
         __syncthreads();
         if (it + 1 < ntiles) {
           dsv_stage_rows16<T>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, a.k_ss,
                               (int64_t)(it + 1) * TK_TILE, TK_TILE, S, (int)a.r, RP, a.kvec, tid,
                               TK_THREADS);
         }
-        dsv_cp_async_commit();
+        cp_async_commit();
         if (!warp_active) continue;
         const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
         const int64_t t0 = (int64_t)it * TK_TILE;
@@ -325,9 +324,9 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
 #pragma unroll
           for (int ks = 0; ks < KS; ++ks) {
             const uint32_t b0 = kt[n * SW + ks * 8 + j4], b1 = kt[n * SW + ks * 8 + j4 + 4];
-            dsv_mma<T>(d, A[ks][2][0], A[ks][2][1], A[ks][2][2], A[ks][2][3], b0, b1);
-            dsv_mma<T>(d, A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
-            dsv_mma<T>(d, A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
+            mma16816<T>(d, A[ks][2][0], A[ks][2][1], A[ks][2][2], A[ks][2][3], b0, b1);
+            mma16816<T>(d, A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
+            mma16816<T>(d, A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
           }
           const int key0 = (int)t0 + blk * 8 + j4 * 2;
           const bool k0 = key0 < S32, k1 = key0 + 1 < S32;
@@ -415,16 +414,16 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
 
     dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, 0, TK_TILE, S, (int)a.r, RP, a.kvec, tid,
                         TK_THREADS);
-    dsv_cp_async_commit();
+    cp_async_commit();
     for (int it = 0; it < ntiles; ++it) {
-      dsv_cp_async_wait_all();
+      cp_async_wait_all();
       __syncthreads();
       if (it + 1 < ntiles) {
         dsv_stage_rows16<T>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, a.k_ss,
                             (int64_t)(it + 1) * TK_TILE, TK_TILE, S, (int)a.r, RP, a.kvec, tid,
                             TK_THREADS);
       }
-      dsv_cp_async_commit();
+      cp_async_commit();
       if (!warp_active) continue;
       const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
       const int64_t t0 = (int64_t)it * TK_TILE;
@@ -440,9 +439,9 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
           const uint32_t b0 = kt[n * SW + ks * 8 + j4], b1 = kt[n * SW + ks * 8 + j4 + 4];
-          dsv_mma<T>(d, A[ks][2][0], A[ks][2][1], A[ks][2][2], A[ks][2][3], b0, b1);
-          dsv_mma<T>(d, A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
-          dsv_mma<T>(d, A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
+          mma16816<T>(d, A[ks][2][0], A[ks][2][1], A[ks][2][2], A[ks][2][3], b0, b1);
+          mma16816<T>(d, A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
+          mma16816<T>(d, A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
         }
         const int key0 = (int)t0 + blk * 8 + j4 * 2;
         const uint32_t k0 = key0 < S32, k1 = key0 + 1 < S32;
@@ -508,29 +507,15 @@ static int dsv_topk_launch_v(const dsv_topk_args& a, int64_t grid, cudaStream_t 
   return DSV_OK;
 }
 
-/* Tile-loop variant: two-phase by default (H200, bf16, r = 16, G = 64, 24 heads, identical
- * lists: S = 64k, K = 10%: 8.28 ms vs 10.55 block at a time; K = 20%: 9.41 vs 11.90; S = 128k,
- * K = 10%: 32.0 vs 41.9; K = 20%: 35.5 vs 46.8). The environment variable DSV_TOPK_TWO_PHASE=0
- * selects the block-at-a-time loops. */
-static bool dsv_topk_two_phase() {
-  const char* e = getenv("DSV_TOPK_TWO_PHASE");
-  if (e && e[0]) return e[0] != '0';
-  return true;
-}
-
-template <typename T, int RP>
-static int dsv_topk_launch(const dsv_topk_args& a, int64_t grid, cudaStream_t st) {
-  if (dsv_topk_two_phase()) return dsv_topk_launch_v<T, RP, true>(a, grid, st);
-  return dsv_topk_launch_v<T, RP, false>(a, grid, st);
-}
-
-template <typename T>
+/* The shipped tile loops are the two-phase ones (dsv_topk_entry<true>; the block-at-a-time
+ * instantiation, TWO = false, is csrc/dev/topk_block_at_a_time.cu). */
+template <typename T, bool TWO>
 static int dsv_topk_dispatch(const dsv_topk_args& a, int RP, int64_t grid, cudaStream_t st) {
   switch (RP) {
-    case 16: return dsv_topk_launch<T, 16>(a, grid, st);
-    case 32: return dsv_topk_launch<T, 32>(a, grid, st);
-    case 48: return dsv_topk_launch<T, 48>(a, grid, st);
-    case 64: return dsv_topk_launch<T, 64>(a, grid, st);
+    case 16: return dsv_topk_launch_v<T, 16, TWO>(a, grid, st);
+    case 32: return dsv_topk_launch_v<T, 32, TWO>(a, grid, st);
+    case 48: return dsv_topk_launch_v<T, 48, TWO>(a, grid, st);
+    case 64: return dsv_topk_launch_v<T, 64, TWO>(a, grid, st);
   }
   return DSV_ERR_UNSUPPORTED;
 }
@@ -540,11 +525,11 @@ extern "C" size_t dsv_topk_estimate_workspace_cuda(const dsv_lowrank_shape* p) {
   return 0;
 }
 
-extern "C" int dsv_topk_estimate_cuda(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_lr,
-                                      const int32_t* kv_count, int32_t* kv_index,
-                                      void* workspace, size_t workspace_bytes, void* stream) {
-  (void)workspace;
-  (void)workspace_bytes;
+/* The argument checks and the run, with the two-phase tile loops (TWO, shipped) or the
+ * block-at-a-time ones (csrc/dev/topk_block_at_a_time.cu). */
+template <bool TWO>
+static int dsv_topk_entry(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_lr,
+                          const int32_t* kv_count, int32_t* kv_index, void* stream) {
   if (!p) return DSV_ERR_INVALID;
   if (p->batch < 0 || p->seqlen < 0 || p->heads < 0 || p->rank <= 0 || p->group_size <= 0 ||
       p->kmax < 0 || p->seqlen > 0x7fffffffLL)
@@ -578,6 +563,14 @@ extern "C" int dsv_topk_estimate_cuda(const dsv_lowrank_shape* p, dsv_bshd q_lr,
   if (grid > 0x7fffffffLL) return DSV_ERR_UNSUPPORTED;
   const int RP = (int)((p->rank + 15) / 16 * 16);
   cudaStream_t st = (cudaStream_t)stream;
-  if (p->dtype == DSV_BFLOAT16) return dsv_topk_dispatch<__nv_bfloat16>(a, RP, grid, st);
-  return dsv_topk_dispatch<__half>(a, RP, grid, st);
+  if (p->dtype == DSV_BFLOAT16) return dsv_topk_dispatch<__nv_bfloat16, TWO>(a, RP, grid, st);
+  return dsv_topk_dispatch<__half, TWO>(a, RP, grid, st);
+}
+
+extern "C" int dsv_topk_estimate_cuda(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_lr,
+                                      const int32_t* kv_count, int32_t* kv_index,
+                                      void* workspace, size_t workspace_bytes, void* stream) {
+  (void)workspace;
+  (void)workspace_bytes;
+  return dsv_topk_entry<true>(p, q_lr, k_lr, kv_count, kv_index, stream);
 }

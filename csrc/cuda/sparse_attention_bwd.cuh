@@ -1,0 +1,75 @@
+/*
+ * sparse_attention_bwd.cuh - what the files of the sparse attention backward share (internal):
+ * the kernels' parameters (BwdParams) and the launchers of each part, called in this order by
+ * the host dispatch (sparse_attention_bwd.cu):
+ *   index building     sparse_attention_bwd_index.cu   key-major (transposed) index, path choice
+ *   query-major pass   sparse_attention_bwd_qmajor.cu  dQ; dK / dV by reductions (mma.sync, wgmma)
+ *   key-major pass     sparse_attention_bwd_kmajor.cu  dK / dV in registers per 64-key block
+ * How the backward works, and which head takes which path: sparse_attention_bwd.cu.
+ */
+#ifndef DSV_SPARSE_ATTENTION_BWD_CUH
+#define DSV_SPARSE_ATTENTION_BWD_CUH
+
+#include "attention_common.cuh"
+#include "tuning.h"
+
+namespace dsv_attn {
+
+constexpr int KB = 64; /* key block of the key-major path */
+
+template <typename T>
+struct BwdParams {
+  const T* q;
+  const T* k;
+  const T* v;
+  const T* out;
+  const T* dout;
+  const float* lse;
+  T* dq;
+  T* dk;
+  T* dv;
+  int64_t qb, qs, qh, kb, ks, kh, vb, vs, vh, ob, os, oh, gb, gs, gh;
+  int64_t dqb, dqs, dqh, dkb, dks, dkh, dvb, dvs, dvh;
+  const int* kv_index;
+  const int* kv_count;
+  float* delta;   /* [B, H, S] */
+  float* dkacc;   /* [B, H, S, D] */
+  float* dvacc;   /* [B, H, S, D] */
+  float* dqacc;   /* [B, H, S, D], used when nranges > 1 */
+  int* path;      /* [B, H] */
+  int* flags;     /* [B, H] */
+  int* nrh;       /* [B, H] key ranges of each query-major head (<= nranges) */
+  int* kbcount;   /* [B, H, nkb] */
+  int* kbcursor;  /* [B, H, nkb] */
+  int* kboff;     /* [B, H, nkb] */
+  int* entg;      /* [B, H, cap] */
+  unsigned long long* entmask;
+  int S, H, G, NG, kmax, chunks, nkb, D;
+  int nranges; /* key ranges in the grid of the query-major reduction path (bwd_qmajor_kernel) */
+  int ranges_forced; /* every head uses nranges (else km_scan_kernel picks per head) */
+  int64_t cap;
+  float scale, scale_log2, km_ratio;
+  int km_enabled;
+};
+
+__device__ __forceinline__ int clamp_count(int c, int kmax) {
+  return c < 0 ? 0 : (c > kmax ? kmax : c);
+}
+
+/* Index building (sparse_attention_bwd_index.cu): list checks (flags) and the path and key
+ * ranges of every head; counts, offsets and (group, mask) entries of key-major heads. */
+template <typename T>
+int bwd_index_launch(BwdParams<T>& prm, int B, bool deterministic, cudaStream_t stream);
+
+/* Query-major passes (sparse_attention_bwd_qmajor.cu): dQ of the key-major heads, then dQ and
+ * the dK / dV reductions of the others; wgmma: the tuning's choice of the Hopper kernels. */
+template <typename T>
+int bwd_qmajor_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma, cudaStream_t stream);
+
+/* Key-major pass (sparse_attention_bwd_kmajor.cu), head_dim <= 128. */
+template <typename T>
+int bwd_kmajor_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream);
+
+}  // namespace dsv_attn
+
+#endif /* DSV_SPARSE_ATTENTION_BWD_CUH */

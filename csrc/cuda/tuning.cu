@@ -1,0 +1,160 @@
+/*
+ * tuning.cu - the kernel tuning of each CUDA device (tuning.h), filled once per device and
+ * cached, and its report (dsv_cuda_kernel_tuning in dsv.h).
+ *
+ * Keys of DSV_KERNEL_TUNING (each optional; values are numbers):
+ *   sm_count, l2_bytes      what the device reports (for experiments with smaller devices)
+ *   wgmma                   0 runs the mma.sync kernels where the wgmma ones would run
+ *   km_ratio                backward key-major ratio (0: never key-major, 1e9: wherever allowed)
+ *   bwd_ranges              backward key ranges forced on every query-major head (0: automatic)
+ *   bwd_rmax                the automatic rule's most key ranges (0: from the L2 size)
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime.h>
+
+#include "tuning.h"
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+struct Slot {
+  int state; /* 0 empty, 1 filled (status in st) */
+  int st;
+  dsv_tuning t;
+};
+
+Slot g_slots[kMaxDevices];
+pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* one "key=value" of the override applied to t; 0 or DSV_ERR_TUNING */
+int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size_t vlen) {
+  char buf[64];
+  if (vlen == 0 || vlen >= sizeof buf) return DSV_ERR_TUNING;
+  memcpy(buf, val, vlen);
+  buf[vlen] = 0;
+  char* end = nullptr;
+  errno = 0;
+  const double x = strtod(buf, &end);
+  if (errno != 0 || end == buf || *end != 0 || !(x == x)) return DSV_ERR_TUNING;
+#define DSV_KEY(name) (klen == sizeof(name) - 1 && !strncmp(key, name, klen))
+  if (DSV_KEY("km_ratio")) {
+    if (x < 0) return DSV_ERR_TUNING;
+    t->km_ratio = x > 3.0e38 ? 3.0e38f : (float)x;
+    return DSV_OK;
+  }
+  if (x != (double)(long long)x) return DSV_ERR_TUNING; /* the other keys are integers */
+  const long long n = (long long)x;
+  if (DSV_KEY("sm_count")) {
+    if (n < 1 || n > 1 << 20) return DSV_ERR_TUNING;
+    t->sm_count = (int)n;
+  } else if (DSV_KEY("l2_bytes")) {
+    if (n < 0 || n > 0x7fffffffLL) return DSV_ERR_TUNING;
+    t->l2_bytes = (int)n;
+  } else if (DSV_KEY("wgmma")) {
+    if (n != 0 && n != 1) return DSV_ERR_TUNING;
+    t->wgmma = t->wgmma && n == 1; /* never on where it cannot run */
+  } else if (DSV_KEY("bwd_ranges")) {
+    if (n < 0 || n > 16) return DSV_ERR_TUNING;
+    t->bwd_ranges = (int)n;
+  } else if (DSV_KEY("bwd_rmax")) {
+    if (n < 0 || n > 16) return DSV_ERR_TUNING;
+    t->bwd_rmax = (int)n;
+  } else {
+    return DSV_ERR_TUNING; /* unknown key */
+  }
+#undef DSV_KEY
+  return DSV_OK;
+}
+
+/* DSV_KERNEL_TUNING="key=value,key=value" applied to t */
+int apply_override(dsv_tuning* t, const char* spec) {
+  const char* p = spec;
+  while (*p) {
+    const char* e = strchr(p, ',');
+    const size_t len = e ? (size_t)(e - p) : strlen(p);
+    const char* eq = (const char*)memchr(p, '=', len);
+    if (len > 0) {
+      if (!eq) return DSV_ERR_TUNING;
+      const int st = apply_one(t, p, (size_t)(eq - p), eq + 1, len - (size_t)(eq - p) - 1);
+      if (st != DSV_OK) return st;
+    }
+    if (!e) break;
+    p = e + 1;
+  }
+  return DSV_OK;
+}
+
+int fill(int device, dsv_tuning* t) {
+  memset(t, 0, sizeof *t);
+  int major = 0, minor = 0, sms = 0, l2 = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return DSV_ERR_CUDA;
+  }
+  t->sm_count = sms > 0 ? sms : 1;
+  t->l2_bytes = l2 > 0 ? l2 : 0;
+  t->cc = major * 10 + minor;
+#if defined(DSV_WGMMA)
+  t->wgmma = major == 9 && minor == 0; /* sm_90a code runs on 9.0 only */
+#else
+  t->wgmma = 0;
+#endif
+  /* measured crossover on the H200 at S = 64k, D = 128 (benchmarks/PERF_LOG.md, kernels v3) */
+  t->km_ratio = 1.15f;
+  t->bwd_ranges = 0;
+  t->bwd_rmax = 0;
+  const char* spec = getenv("DSV_KERNEL_TUNING");
+  return spec ? apply_override(t, spec) : DSV_OK;
+}
+
+}  // namespace
+
+extern "C" int dsv_tuning_get(int device, const dsv_tuning** out) {
+  if (device < 0 || device >= kMaxDevices) return DSV_ERR_INVALID;
+  Slot* s = &g_slots[device];
+  if (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) != 1) {
+    pthread_mutex_lock(&g_lock);
+    if (s->state != 1) {
+      s->st = fill(device, &s->t);
+      if (s->st == DSV_ERR_CUDA) { /* not cached: the device may be usable later */
+        pthread_mutex_unlock(&g_lock);
+        return DSV_ERR_CUDA;
+      }
+      __atomic_store_n(&s->state, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&g_lock);
+  }
+  *out = &s->t;
+  return s->st;
+}
+
+extern "C" int dsv_tuning_current(const dsv_tuning** out) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return DSV_ERR_CUDA;
+  }
+  return dsv_tuning_get(dev, out);
+}
+
+extern "C" int dsv_cuda_kernel_tuning(int device, char* buf, int64_t len) {
+  if (!buf || len <= 0) return DSV_ERR_INVALID;
+  const dsv_tuning* t = nullptr;
+  const int st = dsv_tuning_get(device, &t);
+  if (st != DSV_OK) return st;
+  const int n = snprintf(buf, (size_t)len,
+                         "sm_count=%d,l2_bytes=%d,cc=%d,wgmma=%d,km_ratio=%g,bwd_ranges=%d,"
+                         "bwd_rmax=%d",
+                         t->sm_count, t->l2_bytes, t->cc, t->wgmma, (double)t->km_ratio,
+                         t->bwd_ranges, t->bwd_rmax);
+  return n >= 0 && n < len ? DSV_OK : DSV_ERR_NOMEM;
+}

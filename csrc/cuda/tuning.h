@@ -1,0 +1,42 @@
+/*
+ * tuning.h - the kernel tuning of one CUDA device (internal to csrc/cuda): what the launch code
+ * chooses from, filled once per device by tuning.cu and read by every launch.
+ *
+ * Defaults come from the device (SM count, L2 size, compute capability) and from measurements
+ * (benchmarks/PERF_LOG.md). The one override, for experiments and tests, is the environment
+ * variable DSV_KERNEL_TUNING="key=value,key=value" (keys as in the struct), read when a device's
+ * tuning is first filled; a malformed value makes every launch return DSV_ERR_TUNING.
+ */
+#ifndef DSV_CUDA_TUNING_H
+#define DSV_CUDA_TUNING_H
+
+#include "dsv.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct dsv_tuning {
+  int sm_count;     /* streaming multiprocessors (grid sizes of grid-stride kernels) */
+  int l2_bytes;     /* L2 cache size (the backward's key ranges) */
+  int cc;           /* compute capability, 10 major + minor */
+  int wgmma;        /* 1: the Hopper wgmma kernels run (an sm_90a build on a 9.0 device), else
+                       mma.sync; an override can turn them off, never on where they cannot run */
+  float km_ratio;   /* backward: a head takes the key-major dK / dV pass when its lists' 64-key
+                       block entries x 64 <= km_ratio x groups x K (0: never) */
+  int bwd_ranges;   /* backward, query-major dK / dV: 0 = key ranges per head by the automatic
+                       rule, R >= 1 forces R ranges on every head (at most 16) */
+  int bwd_rmax;     /* the automatic rule's most ranges: 0 = from the L2 size (at most 8) */
+} dsv_tuning;
+
+/* The tuning of `device` (filled on first use, then cached): DSV_OK, DSV_ERR_CUDA when the
+ * device cannot be queried, DSV_ERR_TUNING when DSV_KERNEL_TUNING is malformed. */
+int dsv_tuning_get(int device, const dsv_tuning** out);
+/* The tuning of the current device. */
+int dsv_tuning_current(const dsv_tuning** out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DSV_CUDA_TUNING_H */
