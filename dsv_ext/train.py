@@ -596,7 +596,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
                             fused=(dev.type == "cuda") or None)
     controller = None
     if attention == "dsv":
-        from .controller import DSVController
+        from .control.controller import DSVController
 
         controller = DSVController(model, dsv_cfg)
         if not getattr(controller, "modules", None):

@@ -19,8 +19,15 @@ class SparseAttention(nn.Module):
         mask of the text tokens (bool, [B, 1, 1, S] or [B, S], True = attend; the video keys
         must all be valid there; a mask without text tokens keeps the call dense).
     set_grid(grid)                 # (T, H, W) token grid used when forward() gets none
-    stage: int                     # 1 (dense) or 2 (sparse); set by the controller
+    set_density(density, seq_len=None) / set_head_k(head_k, seq_len)   # per-head K by hand
+    set_index_refresh(every)       # inference: reuse the estimated index for `every` calls
     predictor: LowRankPredictor    # per-head [H, D, r] projections for q and k
+    # the driver's contract (dsv_ext.modules.contract; DSVController uses it):
+    plan_step(plan: StepPlan)      # stage, train, profile, row_offset, mode, density of a step
+    plan -> StepPlan; stage, use_sparse, density   # views of the plan (stage, use_sparse settable)
+    take_stats() -> ModuleStats    # grads, loss, sparsity, recall, recall_curve (resets)
+    workload -> Workload           # seq_len, batch, dtype of the latest training forward
+    set_context_parallel(runner)   # forward() calls runner(self, q, k, v, scale) (parallel.enable)
 
 class DSVAttention(nn.Module):   # full self-attention layer for new models
     DSVAttention(dim: int, num_heads: int, head_dim: int | None = None, qkv_bias: bool = True,
@@ -38,222 +45,26 @@ class DenseAttention(nn.Module): # plain SDPA core with the same call signature;
 """
 from __future__ import annotations
 
-import math
+from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .config import DSVConfig
-from .grouping import check_grid, cube_permutation
+from ..config import DSVConfig
+from ..functional.attention import (dense_core, joint_sparse_core, kernel_dtype, kernels_available, need_ops,
+                                    sparse_core, sparse_supported)
+from ..grouping import check_grid, cube_permutation
+from ..recall import recall_curve
+from .contract import ModuleStats, StepPlan, Workload
 from .predictor import LowRankPredictor
 
-try:  # the compiled ops; the Python layer stays importable without them (clear error at use)
-    from . import ops as _ops
-    _OPS_ERROR: Optional[BaseException] = None
-except Exception as e:  # pragma: no cover - only before the extension is built
-    _ops = None  # type: ignore[assignment]
-    _OPS_ERROR = e
-
-__all__ = ["SparseAttention", "DSVAttention", "DenseAttention", "dense_core", "sparse_core", "joint_sparse_core"]
+__all__ = ["SparseAttention", "DSVAttention", "DenseAttention", "set_index_refresh", "StepPlan", "ModuleStats",
+           "Workload"]
 
 
 def _identity(x):
     return x
-
-
-def _need_ops():
-    if _ops is None:
-        raise ImportError(f"dsv_ext.ops is not available (build the extension): {_OPS_ERROR}")
-    return _ops
-
-
-# ------------------------------------------------------------------------------------------------
-# pure core functions (no module state, no host syncs): torch.compile(fullgraph=True) friendly
-
-def _sdpa_priority():
-    from torch.nn.attention import SDPBackend
-    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-            SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def dense_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
-               backend: str = "auto", attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Dense attention on [B, S, H, D] tensors through SDPA (output [B, S, H, D], a view).
-
-    backend "auto" on CUDA asks SDPA for cuDNN first, then Flash, memory-efficient and math
-    (the fastest available on Hopper); elsewhere torch's default choice is kept. attn_mask is
-    passed to SDPA as given (SDPA's [B, H, Sq, Skv]-broadcastable layout)."""
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    extra = {} if attn_mask is None else {"attn_mask": attn_mask}
-    if backend == "auto" and q.is_cuda:
-        from torch.nn.attention import sdpa_kernel
-        with sdpa_kernel(_sdpa_priority(), set_priority=True):
-            o = _SDPA(qt, kt, vt, scale=scale, **extra)
-    else:
-        o = _SDPA(qt, kt, vt, scale=scale, **extra)
-    return o.transpose(1, 2)
-
-
-# the SDPA function dsv_ext itself calls (a scoped patch of F.scaled_dot_product_attention, see
-# dsv_ext.generic.route_sdpa, must not route the library's own dense calls back to itself)
-_SDPA = F.scaled_dot_product_attention
-
-
-def _autocast_inputs(q, k, v):
-    dev = q.device.type
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        q, k, v = q.to(dt), k.to(dt), v.to(dt)
-    return q, k, v
-
-
-_CUDA_SPARSE_HEAD_DIMS = (64, 96, 128, 256)
-
-
-def kernel_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype the dsv kernels run in for this input: the CUDA kernels take bf16/fp16 only
-    (float32/float64 inputs run in bf16 there); the CPU kernels take any float dtype."""
-    if t.is_cuda and t.dtype not in (torch.bfloat16, torch.float16):
-        return torch.bfloat16
-    return t.dtype
-
-
-def kernels_available(device: torch.device, head_dim: int, rank: int) -> bool:
-    """Whether predictor training / profiling kernels exist for this device and shape."""
-    if _ops is None:
-        return False
-    if torch.device(device).type == "cuda":
-        return _ops.has_cuda_kernels() and head_dim <= 256 and rank <= 64
-    return True
-
-
-def sparse_supported(device: torch.device, head_dim: int, rank: int) -> bool:
-    """Whether the sparse path (estimation + sparse attention) exists for this device and shape."""
-    if not kernels_available(device, head_dim, rank):
-        return False
-    return torch.device(device).type != "cuda" or head_dim in _CUDA_SPARSE_HEAD_DIMS
-
-
-def _estimate_index(qp: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
-                    counts: torch.Tensor, group_size: int, kmax: int) -> torch.Tensor:
-    """Each query group's top-K keys from the low-rank projections of (cube-ordered) queries qp and
-    keys k ([B, S, H, D]) by the predictor weights wq, wk ([H, D, r]); no gradient."""
-    with torch.no_grad():
-        q_lr = torch.einsum("bshd,hdr->bshr", qp.detach(), wq.detach().to(qp.dtype)).contiguous()
-        k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), wk.detach().to(k.dtype)).contiguous()
-    return _need_ops().topk_estimate(q_lr, k_lr, counts, group_size, kmax)
-
-
-def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
-                perm: Optional[torch.Tensor], inv: Optional[torch.Tensor], kv_count: torch.Tensor,
-                kmax: int, group_size: int, scale: Optional[float] = None,
-                index: Optional[torch.Tensor] = None, return_index: bool = False,
-                deterministic: Optional[bool] = None):
-    """Stage-2 attention on [B, S, H, D]: cube-reorder the queries, low-rank projections (detached
-    from the model graph), top-K estimation of each query group's keys, sparse attention,
-    inverse reorder. Keys/values stay in their original order (kv_index addresses them there),
-    so only q and the output are permuted.
-
-    wq, wk: predictor weights [H, D, r]; perm/inv: int64 [S] (None = no reordering);
-    kv_count: int32 [H] per-head K (<= kmax); kmax: Python int, the index list length.
-    index: a kv_index [B, H, groups, kmax] from an earlier call with the same shapes, perm and
-    kv_count, used instead of estimating again (inference index reuse); return_index: return
-    (out, index); deterministic: see dsv_ext.sparse_attention."""
-    ops = _need_ops()
-    q, k, v = _autocast_inputs(q, k, v)
-    out_dtype = q.dtype
-    kdt = kernel_dtype(q)
-    q, k, v = q.to(kdt), k.to(kdt), v.to(kdt)
-    B, S, H, D = q.shape
-    qp = q.index_select(1, perm) if perm is not None else q
-    counts = kv_count.view(1, H).expand(B, H).contiguous()
-    if index is None:
-        index = _estimate_index(qp, k, wq, wk, counts, group_size, kmax)
-    out = ops.sparse_attention(qp, k, v, index, counts, group_size, scale, check_index=False,
-                               deterministic=deterministic)
-    out = out.index_select(1, inv) if inv is not None else out
-    out = out.to(out_dtype)
-    return (out, index) if return_index else out
-
-
-def _text_key_mask(attn_mask: Optional[torch.Tensor], B: int, S: int, text: slice) -> Optional[torch.Tensor]:
-    """The text part of a key-padding attn_mask as bool [B, n_text] (None: all text keys valid)."""
-    if attn_mask is None:
-        return None
-    m = attn_mask
-    if m.dim() == 4:
-        if m.shape[1] != 1 or m.shape[2] != 1:
-            raise ValueError(f"attn_mask: the sparse path takes a key-padding mask [B, 1, 1, S], got shape "
-                             f"{tuple(m.shape)}")
-        m = m[:, 0, 0]
-    if m.dim() != 2 or m.shape[-1] != S or m.shape[0] not in (1, B):
-        raise ValueError(f"attn_mask: expected a key-padding mask [B, 1, 1, {S}] or [B, {S}], got shape "
-                         f"{tuple(attn_mask.shape)}")
-    if m.dtype != torch.bool:
-        m = m == 0 if m.dtype.is_floating_point else m != 0  # additive float mask: 0 = attend
-    return m[:, text].expand(B, -1)
-
-
-def joint_sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
-                      perm: Optional[torch.Tensor], inv: Optional[torch.Tensor], kv_count: torch.Tensor,
-                      kmax: int, group_size: int, scale: Optional[float], n_text: int, text_first: bool = False,
-                      attn_mask: Optional[torch.Tensor] = None, backend: str = "auto",
-                      index: Optional[torch.Tensor] = None, return_index: bool = False,
-                      deterministic: Optional[bool] = None):
-    """Stage-2 joint text+video attention on [B, S, H, D] (S = n_video + n_text; the text tokens
-    last, or first with text_first). Video queries: one sparse_attention call over all keys
-    (k, v as given, no copies) where each query group's list is its top-K video keys
-    (estimated as in sparse_core, K = kv_count[h]) followed by every (valid) text key, so
-    kv_count becomes K + n_text; the kernel needs as many query rows as keys, so the text
-    queries fill the rows after the video ones and their outputs there are discarded (their
-    gradient through that call is exactly zero). Text queries: dense SDPA over all keys.
-    index: the video-part top-K index of an earlier call (reuse), return_index: (out, index);
-    deterministic: see dsv_ext.sparse_attention."""
-    ops = _need_ops()
-    B, S, H, D = q.shape
-    Sv = S - n_text
-    vid, txt = (slice(n_text, S), slice(0, n_text)) if text_first else (slice(0, Sv), slice(Sv, S))
-    text_valid = _text_key_mask(attn_mask, B, S, txt)
-    out_t = dense_core(q[:, txt], k, v, scale, backend, attn_mask=attn_mask)
-    q, k, v = _autocast_inputs(q, k, v)
-    out_dtype = q.dtype
-    kdt = kernel_dtype(q)
-    q, k, v = q.to(kdt), k.to(kdt), v.to(kdt)
-    qv, kv, qt = q[:, vid], k[:, vid], q[:, txt]
-    qp = qv.index_select(1, perm) if perm is not None else qv
-    counts = kv_count.view(1, H).expand(B, H).contiguous()
-    if index is None:
-        index = _estimate_index(qp, kv, wq, wk, counts, group_size, kmax)
-    with torch.no_grad():  # the joint lists, built in int32 in one buffer
-        ngv, ng, L = index.shape[2], -(-S // group_size), kmax + n_text
-        full = torch.empty(B, H, ng, L, dtype=torch.int32, device=q.device)
-        fv = full[:, :, :ngv]
-        fv[..., :kmax] = index
-        if vid.start:
-            fv[..., :kmax] += vid.start  # keys stay where they are in k, v (the -1 padding is never read)
-        if text_valid is None:  # every text key, in order
-            tpos = (txt.start + torch.arange(n_text, device=q.device, dtype=torch.int32)).view(1, 1, 1, n_text)
-            jcount = counts + n_text
-        else:  # the valid text keys first (stable: in their order)
-            order = torch.argsort((~text_valid).to(torch.int8), dim=1, stable=True)
-            tpos = (order + txt.start).to(torch.int32).view(B, 1, 1, n_text)
-            jcount = counts + text_valid.sum(1, dtype=torch.int32).view(B, 1)
-        # head h's text keys go right after its K_h video keys
-        slots = kv_count.to(torch.int64).view(1, H, 1, 1) + torch.arange(n_text, device=q.device).view(1, 1, 1, -1)
-        fv.scatter_(3, slots.expand(B, H, ngv, n_text), tpos.expand(B, H, ngv, n_text))
-        if ng > ngv:  # groups of the text rows only (outputs discarded): any valid list
-            full[:, :, ngv:] = fv[:, :, ngv - 1:ngv]
-        jcount = jcount.to(torch.int32).contiguous()
-    qc = torch.cat([qp, qt], 1)  # video query groups first, aligned to the group size
-    out_v = ops.sparse_attention(qc, k, v, full, jcount, group_size, scale, check_index=False,
-                                 deterministic=deterministic)[:, :Sv]
-    out_v = out_v.index_select(1, inv) if inv is not None else out_v
-    out_v = out_v.to(out_dtype)
-    out_t = out_t.to(out_dtype)
-    out = torch.cat([out_t, out_v], 1) if text_first else torch.cat([out_v, out_t], 1)
-    return (out, index) if return_index else out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,16 +110,20 @@ class DenseAttention(nn.Module):
 class SparseAttention(nn.Module):
     """Drop-in for F.scaled_dot_product_attention on [B, S, H, D] with DSV's two stages.
 
-    Stage 1 (default; also what you get without a DSVController): dense SDPA. When the controller
-    arms a step, the forward additionally trains the predictors on sampled query rows (loss and
-    its backward run here on detached q, k; the gradients go to a private accumulator that the
-    controller applies, the model's graph and .grad are untouched) and/or profiles the per-head
-    sparsity. Stage 2: cube-ordered query groups, top-K keys per group estimated from the
-    low-rank predictors with per-head K from the profiled sparsity, sparse attention; blocks the
-    dispatcher keeps dense stay on SDPA.
+    Stage 1 (default; also what you get without a DSVController): dense SDPA. When the step plan
+    asks for it, the training forward additionally trains the predictors on sampled query rows
+    (loss and its backward run here on detached q, k; the gradients go to a private accumulator
+    that the controller reads with take_stats(); the model's graph and .grad are untouched)
+    and/or profiles the per-head sparsity. Stage 2: cube-ordered query groups, top-K keys per
+    group estimated from the low-rank predictors with per-head K from the profiled sparsity,
+    sparse attention; blocks the dispatcher keeps dense stay on SDPA.
 
-    State the controller sets (all host-side): stage, use_sparse, density/kv_count/kmax (from the
-    sparsity EMAs), _train_now, _profile_now, _row_offset.
+    The driver's side (dsv_ext.modules.contract): ``plan_step(StepPlan)`` hands over a step's
+    decisions (stage, train, profile, sampled rows, sparse/dense, per-head density);
+    ``take_stats() -> ModuleStats`` returns what the forwards measured; ``workload`` is the input
+    shape of the latest training forward. Context parallelism is given to the module:
+    ``set_context_parallel(runner)`` (dsv_ext.parallel.enable does it) makes forward() call
+    ``runner(self, q, k, v, scale)`` on this rank's shard.
     """
 
     def __init__(self, num_heads: int, head_dim: int, grid: Optional[Sequence[int]] = None,
@@ -325,37 +140,104 @@ class SparseAttention(nn.Module):
         if grid is not None:
             self.set_grid(grid)
         self.predictor = LowRankPredictor(num_heads, head_dim, self.config.rank)
-        # stage / dispatch state (host side, set by the controller)
-        self.stage: int = 1
-        self.use_sparse: bool = False
-        self.density: Optional[List[float]] = None       # per-head 1 - sparsity EMA
+        # the driver's decisions (plan_step) and the per-head K they give (host side)
+        self._plan = StepPlan()
         self.kmax: int = 0
+        self._ks: List[int] = []          # per-head K for _k_seq_len
         self._k_seq_len: int = -1
         self.register_buffer("kv_count", torch.zeros(num_heads, dtype=torch.int32), persistent=False)
-        # per-step flags (controller) and per-step results (read by the controller)
-        self._train_now: bool = False
-        self._profile_now: bool = False
-        self._row_offset: int = 0
-        self._seq_len: int = -1
-        self._batch: int = 1
-        self._dtype: torch.dtype = torch.float32
-        self._pending_loss: Optional[torch.Tensor] = None      # [H] sum over forwards
-        self._pending_loss_n: int = 0
-        self._pending_sparsity: Optional[torch.Tensor] = None  # [H]
-        self._pending_sparsity_n: int = 0
-        self._pending_recall: Optional[torch.Tensor] = None    # [H]
-        self._pending_recall_n: int = 0
-        self._pending_curve: Optional[torch.Tensor] = None     # [H, bins] recall vs K (k_rule recall)
-        self._pending_curve_n: int = 0
-        self._rows_cache: Dict[tuple, torch.Tensor] = {}
+        # what the training forwards saw and measured (workload, take_stats)
+        self._workload = Workload()
         self._grad_acc: Optional[List[torch.Tensor]] = None     # predictor grads [wq, wk]
+        self._sums: Dict[str, Tuple[torch.Tensor, int]] = {}   # name -> (sum over forwards, count)
+        self._rows_cache: Dict[tuple, torch.Tensor] = {}
         self._warned = False
         # inference index reuse (set_index_refresh): estimate every `index_refresh` calls in eval
         self.index_refresh: int = 1
         self._index_cache: Optional[Tuple[tuple, torch.Tensor]] = None
         self._index_calls: int = 0
-        # context parallelism (dsv_ext.parallel.enable): None = this rank holds whole sequences
-        self._cp = None
+        # context parallelism (set_context_parallel): None = this rank holds whole sequences
+        self._cp: Optional[Callable] = None
+
+    # ---------------------------------------------------------------- the driver's contract
+    @property
+    def plan(self) -> StepPlan:
+        """The step plan in force (see plan_step)."""
+        return self._plan
+
+    def plan_step(self, plan: StepPlan) -> None:
+        """Take a driver's decisions for the coming forwards (dsv_ext.modules.contract.StepPlan):
+        stage, predictor training / profiling, the sampled rows, sparse or dense, per-head
+        density (per-head K follows for the workload's length, host only, no sync)."""
+        if not isinstance(plan, StepPlan):
+            raise TypeError(f"plan: expected a StepPlan, got {type(plan).__name__}")
+        if plan.density is not None and len(plan.density) != self.num_heads:
+            raise ValueError(f"plan: density has {len(plan.density)} values, expected {self.num_heads}")
+        old, self._plan = self._plan, plan
+        if plan.density is None:
+            self.kmax, self._ks, self._k_seq_len = 0, [], -1
+            return
+        S = self._workload.seq_len if self._workload.seq_len > 0 else self._k_seq_len
+        if S > 0 and (plan.density != old.density or S != self._k_seq_len):
+            self._refresh_counts(S)
+
+    def take_stats(self) -> ModuleStats:
+        """What the training forwards measured since the last call (ModuleStats: predictor
+        gradients, loss, sparsity, recall, recall curve; device tensors); resets it."""
+        st = self.peek_stats()
+        self._grad_acc, self._sums = None, {}
+        return st
+
+    def peek_stats(self) -> ModuleStats:
+        """take_stats() without the reset."""
+        def mean(name):
+            s = self._sums.get(name)
+            return None if s is None else s[0] / s[1]
+        g = self._grad_acc
+        return ModuleStats(grads=None if g is None else (g[0], g[1]), loss=mean("loss"),
+                           sparsity=mean("sparsity"), recall=mean("recall"), recall_curve=mean("curve"),
+                           trained=self._sums.get("loss", (None, 0))[1],
+                           profiled=self._sums.get("sparsity", (None, 0))[1])
+
+    @property
+    def workload(self) -> Workload:
+        """Input shape (video part) of the latest training forward: seq_len, batch, dtype."""
+        return self._workload
+
+    def set_workload(self, seq_len: int, batch: int = 1, dtype: torch.dtype = torch.float32) -> None:
+        """Restore the workload (from a checkpoint, or for planning before any forward)."""
+        if not isinstance(seq_len, int) or seq_len == 0 or seq_len < -1:
+            raise ValueError(f"seq_len: expected a positive int (or -1: unknown), got {seq_len!r}")
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch: expected a positive int, got {batch!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+        self._workload = Workload(seq_len, batch, dtype)
+
+    # public views of the plan (kept settable for benchmarks and tests: they replace the plan)
+    @property
+    def stage(self) -> int:
+        """1 (dense) or 2 (DSV); part of the step plan."""
+        return self._plan.stage
+
+    @stage.setter
+    def stage(self, value: int) -> None:
+        self._plan = replace(self._plan, stage=int(value))
+
+    @property
+    def use_sparse(self) -> bool:
+        """Whether stage 2 runs this block sparse (the plan's mode)."""
+        return self._plan.mode == "sparse"
+
+    @use_sparse.setter
+    def use_sparse(self, value: bool) -> None:
+        self._plan = replace(self._plan, mode="sparse" if value else "dense")
+
+    @property
+    def density(self) -> Optional[List[float]]:
+        """Per-head K / S of the plan (None: no estimate yet)."""
+        d = self._plan.density
+        return None if d is None else list(d)
 
     # ---------------------------------------------------------------- configuration
     def set_grid(self, grid: Optional[Sequence[int]]) -> None:
@@ -363,26 +245,49 @@ class SparseAttention(nn.Module):
         self.grid = None if grid is None else check_grid(grid)
 
     def set_density(self, density: Optional[Sequence[float]], seq_len: Optional[int] = None) -> None:
-        """Per-head density (1 - sparsity) -> per-head K for seq_len (host only, no sync)."""
+        """Per-head density (1 - sparsity) -> per-head K for seq_len (default: the workload's
+        length, else the length K was last sized for); host only, no sync."""
         if density is None:
-            self.density, self.kmax, self._k_seq_len = None, 0, -1
+            self.plan_step(replace(self._plan, density=None))
             return
         if len(density) != self.num_heads:
             raise ValueError(f"density: expected {self.num_heads} values, got {len(density)}")
-        self.density = [float(d) for d in density]
-        # no length given: the training length, else the length the counts were last built for
-        # (kv_count must follow the new density even when no side task recorded a length)
-        S = seq_len if seq_len is not None else (self._seq_len if self._seq_len > 0 else self._k_seq_len)
+        self._plan = replace(self._plan, density=tuple(float(d) for d in density))
+        S = seq_len if seq_len is not None else (
+            self._workload.seq_len if self._workload.seq_len > 0 else self._k_seq_len)
         if S is not None and S > 0:
             self._refresh_counts(S)
 
+    def set_head_k(self, head_k: Sequence[int], seq_len: int) -> None:
+        """Pin per-head K exactly (1 <= K <= seq_len) for sequences of seq_len tokens; the
+        density becomes K / seq_len (another length sizes K from it through config.head_k)."""
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len: expected a positive int, got {seq_len!r}")
+        ks = [int(k) for k in head_k]
+        if len(ks) != self.num_heads or not all(1 <= k <= seq_len for k in ks):
+            raise ValueError(f"head_k: expected {self.num_heads} values in [1, {seq_len}], got {ks}")
+        self._plan = replace(self._plan, density=tuple(k / seq_len for k in ks))
+        self._set_counts(ks, seq_len)
+
     @torch._dynamo.disable
     def _refresh_counts(self, S: int) -> None:
-        ks = [self.config.head_k(1.0 - d, S) for d in self.density]  # type: ignore[union-attr]
-        self.kmax = max(ks)
+        self._set_counts([self.config.head_k(1.0 - d, S) for d in self._plan.density], S)  # type: ignore
+
+    def _set_counts(self, ks: List[int], S: int) -> None:
+        self._ks, self.kmax, self._k_seq_len = ks, max(ks), S
         with torch.no_grad():
             self.kv_count.copy_(torch.tensor(ks, dtype=torch.int32), non_blocking=True)
-        self._k_seq_len = S
+
+    def kv_counts_for(self, S: int) -> torch.Tensor:
+        """Per-head K (int32 [H], the kv_count buffer) sized for sequences of S tokens."""
+        if S != self._k_seq_len:
+            self._refresh_counts(S)
+        return self.kv_count
+
+    @property
+    def k_seq_len(self) -> int:
+        """The sequence length per-head K is sized for (-1: none)."""
+        return self._k_seq_len
 
     def set_index_refresh(self, every: int) -> None:
         """Inference only: estimate the critical keys on every `every`-th stage-2 call in eval
@@ -404,9 +309,23 @@ class SparseAttention(nn.Module):
     @property
     def head_k(self) -> List[int]:
         """Per-head K for the current sequence length (host copy, no device sync)."""
-        if self.density is None or self._k_seq_len < 0:
+        if self._plan.density is None or self._k_seq_len < 0:
             return []
-        return [self.config.head_k(1.0 - d, self._k_seq_len) for d in self.density]
+        return list(self._ks)
+
+    @property
+    def context_parallel(self) -> Optional[Callable]:
+        """The context-parallel runner in use (None: whole sequences; see set_context_parallel)."""
+        return self._cp
+
+    def set_context_parallel(self, runner: Optional[Callable]) -> None:
+        """Run forward() through ``runner(self, q, k, v, scale) -> out`` on this rank's sequence
+        shard (dsv_ext.parallel.enable registers one); None: back to whole sequences. Drops a
+        reused inference index."""
+        if runner is not None and not callable(runner):
+            raise TypeError(f"runner: expected a callable or None, got {type(runner).__name__}")
+        self._cp = runner
+        self.reset_index_cache()
 
     # ---------------------------------------------------------------- forward
     def _check(self, q, k, v) -> None:
@@ -427,29 +346,35 @@ class SparseAttention(nn.Module):
             return None, None
         return cube_permutation(grid, self.config.cube, S, device)
 
+    @property
+    def side_tasks_due(self) -> bool:
+        """Whether a forward now runs the plan's predictor training / profiling (training mode)."""
+        return self.training and self._plan.side_tasks
+
+    def _sparse_now(self) -> bool:
+        return self.stage == 2 and self.use_sparse and self._plan.density is not None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Optional[Sequence[int]] = None,
                 scale: Optional[float] = None, *, n_text: int = 0, text_first: bool = False,
                 attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         self._check(q, k, v)
         if n_text or attn_mask is not None:
             return self._joint_forward(q, k, v, grid, scale, int(n_text), bool(text_first), attn_mask)
-        if self._cp is not None:  # context parallel (dsv_ext.parallel.enable): q, k, v are shards
-            from .parallel.module import cp_forward
-            return cp_forward(self, q, k, v, scale)
+        if self._cp is not None:  # context parallel: q, k, v are this rank's shards
+            return self._cp(self, q, k, v, scale)
         grid = self.grid if grid is None else tuple(grid)
-        if self.training and (self._train_now or self._profile_now):
-            self._side_tasks(q, k, grid, scale)
-        if self.stage == 2 and self.use_sparse and self.density is not None:
-            S = q.shape[1]
-            if S != self._k_seq_len:
-                self._refresh_counts(S)
-            perm, inv = self._perm(grid, S, q.device)
-            if self.training or self.index_refresh <= 1:
-                return sparse_core(q, k, v, self.predictor.wq, self.predictor.wk, perm, inv,
-                                   self.kv_count, self.kmax, self.config.group_size, scale,
-                                   deterministic=self.config.deterministic)
-            return self._reuse_index_core(q, k, v, grid, perm, inv, scale)
-        return dense_core(q, k, v, scale, self.config.dense_backend)
+        if self.side_tasks_due:
+            self.run_side_tasks(q, k, grid, scale)
+        if not self._sparse_now():
+            return dense_core(q, k, v, scale, self.config.dense_backend)
+        S = q.shape[1]
+        perm, inv = self._perm(grid, S, q.device)
+        args = (q, k, v, self.predictor.wq, self.predictor.wk, perm, inv, self.kv_counts_for(S), self.kmax,
+                self.config.group_size, scale)
+        if self._reuse_index():
+            return self._with_index_reuse((tuple(q.shape), grid, str(q.device)), sparse_core, *args,
+                                          deterministic=self.config.deterministic)
+        return sparse_core(*args, deterministic=self.config.deterministic)
 
     def _joint_forward(self, q, k, v, grid, scale, n_text: int, text_first: bool, attn_mask):
         """forward() with text tokens (n_text > 0) and/or an attention mask (see the class doc)."""
@@ -463,52 +388,43 @@ class SparseAttention(nn.Module):
         if grid is not None and grid[0] * grid[1] * grid[2] > Sv:
             raise ValueError(f"grid: {grid} has more tokens than the {Sv} video tokens (S={S}, n_text={n_text})")
         vid = slice(n_text, S) if text_first else slice(0, Sv)
-        if self.training and (self._train_now or self._profile_now):
-            self._side_tasks(q[:, vid], k[:, vid], grid, scale)
-        if self.stage == 2 and self.use_sparse and self.density is not None and n_text > 0:
-            if Sv != self._k_seq_len:
-                self._refresh_counts(Sv)
-            perm, inv = self._perm(grid, Sv, q.device)
-            index = None
-            key = (tuple(q.shape), n_text, grid, str(q.device), self.kmax, tuple(self.head_k))
-            reuse = not self.training and self.index_refresh > 1
-            if reuse:
-                cached = self._index_cache
-                if cached is not None and cached[0] == key and self._index_calls % self.index_refresh != 0:
-                    index = cached[1]
-                else:
-                    self._index_calls = 0
-            out, index = joint_sparse_core(q, k, v, self.predictor.wq, self.predictor.wk, perm, inv, self.kv_count,
-                                           self.kmax, self.config.group_size, scale, n_text, text_first, attn_mask,
-                                           self.config.dense_backend, index=index, return_index=True,
-                                           deterministic=self.config.deterministic)
-            if reuse:
-                self._index_cache = (key, index)
-                self._index_calls += 1
-            return out
-        return dense_core(q, k, v, scale, self.config.dense_backend, attn_mask=attn_mask)
+        if self.side_tasks_due:
+            self.run_side_tasks(q[:, vid], k[:, vid], grid, scale)
+        if not (self._sparse_now() and n_text > 0):
+            return dense_core(q, k, v, scale, self.config.dense_backend, attn_mask=attn_mask)
+        perm, inv = self._perm(grid, Sv, q.device)
+        args = (q, k, v, self.predictor.wq, self.predictor.wk, perm, inv, self.kv_counts_for(Sv), self.kmax,
+                self.config.group_size, scale, n_text, text_first, attn_mask, self.config.dense_backend)
+        if self._reuse_index():
+            return self._with_index_reuse((tuple(q.shape), n_text, grid, str(q.device)), joint_sparse_core,
+                                          *args, deterministic=self.config.deterministic)
+        return joint_sparse_core(*args, deterministic=self.config.deterministic)
+
+    def _reuse_index(self) -> bool:
+        return not self.training and self.index_refresh > 1
 
     @torch._dynamo.disable
-    def _reuse_index_core(self, q, k, v, grid, perm, inv, scale):
-        key = (tuple(q.shape), grid, str(q.device), self.kmax, tuple(self.head_k))
+    def _with_index_reuse(self, key: tuple, core: Callable, *args, **kwargs) -> torch.Tensor:
+        """Eval-mode index reuse (set_index_refresh): ``core`` with the kept index while it is
+        valid for ``key`` (shapes, grid, device, per-head K) and not due for a refresh."""
+        key = key + (self.kmax, tuple(self.head_k))
         cached = self._index_cache
         index = None
         if cached is not None and cached[0] == key and self._index_calls % self.index_refresh != 0:
             index = cached[1]
         else:
             self._index_calls = 0  # a (re-)estimate starts a new cycle
-        out, index = sparse_core(q, k, v, self.predictor.wq, self.predictor.wk, perm, inv,
-                                 self.kv_count, self.kmax, self.config.group_size, scale,
-                                 index=index, return_index=True, deterministic=self.config.deterministic)
+        out, index = core(*args, index=index, return_index=True, **kwargs)
         self._index_cache = (key, index)
         self._index_calls += 1
         return out
 
     # ---------------------------------------------------------------- side tasks (eager)
-    def _rows(self, S: int, device) -> torch.Tensor:
+    def sampled_rows(self, S: int, device) -> torch.Tensor:
+        """The query rows the plan samples (cube-order positions: row_offset, + stride, ...)."""
         stride = self.config.row_sample_stride
-        off = self._row_offset % min(stride, S)
-        key = (S, off, str(device))
+        off = self._plan.row_offset % min(stride, S)
+        key = (S, off, stride, str(device))
         r = self._rows_cache.get(key)
         if r is None:
             if len(self._rows_cache) > 32:
@@ -517,19 +433,20 @@ class SparseAttention(nn.Module):
             self._rows_cache[key] = r
         return r
 
-    @staticmethod
-    def _accumulate(cur: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
-        return new if cur is None else cur + new
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        cur = self._sums.get(name)
+        self._sums[name] = (value, 1) if cur is None else (cur[0] + value, cur[1] + 1)
 
     @torch._dynamo.disable
-    def _side_tasks(self, q: torch.Tensor, k: torch.Tensor, grid, scale: Optional[float],
-                    rows: Optional[torch.Tensor] = None, weight: float = 1.0) -> None:
-        """Predictor training step (loss + backward into predictor .grad) and profiling, on
-        detached q, k. Skipped while autograd recomputes a checkpointed forward. ``rows``: the
-        sampled query rows, positions in the cube order of ``grid`` (the query groups' order;
-        default: every row_sample_stride-th); ``weight`` scales this call's
-        gradients and statistics (context parallelism passes the rank's own rows, weighted by
-        their share, so that the average over ranks is the single-process value)."""
+    def run_side_tasks(self, q: torch.Tensor, k: torch.Tensor, grid, scale: Optional[float],
+                       rows: Optional[torch.Tensor] = None, weight: float = 1.0) -> None:
+        """The plan's predictor training step (loss + backward into the private gradient
+        accumulator) and profiling, on detached q, k [B, S, H, D] (the video tokens). Skipped
+        while autograd recomputes a checkpointed forward. ``rows``: the sampled query rows,
+        positions in the cube order of ``grid`` (the query groups' order; default:
+        sampled_rows); ``weight`` scales this call's gradients and statistics (context
+        parallelism passes the rank's own rows, weighted by their share, so that the average
+        over ranks is the single-process value). Results: take_stats(); input shape: workload."""
         if torch._C._current_graph_task_id() != -1:  # inside backward (activation recompute)
             return
         cfg = self.config
@@ -541,13 +458,13 @@ class SparseAttention(nn.Module):
                               "and the block stays dense")
                 self._warned = True
             return
-        ops = _need_ops()
+        ops = need_ops()
         kdt = kernel_dtype(q)
         q, k = q.detach().to(kdt), k.detach().to(kdt)
         B, S, H, D = q.shape
-        self._seq_len, self._batch, self._dtype = S, B, q.dtype
+        self._workload = Workload(S, B, q.dtype)
         if rows is None:
-            rows = self._rows(S, q.device)
+            rows = self.sampled_rows(S, q.device)
         # every task samples the same rows of the cube-ordered queries (what the query groups and
         # a context-parallel rank's shard see)
         perm, _ = self._perm(grid, S, q.device)
@@ -557,7 +474,7 @@ class SparseAttention(nn.Module):
         # checkpointing (whose own hooks would otherwise count these tensors) and to offloading
         with torch.autocast(device_type=q.device.type, enabled=False), \
                 torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-            if self._train_now:
+            if self._plan.train:
                 with torch.enable_grad():
                     wq = self.predictor.wq.detach().requires_grad_(True)
                     wk = self.predictor.wk.detach().requires_grad_(True)
@@ -570,35 +487,33 @@ class SparseAttention(nn.Module):
                 else:
                     self._grad_acc[0] += gq
                     self._grad_acc[1] += gk
-                self._pending_loss = self._accumulate(self._pending_loss, loss.detach().float().mean(0) * weight)
-                self._pending_loss_n += 1
-            if self._profile_now:
-                with torch.no_grad():
-                    recall = None
-                    if cfg.measure_recall and self.density is not None:
-                        if S != self._k_seq_len:
-                            self._refresh_counts(S)
-                        q_lr, k_lr = self.predictor(q, k)
-                        counts = self.kv_count.view(1, H).expand(B, H).contiguous()
-                        index = ops.topk_estimate(q_lr, k_lr, counts, cfg.group_size, self.kmax)
-                        prof = ops.profile_attention(q, k, rows, cfg.theta, index, counts, cfg.group_size, scale)
-                        recall = prof.recall
-                    else:
-                        prof = ops.profile_attention(q, k, rows, cfg.theta, scale=scale)
-                self._pending_sparsity = self._accumulate(self._pending_sparsity,
-                                                          prof.sparsity.float().mean(0) * weight)
-                self._pending_sparsity_n += 1
-                if recall is not None:
-                    self._pending_recall = self._accumulate(self._pending_recall, recall.float().mean(0) * weight)
-                    self._pending_recall_n += 1
-                if cfg.k_rule == "recall":
-                    from .recall import recall_curve
-                    curve = recall_curve(q, k, self.predictor.wq, self.predictor.wk, rows, cfg.group_size,
-                                         cfg.k_multiple, scale, max_rows=cfg.recall_rows)
-                    if self._pending_curve is not None and self._pending_curve.shape[-1] != curve.shape[-1]:
-                        self._pending_curve, self._pending_curve_n = None, 0  # the length changed
-                    self._pending_curve = self._accumulate(self._pending_curve, curve.mean(0) * weight)
-                    self._pending_curve_n += 1
+                self._add("loss", loss.detach().float().mean(0) * weight)
+            if self._plan.profile:
+                self._profile(q, k, rows, scale, weight)
+
+    def _profile(self, q, k, rows, scale, weight: float) -> None:
+        cfg, ops = self.config, need_ops()
+        B, S, H, _ = q.shape
+        with torch.no_grad():
+            recall = None
+            if cfg.measure_recall and self._plan.density is not None:
+                counts = self.kv_counts_for(S).view(1, H).expand(B, H).contiguous()
+                q_lr, k_lr = self.predictor(q, k)
+                index = ops.topk_estimate(q_lr, k_lr, counts, cfg.group_size, self.kmax)
+                prof = ops.profile_attention(q, k, rows, cfg.theta, index, counts, cfg.group_size, scale)
+                recall = prof.recall
+            else:
+                prof = ops.profile_attention(q, k, rows, cfg.theta, scale=scale)
+        self._add("sparsity", prof.sparsity.float().mean(0) * weight)
+        if recall is not None:
+            self._add("recall", recall.float().mean(0) * weight)
+        if cfg.k_rule == "recall":
+            curve = recall_curve(q, k, self.predictor.wq, self.predictor.wk, rows, cfg.group_size,
+                                 cfg.k_multiple, scale, max_rows=cfg.recall_rows)
+            cur = self._sums.get("curve")
+            if cur is not None and cur[0].shape[-1] != curve.shape[-1]:
+                del self._sums["curve"]  # the length changed
+            self._add("curve", curve.mean(0) * weight)
 
     def sparse_supported(self) -> bool:
         """Whether this block can run the sparse path on its device (dispatcher precondition)."""
@@ -607,32 +522,6 @@ class SparseAttention(nn.Module):
     def predictor_parameters(self):
         """The predictor weights (trained by DSVController's own optimizer, never by the model's)."""
         return list(self.predictor.parameters())
-
-    def pop_grads(self) -> Optional[List[torch.Tensor]]:
-        """Predictor gradients accumulated by the forwards since the last call ([d wq, d wk])."""
-        g, self._grad_acc = self._grad_acc, None
-        return g
-
-    def pop_pending(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(mean loss [H], mean sparsity [H], mean recall [H]) measured since the last call (device
-        tensors or None); resets the accumulators. Used by the controller."""
-        def mean(t, n):
-            return None if t is None or n == 0 else t / n
-        out = (mean(self._pending_loss, self._pending_loss_n),
-               mean(self._pending_sparsity, self._pending_sparsity_n),
-               mean(self._pending_recall, self._pending_recall_n))
-        self._pending_loss, self._pending_loss_n = None, 0
-        self._pending_sparsity, self._pending_sparsity_n = None, 0
-        self._pending_recall, self._pending_recall_n = None, 0
-        return out
-
-    def pop_recall_curve(self) -> Optional[torch.Tensor]:
-        """Mean recall-versus-K curve [H, ceil(S / k_multiple)] (device tensor, see
-        dsv_ext.recall.recall_curve) measured by the profile forwards since the last call (k_rule
-        "recall"), or None; resets the accumulator. Used by the controller."""
-        c, n = self._pending_curve, self._pending_curve_n
-        self._pending_curve, self._pending_curve_n = None, 0
-        return None if c is None or n == 0 else c / n
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, grid={self.grid}, stage={self.stage}, "
