@@ -458,3 +458,46 @@ def test_cuda_alignment_check_is_traceable(monkeypatch):
     for a, b in zip(_grads(y[..., 3:], (q, k, v)), _grads(want, (q, k, v))):
         torch.testing.assert_close(a, b)
     torch._dynamo.reset()
+
+
+def test_step_plan_contract_checks_and_round_trip():
+    """The driver contract: plan_step takes a StepPlan only (clear errors), stage / use_sparse /
+    density are views of the plan, take_stats resets while peek_stats does not, set_head_k pins
+    K, and a context-parallel runner given to the module is what forward calls."""
+    from dsv_ext.modules.contract import ModuleStats, StepPlan
+
+    with pytest.raises(ValueError, match="^stage"):
+        StepPlan(stage=3)
+    with pytest.raises(ValueError, match="^mode"):
+        StepPlan(mode="fast")
+    with pytest.raises(ValueError, match="^row_offset"):
+        StepPlan(row_offset=-1)
+    m = SparseAttention(H, D, grid=GRID, config=DSVConfig(group_size=8, row_sample_stride=4)).double().train()
+    with pytest.raises(TypeError, match="^plan"):
+        m.plan_step({"stage": 2})
+    with pytest.raises(ValueError, match="^plan"):
+        m.plan_step(StepPlan(density=(0.5,) * (H + 1)))
+    with pytest.raises(ValueError, match="^head_k"):
+        m.set_head_k([0] * H, S)
+    with pytest.raises(TypeError, match="^runner"):
+        m.set_context_parallel(3)
+    m.plan_step(StepPlan(stage=2, mode="sparse", density=[0.5] * H, train=True))
+    assert (m.stage, m.use_sparse, m.density) == (2, True, [0.5] * H)
+    assert m.head_k == []  # no workload yet: K is sized by the first forward
+    q, k, v = _qkv()
+    m(q, k, v)
+    assert m.workload.seq_len == S and m.workload.batch == q.shape[0] and m.head_k
+    assert m.peek_stats().trained == 1 and m.peek_stats().grads is not None
+    st = m.take_stats()
+    assert isinstance(st, ModuleStats) and st.trained == 1 and st.profiled == 0 and st.sparsity is None
+    assert m.take_stats() == ModuleStats()
+    m.use_sparse = False
+    assert m.plan.mode == "dense" and m.plan.train
+    m.set_head_k([8] * H, S)
+    assert m.head_k == [8] * H and m.kmax == 8 and m.kv_count.tolist() == [8] * H
+    calls = []
+    m.set_context_parallel(lambda attn, q_, k_, v_, scale: calls.append(attn) or q_ * 0)
+    out = m(q, k, v)
+    assert calls == [m] and torch.equal(out, q * 0) and m.context_parallel is not None
+    m.set_context_parallel(None)
+    assert m.context_parallel is None
