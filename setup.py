@@ -117,7 +117,7 @@ class BuildExtensionWithCLib(BuildExtension):
 
 setup(
     # calibration/ holds data only (no __init__.py): named here so that setuptools ships it quietly
-    packages=[*find_packages(include=["dsv_ext", "dsv_ext.*"]), "dsv_ext.calibration"],
+    packages=[*find_packages(include=["dsv_ext", "dsv_ext.*"]), "dsv_ext.control.calibration"],
     libraries=[("dsv_cpu", {
         "sources": c_sources,
         "include_dirs": ["csrc"],

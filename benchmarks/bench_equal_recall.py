@@ -139,7 +139,7 @@ def predictor_curves(q: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, wq: t
 def capture_qk(model, x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor):
     """[(block name, q [B, S, H, D], k, grid, SparseAttention or None)] that the attention cores
     of ``model`` see in one forward of the noised clips (flow matching: x_t = (1-t) x + t e)."""
-    from dsv_ext.attention import DenseAttention, SparseAttention
+    from dsv_ext.modules.attention import DenseAttention, SparseAttention
 
     got: List = []
     hooks = []
@@ -335,7 +335,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model, dsv_cfg = build_model(cfg, "dsv", dev)
     model.load_state_dict(inference_state_dict(ck))
     if ck.get("controller") is not None:  # the trained predictors
-        from dsv_ext.controller import DSVController
+        from dsv_ext.control.controller import DSVController
 
         DSVController(model, dsv_cfg).load_state_dict(ck["controller"])
     model.eval()

@@ -57,6 +57,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -104,7 +105,7 @@ def build_model(S: int, grid, layers: int, args, dev) -> BenchDiT:
 
 
 def attention_modules(model):
-    from dsv_ext.attention import SparseAttention
+    from dsv_ext.modules.attention import SparseAttention
 
     return [m for m in model.modules() if isinstance(m, SparseAttention)]
 
@@ -127,7 +128,7 @@ def parse_mode(mode: str):
 def set_mode(model, mode: str, S: int) -> Dict:
     """full: every block dense; dsv_<s>[_r<N>]: every block sparse at sparsity s in every head,
     the index estimated on every N-th step (default 1)."""
-    from dsv_ext.attention import set_index_refresh
+    from dsv_ext.modules.attention import set_index_refresh
 
     mods = attention_modules(model)
     if mode == "full":
@@ -140,7 +141,7 @@ def set_mode(model, mode: str, S: int) -> Dict:
     for m in mods:
         m.set_density([1.0 - s] * m.num_heads, seq_len=S)
         m.stage, m.use_sparse = 2, True
-        m._train_now = m._profile_now = False
+        m.plan_step(replace(m.plan, train=False, profile=False))
     set_index_refresh(model, refresh)
     return {"sparsity": s, "head_k": mods[0].head_k, "kmax": mods[0].kmax, "index_refresh": refresh}
 
@@ -182,7 +183,7 @@ def _median_ms(fn, iters: int) -> float:
 def attention_breakdown(S: int, grid, sparsities: Sequence[float], args, dev) -> List[Dict]:
     """One block's attention core: dense SDPA vs DSV sparse core vs its estimation alone."""
     import dsv_ext
-    from dsv_ext.attention import dense_core, sparse_core
+    from dsv_ext.functional.attention import dense_core, sparse_core
     from dsv_ext.grouping import cube_permutation
 
     cfg = _dsv_config(args)

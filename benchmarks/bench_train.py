@@ -241,7 +241,7 @@ def run_mode(mode: str, S: int, grid, layers: int, args, profiled: Optional[List
     controller = None
     info: Dict = {"mode": mode, "seq_len": S, "grid": list(grid), "layers": layers}
     if cfg.attention == "dsv":
-        from dsv_ext.controller import DSVController
+        from dsv_ext.control.controller import DSVController
 
         controller = DSVController(model, dsv_cfg)
         step = _make_step(model, x, c, target, opt, controller)

@@ -2,7 +2,7 @@
 
     python benchmarks/profile_sparse_core.py [--S 65536] [--heads 16] [--sparsity 0.9]
 
-One block's attention as dsv_ext.attention.sparse_core runs it in sampling (no grad): cube
+One block's attention as dsv_ext.functional.attention.sparse_core runs it in sampling (no grad): cube
 reorder of q, low-rank projections, top-K estimation, sparse attention forward, inverse reorder.
 Prints the CUDA kernels sorted by total time over --iters calls.
 """
@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import add_shape_args  # noqa: E402
-from dsv_ext.attention import sparse_core  # noqa: E402
+from dsv_ext.functional.attention import sparse_core  # noqa: E402
 from dsv_ext.grouping import cube_permutation  # noqa: E402
 
 

@@ -16,7 +16,16 @@ import warnings
 from typing import Dict
 
 # old module -> new module (add one line per moved module)
-MOVED: Dict[str, str] = {}
+MOVED: Dict[str, str] = {
+    "dsv_ext.attention": "dsv_ext.modules.attention",
+    "dsv_ext.predictor": "dsv_ext.modules.predictor",
+    "dsv_ext.controller": "dsv_ext.control.controller",
+    "dsv_ext.dispatch": "dsv_ext.control.dispatch",
+    "dsv_ext.convert": "dsv_ext.adopt.convert",
+    "dsv_ext.generic": "dsv_ext.adopt.generic",
+    "dsv_ext.diffusers_models": "dsv_ext.adopt.diffusers_models",
+    "dsv_ext.pretrained": "dsv_ext.adopt.pretrained",
+}
 
 
 def _message(old: str, new: str, run: bool = False) -> str:

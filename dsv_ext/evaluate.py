@@ -37,9 +37,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .attention import SparseAttention
 from .checkpoint import load_checkpoint
 from .cli import run_command
+from .grouping import cube_permutation
+from .modules.attention import SparseAttention
 from .recall import density_for_recall, recall_curve
 from .train import (TrainConfig, _autocast, _resolve_device, _Stream, _ValSet, build_model,
                     flow_matching_loss, inference_state_dict, load_config, validation_losses)
@@ -119,8 +120,7 @@ def measure_recall_curves(model, batches, device, precision: str) -> List[Option
             grid = mod.grid if grid is None else tuple(grid)
             cfg = mod.config
             B, S, H, D = q.shape
-            perm, _ = mod._perm(grid, S, q.device)
-            qp = q.index_select(1, perm) if perm is not None else q
+            qp = q if grid is None else q.index_select(1, cube_permutation(grid, cfg.cube, S, q.device)[0])
             off = (calls[0] * 7) % min(cfg.row_sample_stride, S)
             rows = torch.arange(off, S, cfg.row_sample_stride, device=q.device)
             c = recall_curve(qp.float(), k.float(), mod.predictor.wq, mod.predictor.wk, rows, cfg.group_size,
@@ -167,7 +167,7 @@ def evaluate(cfg: Dict[str, Any], ckpt: Dict[str, Any], out_dir: Optional[str] =
     """Run the paired evaluation (see the module docstring); ``cfg`` is the checkpoint's config
     (with any overrides), ``ckpt`` the loaded checkpoint dict. Returns the result dict (also
     written to ``out_dir`` when given)."""
-    from .controller import DSVController
+    from .control.controller import DSVController
 
     if not targets:
         raise ValueError("targets: expected at least one recall target")
@@ -215,7 +215,7 @@ def evaluate(cfg: Dict[str, Any], ckpt: Dict[str, Any], out_dir: Optional[str] =
         ctl = DSVController(model, dsv_cfg)
         ctl.load_state_dict(sd)
         which = [i for i, m in enumerate(cores) if m.use_sparse]
-        dens = [[k / m._k_seq_len for k in m.head_k] or None for m in cores]  # the K's it runs with
+        dens = [[k / m.k_seq_len for k in m.head_k] or None for m in cores]  # the K's it runs with
         if which:
             _set_sparse(cores, set(which))
             st = paired_stats(full, losses("checkpoint policy"), n_t)
@@ -239,9 +239,7 @@ def evaluate(cfg: Dict[str, Any], ckpt: Dict[str, Any], out_dir: Optional[str] =
                               for c in curves]
         ctl.sparsity_ema = [[0.0] * m.num_heads for m in cores]
         for m in cores:
-            m._seq_len = S
-            m._batch = bs
-            m._dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+            m.set_workload(S, bs, torch.bfloat16 if dev.type == "cuda" else torch.float32)
         ctl.stage = 2
         ctl._update_dispatch()  # per-head K of the recall rule and the dispatcher's choice
         dispatched = [i for i, m in enumerate(cores) if m.use_sparse]

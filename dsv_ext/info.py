@@ -66,7 +66,7 @@ def _tuning(build: Dict[str, object], index: Optional[int]):
 
 
 def _calibration_entries(name: str) -> List[str]:
-    from .dispatch import Dispatcher, builtin_table, default_calibration_path
+    from .control.dispatch import Dispatcher, builtin_table, default_calibration_path
 
     rows = []
     for source, table in (("user", Dispatcher.load(default_calibration_path())), ("built-in", builtin_table())):
@@ -127,7 +127,7 @@ def _report(env: Dict[str, object]) -> str:
         cal = g["calibration"]
         lines.append(f"  dispatcher calibration: {len(cal)} entries" if cal else
                      "  dispatcher calibration: none for this GPU (blocks go sparse from "
-                     "DSVConfig.dispatch_threshold; `python -m dsv_ext.dispatch` measures a table)")
+                     "DSVConfig.dispatch_threshold; `python -m dsv_ext.control.dispatch` measures a table)")
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ evaluations. ``--solver heun`` adds the trapezoidal correction (Heun / 2nd-order
 the last step stays Euler): 2N - 1 evaluations.
 
 Attention. The model is rebuilt from the configuration saved in the checkpoint, its weights
-loaded, and for a DSV checkpoint a :class:`~dsv_ext.controller.DSVController` restores the saved
+loaded, and for a DSV checkpoint a :class:`~dsv_ext.DSVController` restores the saved
 state: the stage, the per-head sparsity EMAs (hence per-head K), the trained low-rank predictors
 and the dispatcher's per-block sparse/dense decisions. The model then runs in eval mode and the
 controller is never stepped: no predictor training, no profiling, nothing changes while
@@ -69,7 +69,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -107,7 +107,7 @@ class SamplingModel:
         for name, m in self.controller.modules:
             sparse = bool(m.stage == 2 and m.use_sparse and m.density is not None)
             out.append({"name": name, "sparse": sparse, "head_k": list(m.head_k) if sparse else None,
-                        "seq_len": int(m._k_seq_len) if sparse else int(m._seq_len),
+                        "seq_len": int(m.k_seq_len) if sparse else int(m.workload.seq_len),
                         "sparsity": (None if m.density is None
                                      else [round(1.0 - d, 4) for d in m.density])})
         return out
@@ -145,7 +145,7 @@ def load_for_sampling(checkpoint: str, device: Optional[str] = None, full_attent
     if attention == "dsv":
         if ck.get("controller") is None:
             raise ValueError(f"checkpoint: {checkpoint} says attention=dsv but has no controller state")
-        from .controller import DSVController
+        from .control.controller import DSVController
 
         controller = DSVController(model, dsv_cfg)
         controller.load_state_dict(ck["controller"])
@@ -161,7 +161,7 @@ def load_for_sampling(checkpoint: str, device: Optional[str] = None, full_attent
                          "sparse block(s) run dense")
         for n, m in controller.modules:
             if full_attention or n in unsupported:
-                m.use_sparse = False
+                m.plan_step(replace(m.plan, mode="dense"))
         if full_attention:
             pass  # mode stays "dense"
         elif controller.stage == 2 and any(m.use_sparse for _, m in controller.modules):
@@ -169,7 +169,7 @@ def load_for_sampling(checkpoint: str, device: Optional[str] = None, full_attent
         elif controller.stage == 2:
             notes.append("stage 2, but the dispatcher kept every block dense: samples dense")
         for _, m in controller.modules:  # nothing trains or profiles while sampling
-            m._train_now = m._profile_now = False
+            m.plan_step(replace(m.plan, train=False, profile=False))
     elif attention != "dsv":
         notes.append("the checkpoint was trained with full attention: samples dense")
     return SamplingModel(model=model, controller=controller, config=cfg, attention=attention,
@@ -423,7 +423,7 @@ def _cp_cube(sm) -> Tuple[int, int, int]:
 def _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch_size, shift,
             precision, fps, scale, view, normalize, show_data, dsv_overrides, progress,
             checkpoint, index_refresh=1, writer=True) -> Dict[str, Any]:
-    from .attention import set_index_refresh
+    from .modules.attention import set_index_refresh
 
     model, dev, cfg = sm.model, sm.device, sm.config
     mcfg = model.cfg

@@ -687,7 +687,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     ema = WeightEMA(model, params, tcfg.ema_decay) if tcfg.ema_decay > 0 else None
     controller = None
     if attention == "dsv":
-        from .controller import DSVController
+        from .control.controller import DSVController
 
         controller = DSVController(model, dsv_cfg)
         if not getattr(controller, "modules", None):

@@ -17,11 +17,12 @@ from torch import nn
 
 import dsv_ext
 import dsv_ext.ops
-from dsv_ext.attention import SparseAttention, joint_sparse_core
+from dsv_ext.functional.attention import joint_sparse_core
+from dsv_ext.modules.attention import SparseAttention
 from dsv_ext.config import DSVConfig
-from dsv_ext.controller import DSVController
-from dsv_ext.convert import convert, sparse_modules
-from dsv_ext.generic import DSVMultiheadAttention, route_sdpa
+from dsv_ext.control.controller import DSVController
+from dsv_ext.adopt.convert import convert, sparse_modules
+from dsv_ext.adopt.generic import DSVMultiheadAttention, route_sdpa
 from dsv_ext.grouping import cube_permutation
 
 B = 2
@@ -419,7 +420,7 @@ def test_generic_stage1_bitwise_equal(name):
         assert all(isinstance(l.self_attn, DSVMultiheadAttention) for l in model.layers)
     ctl = DSVController(model)
     out = model(x)
-    assert F.scaled_dot_product_attention is dsv_ext.attention._SDPA  # the scoped patch is gone
+    assert F.scaled_dot_product_attention is dsv_ext.functional.attention._SDPA  # the scoped patch is gone
     assert torch.equal(out, ref)
     out.square().mean().backward()
     for n, p in model.named_parameters():
@@ -480,7 +481,7 @@ def test_route_sdpa_scope_and_fallbacks():
     # a forward that raises leaves SDPA unpatched
     with pytest.raises(RuntimeError):
         blk(torch.randn(B, 48, 31))
-    assert F.scaled_dot_product_attention is dsv_ext.attention._SDPA
+    assert F.scaled_dot_product_attention is dsv_ext.functional.attention._SDPA
     # masked / causal calls inside the module keep the original SDPA in stage 2
     core.stage, core.use_sparse = 2, True
     core.set_density([0.5, 0.5], seq_len=48)

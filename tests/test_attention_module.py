@@ -1,7 +1,9 @@
-"""SparseAttention / DSVAttention (dsv_ext.attention): stage 1 == SDPA, stage 2 == references,
+"""SparseAttention / DSVAttention (dsv_ext.modules.attention): stage 1 == SDPA, stage 2 == references,
 predictor side tasks leave the model graph alone, torch.compile and bf16 autocast."""
 import math
 import os
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +11,8 @@ import torch.nn.functional as F
 
 import dsv_ext
 from dsv_ext import reference as ref
-from dsv_ext.attention import DSVAttention, DenseAttention, SparseAttention, dense_core, sparse_core
+from dsv_ext.functional.attention import dense_core, sparse_core
+from dsv_ext.modules.attention import DSVAttention, DenseAttention, SparseAttention
 from dsv_ext.config import DSVConfig
 from dsv_ext.grouping import cube_permutation
 
@@ -103,16 +106,17 @@ def test_side_tasks_train_predictor_without_touching_the_model_graph():
     q, k, v = _qkv()
     plain = m(q, k, v)
     g_plain = _grads(plain, (q, k, v))
-    m._train_now, m._profile_now, m._row_offset = True, True, 3
+    m.plan_step(replace(m.plan, train=True, profile=True, row_offset=3))
     out = m(q, k, v)
     assert torch.equal(out, plain)
     for a, b in zip(_grads(out, (q, k, v)), g_plain):
         assert torch.equal(a, b)
     assert m.predictor.wq.grad is None and m.predictor.wk.grad is None
     assert not m.predictor.wq.requires_grad
-    gq, gk = m.pop_grads()
-    assert m.pop_grads() is None
-    loss, sp, rec = m.pop_pending()
+    st = m.take_stats()
+    gq, gk = st.grads
+    loss, sp, rec = st.loss, st.sparsity, st.recall
+    assert m.take_stats().grads is None
     # the sampled rows are positions of the cube-ordered queries (what the query groups see)
     rows = torch.arange(3, S, 4)
     perm, _ = cube_permutation(GRID, cfg.cube, S)
@@ -132,7 +136,7 @@ def test_side_tasks_train_predictor_without_touching_the_model_graph():
     # eval mode: no side work even when armed
     m.eval()
     m(q, k, v)
-    assert m.pop_grads() is None
+    assert m.take_stats().grads is None
 
 
 def test_dsv_attention_layer_matches_manual():
@@ -201,10 +205,10 @@ def test_core_functions_have_no_graph_breaks():
     ex = torch._dynamo.explain(model)(x)
     assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons
     torch._dynamo.reset()
-    core._train_now = True
+    core.plan_step(replace(core.plan, train=True))
     ex = torch._dynamo.explain(model)(x)
     assert ex.break_reasons and all("_side_tasks" in str(r.reason) for r in ex.break_reasons)
-    core.pop_grads(), core.pop_pending()
+    core.take_stats()
 
 
 def _tiny_model(cfg):
@@ -241,12 +245,13 @@ def test_training_step_under_torch_compile():
                                rtol=1e-5, atol=1e-6)
     # the compiled model (with predictor training + profiling armed: they run eagerly)
     core.train()
-    core._train_now = core._profile_now = True
+    core.plan_step(replace(core.plan, train=True, profile=True))
     y1, g1 = step(torch.compile(model, backend=backend))
     torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert core.pop_grads() is not None and core.pop_pending()[1] is not None
+    st = core.take_stats()
+    assert st.grads is not None and st.sparsity is not None
 
 
 @pytest.mark.parametrize("stage,density", [(1, None), (2, 1.0), (2, 0.5)])
@@ -259,10 +264,10 @@ def test_training_step_under_bf16_autocast(stage, density):
     core = model[0].attn_core
     if stage == 2:
         _stage2(core, [density, density])
-    core._train_now = core._profile_now = True
+    core.plan_step(replace(core.plan, train=True, profile=True))
     x = torch.randn(2, S, 32)
     y32 = model(x).detach()
-    core.pop_grads(), core.pop_pending()
+    core.take_stats()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = model(x)
         loss = y.float().square().mean()
@@ -274,8 +279,8 @@ def test_training_step_under_bf16_autocast(stage, density):
     else:
         assert torch.isfinite(y).all() and (y.float() - y32).abs().mean() < 0.03
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
-    g = core.pop_grads()
-    loss_h, sp, _ = core.pop_pending()
+    st = core.take_stats()
+    g, loss_h, sp = st.grads, st.loss, st.sparsity
     assert g is not None and all(torch.isfinite(t).all() for t in g)
     assert torch.isfinite(loss_h).all() and ((sp >= 0) & (sp <= 1)).all()
 
@@ -297,7 +302,7 @@ def _cuda_qkv(D, B=2, Hh=4, dtype=torch.bfloat16, seed=0):
 @needs_cuda
 def test_cuda_stage1_equals_sdpa():
     from torch.nn.attention import sdpa_kernel
-    from dsv_ext.attention import _sdpa_priority
+    from dsv_ext.functional.attention import _sdpa_priority
     m = SparseAttention(4, 128, grid=CGRID).cuda()
     q, k, v = _cuda_qkv(128)
     out = m(q, k, v)
@@ -361,16 +366,17 @@ def test_cuda_training_step_compiled_bf16():
 
     def step(fn):
         model.zero_grad(set_to_none=True)
-        core._train_now = core._profile_now = True
+        core.plan_step(replace(core.plan, train=True, profile=True))
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = fn(x)
         y.float().square().mean().backward()
         return y.detach().float(), [p.grad.float().clone() for p in model.parameters() if p.requires_grad]
 
     y0, g0 = step(model)
-    assert core.pop_grads() is not None
+    assert core.take_stats().grads is not None
     y1, g1 = step(torch.compile(model))
-    assert core.pop_grads() is not None and core.pop_pending()[0] is not None
+    st = core.take_stats()
+    assert st.grads is not None and st.loss is not None
     torch.testing.assert_close(y1, y0, rtol=2e-2, atol=2e-2)
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-3)
@@ -452,3 +458,46 @@ def test_cuda_alignment_check_is_traceable(monkeypatch):
     for a, b in zip(_grads(y[..., 3:], (q, k, v)), _grads(want, (q, k, v))):
         torch.testing.assert_close(a, b)
     torch._dynamo.reset()
+
+
+def test_step_plan_contract_checks_and_round_trip():
+    """The driver contract: plan_step takes a StepPlan only (clear errors), stage / use_sparse /
+    density are views of the plan, take_stats resets while peek_stats does not, set_head_k pins
+    K, and a context-parallel runner given to the module is what forward calls."""
+    from dsv_ext.modules.contract import ModuleStats, StepPlan
+
+    with pytest.raises(ValueError, match="^stage"):
+        StepPlan(stage=3)
+    with pytest.raises(ValueError, match="^mode"):
+        StepPlan(mode="fast")
+    with pytest.raises(ValueError, match="^row_offset"):
+        StepPlan(row_offset=-1)
+    m = SparseAttention(H, D, grid=GRID, config=DSVConfig(group_size=8, row_sample_stride=4)).double().train()
+    with pytest.raises(TypeError, match="^plan"):
+        m.plan_step({"stage": 2})
+    with pytest.raises(ValueError, match="^plan"):
+        m.plan_step(StepPlan(density=(0.5,) * (H + 1)))
+    with pytest.raises(ValueError, match="^head_k"):
+        m.set_head_k([0] * H, S)
+    with pytest.raises(TypeError, match="^runner"):
+        m.set_context_parallel(3)
+    m.plan_step(StepPlan(stage=2, mode="sparse", density=[0.5] * H, train=True))
+    assert (m.stage, m.use_sparse, m.density) == (2, True, [0.5] * H)
+    assert m.head_k == []  # no workload yet: K is sized by the first forward
+    q, k, v = _qkv()
+    m(q, k, v)
+    assert m.workload.seq_len == S and m.workload.batch == q.shape[0] and m.head_k
+    assert m.peek_stats().trained == 1 and m.peek_stats().grads is not None
+    st = m.take_stats()
+    assert isinstance(st, ModuleStats) and st.trained == 1 and st.profiled == 0 and st.sparsity is None
+    assert m.take_stats() == ModuleStats()
+    m.use_sparse = False
+    assert m.plan.mode == "dense" and m.plan.train
+    m.set_head_k([8] * H, S)
+    assert m.head_k == [8] * H and m.kmax == 8 and m.kv_count.tolist() == [8] * H
+    calls = []
+    m.set_context_parallel(lambda attn, q_, k_, v_, scale: calls.append(attn) or q_ * 0)
+    out = m(q, k, v)
+    assert calls == [m] and torch.equal(out, q * 0) and m.context_parallel is not None
+    m.set_context_parallel(None)
+    assert m.context_parallel is None

@@ -72,7 +72,7 @@ def test_dense_run_has_no_switch_line(tmp_path):
 
 def test_dense_attention_is_exported():
     from dsv_ext import DenseAttention
-    from dsv_ext.attention import DenseAttention as DA
+    from dsv_ext.modules.attention import DenseAttention as DA
 
     assert DenseAttention is DA and "DenseAttention" in dsv_ext.__all__
     assert "DenseAttention" in dir(dsv_ext)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from dsv_ext import reference as ref
-from dsv_ext.attention import DSVAttention, SparseAttention
+from dsv_ext.modules.attention import DSVAttention, SparseAttention
 from dsv_ext.config import DSVConfig
-from dsv_ext.controller import DSVController
-from dsv_ext.dispatch import Dispatcher
+from dsv_ext.control.controller import DSVController
+from dsv_ext.control.dispatch import Dispatcher
 from dsv_ext.grouping import cube_permutation
 
 GRID = (2, 4, 6)
@@ -200,7 +200,7 @@ def test_stage2_training_schedule_and_profile_rate():
     assert ctl.stage == 2
     armed = []
     for _ in range(6):
-        armed.append((ctl.step_count, core._train_now, core._profile_now))
+        armed.append((ctl.step_count, core.plan.train, core.plan.profile))
         model(x)
         ctl.step()
     assert armed == [(s, s % 3 == 0, s % 2 == 0) for s in range(1, 7)]
@@ -212,7 +212,7 @@ def test_checkpointed_model_trains_predictor_once_per_forward():
     ctl = DSVController(model)
     calls = []
     for _, m in ctl.modules:
-        m.register_forward_hook(lambda mod, a, o: calls.append(mod._pending_loss_n))
+        m.register_forward_hook(lambda mod, a, o: calls.append(mod.peek_stats().trained))
     y = model(_x())
     y.square().mean().backward()  # recomputes each block's forward
     assert len(calls) == 4 and max(calls) == 1
@@ -328,7 +328,7 @@ def test_builtin_h200_table_is_used_where_the_user_has_none(tmp_path, monkeypatc
     """With no user table, an H200 gets the shipped table (G-aware); other devices fall back to
     the threshold rule; the user's measurements for a device take precedence and calibrate()
     writes only them."""
-    import dsv_ext.dispatch as dd
+    import dsv_ext.control.dispatch as dd
     assert dd.builtin_table() is not None
     cfg64 = _cfg(use_calibration=True, calibration_path=str(tmp_path / "none.json"), group_size=64,
                  k_multiple=64, dispatch_margin=0.0)
@@ -364,9 +364,9 @@ def test_dispatcher_calibrate_on_cpu(tmp_path):
 
 
 def test_calibration_cli_keeps_other_group_sizes(tmp_path, capsys):
-    """python -m dsv_ext.dispatch measures one group size and merges it into the table file:
+    """python -m dsv_ext.control.dispatch measures one group size and merges it into the table file:
     a second group size adds entries instead of replacing the first one's."""
-    from dsv_ext.dispatch import main
+    from dsv_ext.control.dispatch import main
     path = str(tmp_path / "cal.json")
     args = ["--device", "cpu", "--seq-lens", "64", "--sparsities", "0.5", "0.9", "--heads", "2",
             "--head-dim", "16", "--repeats", "1", "--out", path]

@@ -1,11 +1,13 @@
 """dsv_ext.convert on diffusers' Wan transformer, the reference video DiT and `.attn_core` models."""
+import sys
+
 import pytest
 import torch
 
-from dsv_ext.attention import DenseAttention, DSVAttention, SparseAttention
+from dsv_ext.modules.attention import DenseAttention, DSVAttention, SparseAttention
 from dsv_ext.config import DSVConfig
-from dsv_ext.controller import DSVController
-from dsv_ext.convert import DSVWanAttnProcessor, convert, sparse_modules
+from dsv_ext.control.controller import DSVController
+from dsv_ext.adopt.convert import DSVWanAttnProcessor, convert, sparse_modules
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -134,7 +136,12 @@ def test_convert_errors():
 
 def test_package_level_convert_is_callable_after_submodule_import():
     import dsv_ext
-    import dsv_ext.convert  # binds the package attribute to the submodule
+    import dsv_ext.adopt.convert  # noqa: F401
+    model = dsv_ext.convert(torch.nn.Sequential(DSVAttention(16, 2)), grid=(2, 3, 5))
+    assert model[0].attn_core.grid == (2, 3, 5)
+    sys.modules.pop("dsv_ext.convert", None)
+    with pytest.warns(DeprecationWarning, match="dsv_ext.adopt.convert"):
+        import dsv_ext.convert  # the old path binds the package attribute to the module
     model = dsv_ext.convert(torch.nn.Sequential(DSVAttention(16, 2)), grid=(2, 3, 5))
     assert model[0].attn_core.grid == (2, 3, 5)
 

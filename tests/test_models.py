@@ -89,7 +89,7 @@ def test_pos_embed():
 
 @needs_dsv
 def test_dsv_model_matches_dense_in_stage1():
-    from dsv_ext.attention import DSVAttention
+    from dsv_ext.modules.attention import DSVAttention
 
     dense = VideoDiT(_cfg(), seed=5)
     dsv = VideoDiT(_cfg(attention="dsv"), seed=5)

@@ -17,6 +17,7 @@ run every scenario and write per-rank results that the test functions below chec
 
 from __future__ import annotations
 
+from dataclasses import replace
 import datetime
 import importlib
 import functools
@@ -218,20 +219,20 @@ def _sc_module(rank, world):
     # ranks without a sampled row (they must still report, with weight 0)
     for stride in (5, 3 * L * world):
         for m in (ref, cpm):
-            m._train_now = m._profile_now = True
+            m.plan_step(replace(m.plan, train=True, profile=True))
             m.config.row_sample_stride = stride
-            m._rows_cache.clear()
         run(ref, False)
         run(cpm, True)
-        g_ref, g_cp = ref.pop_grads(), cpm.pop_grads()
-        p_ref, p_cp = ref.pop_pending(), cpm.pop_pending()
+        s_ref, s_cp = ref.take_stats(), cpm.take_stats()
+        g_ref, g_cp = s_ref.grads, s_cp.grads
+        p_ref, p_cp = (s_ref.loss, s_ref.sparsity, s_ref.recall), (s_cp.loss, s_cp.sparsity, s_cp.recall)
         for name, a, b in zip(("grad_wq", "grad_wk", "loss", "sparsity", "recall"), list(g_ref) + list(p_ref),
                               list(g_cp) + list(p_cp)):
             b = b.clone()
             dist.all_reduce(b)
             res[name] = max(res.get(name, 0.0), float((b / world - a).abs().max()))
             res[name + "_dtype"] = str(a.dtype)
-    res["seq_len"] = cpm._seq_len
+    res["seq_len"] = cpm.workload.seq_len
     return res
 
 
@@ -395,9 +396,9 @@ def _sc_calibrate(rank, world):
 def _sc_controller_agree(rank, world):
     """DSVController under gloo: rank 1's dispatcher keeps block 1 dense (as a rank short of memory
     would); after the switch every rank must run the same blocks sparse."""
-    from dsv_ext.attention import DSVAttention
+    from dsv_ext.modules.attention import DSVAttention
     from dsv_ext.config import DSVConfig
-    from dsv_ext.controller import DSVController
+    from dsv_ext.control.controller import DSVController
 
     cfg = DSVConfig(group_size=8, k_multiple=8, row_sample_stride=4, profile_every=1,
                     switch_check_every=1, force_stage2_step=2, use_calibration=False,
@@ -440,7 +441,7 @@ def _worker(rank, world, init_file, out_dir, names, seed):
     SEED = seed  # the parent's seed (spawned children draw their own at import)
     torch.set_num_threads(1)
     # torch._dynamo must be imported before init_process_group: importing it afterwards (as
-    # dsv_ext.attention's @torch._dynamo.disable does) keeps the default gloo group alive past
+    # dsv_ext.modules.attention's @torch._dynamo.disable does) keeps the default gloo group alive past
     # destroy_process_group (torch 2.13/2.14), and its run-loop threads then sometimes touch the
     # GIL during interpreter shutdown: "terminate called without an active exception" (SIGABRT)
     # in ~1 exit of 3. See docs/PARALLEL.md, "Troubleshooting".

@@ -70,7 +70,7 @@ def micro_ckpt(tmp_path_factory):
 
 @needs_dsv
 def test_paired_evaluation_on_a_trained_checkpoint(micro_ckpt, tmp_path):
-    from dsv_ext.attention import SparseAttention
+    from dsv_ext.modules.attention import SparseAttention
     from dsv_ext.evaluate import evaluate, main
     from dsv_ext.recall import k_for_recall
     from dsv_ext.train import TrainConfig, _ValSet, build_model, load_config, validation_loss
@@ -104,9 +104,7 @@ def test_paired_evaluation_on_a_trained_checkpoint(micro_ckpt, tmp_path):
     assert validation_loss(model, vs, torch.device("cpu"), "fp32") == pytest.approx(res["loss_full"], rel=1e-12)
     for m, ks in zip(cores, lo["head_k"]):
         m.stage, m.use_sparse = 2, True
-        m.density = [k / S for k in ks]
-        m.kmax, m._k_seq_len = max(ks), S
-        m.kv_count.copy_(torch.tensor(ks, dtype=torch.int32))
+        m.set_head_k(ks, S)
     assert validation_loss(model, vs, torch.device("cpu"), "fp32") == pytest.approx(lo["loss_sparse"], rel=1e-9)
     assert arms[("block 0", 0.5)]["sparse_blocks"] == [0]
     # the files and the command line

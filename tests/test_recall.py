@@ -6,9 +6,9 @@ import torch
 
 from dsv_ext import ops
 from dsv_ext import reference as ref
-from dsv_ext.attention import SparseAttention
+from dsv_ext.modules.attention import SparseAttention
 from dsv_ext.config import DSVConfig
-from dsv_ext.controller import DSVController
+from dsv_ext.control.controller import DSVController
 from dsv_ext.recall import density_for_recall, k_for_recall, recall_curve
 
 
@@ -228,21 +228,19 @@ def test_measured_miss_doubles_the_density():
     d0 = ctl.recall_density[0][0]
     assert 0 < d0 <= 0.5
     # the next profile's curve says the same density, but the index measured at that K missed
-    model.core._pending_curve = recall_curve(q, k, model.core.predictor.wq, model.core.predictor.wk,
-                                             torch.arange(0, S_K, 4), G_K, KM).mean(0)
-    model.core._pending_curve_n = 1
-    ctl._update_recall_density({0: [0.9 - 0.021 - 0.01, 1.0]})
+    curve = recall_curve(q, k, model.core.predictor.wq, model.core.predictor.wk,
+                         torch.arange(0, S_K, 4), G_K, KM).mean(0)
+    ctl._update_recall_density([curve], {0: [0.9 - 0.021 - 0.01, 1.0]})
     assert ctl.recall_density[0][0] == pytest.approx(2 * d0)
     # within the tolerance: unchanged
-    model.core._pending_curve = recall_curve(q, k, model.core.predictor.wq, model.core.predictor.wk,
-                                             torch.arange(0, S_K, 4), G_K, KM).mean(0)
-    model.core._pending_curve_n = 1
-    ctl._update_recall_density({0: [0.9 - 0.019, 1.0]})
+    curve = recall_curve(q, k, model.core.predictor.wq, model.core.predictor.wk,
+                         torch.arange(0, S_K, 4), G_K, KM).mean(0)
+    ctl._update_recall_density([curve], {0: [0.9 - 0.019, 1.0]})
     assert ctl.recall_density[0][0] == pytest.approx(0.9 * 2 * d0 + 0.1 * d0)  # falls with the EMA
 
 
 def test_dispatcher_weighs_the_recall_rules_density():
-    from dsv_ext.dispatch import Dispatcher
+    from dsv_ext.control.dispatch import Dispatcher
 
     d = Dispatcher(DSVConfig(use_calibration=False, dispatch_threshold=0.8))
     # theta rule: the sparsity decides; recall rule: the K's the block runs with

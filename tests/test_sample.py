@@ -15,7 +15,7 @@ from dsv_ext.checkpoint import load_checkpoint, save_checkpoint
 PIL = pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
-import dsv_ext.attention as attention_mod  # noqa: E402
+import dsv_ext.modules.attention as attention_mod  # noqa: E402
 from dsv_ext.sample import (latents_to_frames, load_for_sampling, main, sample,  # noqa: E402
                             sample_latents, timestep_grid)
 
@@ -77,7 +77,7 @@ def _run(ckpt, out, **kw):
 
 class _CountSparse:
     """Counts the calls of the stage-2 sparse core (the model's attention looks it up in
-    dsv_ext.attention at call time) and how many of them estimated a fresh index (index=None)."""
+    dsv_ext.modules.attention at call time) and how many of them estimated a fresh index (index=None)."""
 
     def __init__(self, monkeypatch):
         self.calls = self.estimates = 0
@@ -174,7 +174,7 @@ def test_load_for_sampling_restores_controller(ckpt):
     assert sm.controller.step_count == ck["controller"]["step"]
     for (name, m), saved in zip(sm.controller.modules, ck["controller"]["blocks"]):
         assert m.use_sparse == saved["use_sparse"]
-        assert not m._train_now and not m._profile_now
+        assert not m.plan.train and not m.plan.profile
         for k, v in ck["controller"]["predictors"][name].items():
             assert torch.equal(getattr(m.predictor, k), v)
     # sampling leaves the controller and predictors as they were
@@ -183,7 +183,8 @@ def test_load_for_sampling_restores_controller(ckpt):
     assert sm.controller.step_count == ck["controller"]["step"]
     for n, m in sm.controller.modules:
         assert torch.equal(m.predictor.wq, before[n])
-        assert m.pop_pending() == (None, None, None) and m.pop_grads() is None
+        st = m.take_stats()
+        assert (st.loss, st.sparsity, st.recall, st.grads) == (None, None, None, None)
 
 
 def test_dense_checkpoint_samples_dense(tmp_path):
@@ -388,7 +389,7 @@ def test_index_refresh_reuses_estimates(active_ckpt, tmp_path, monkeypatch):
 @needs_dsv
 def test_index_refresh_arguments_and_training_mode(ckpt):
     import dsv_ext
-    from dsv_ext.attention import SparseAttention
+    from dsv_ext.modules.attention import SparseAttention
 
     sm = load_for_sampling(ckpt, "cpu")
     with pytest.raises(ValueError, match="index_refresh"):

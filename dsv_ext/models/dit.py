@@ -11,7 +11,7 @@ Shape of the computation (one training step of flow matching calls ``model(x_t, 
            x = x + gate2 * MLP(modulate(LN(x)))
       -> final adaLN + linear to pt*ph*pw*C values per token -> unpatchify -> [B, C, T, H, W]
 
-The attention layer is ``dsv_ext.attention.DSVAttention`` when ``attention="dsv"`` (it owns the
+The attention layer is ``dsv_ext.modules.attention.DSVAttention`` when ``attention="dsv"`` (it owns the
 low-rank predictors and switches from dense to sparse attention under a ``DSVController``), and
 :class:`SelfAttention` (plain ``scaled_dot_product_attention``) when ``attention="dense"``.
 Both have the same ``qkv`` / ``proj`` linear layers, and :meth:`VideoDiT.initialize_weights`
@@ -121,14 +121,14 @@ class DiTConfig:
 
 
 try:  # the SDPA call of DSV's stage 1 (cuDNN first on CUDA); plain SDPA without the pack
-    from dsv_ext.attention import dense_core as _dense_core
+    from dsv_ext.functional.attention import dense_core as _dense_core
 except Exception:  # pragma: no cover
     _dense_core = None
 
 
 def dsv_attention_available() -> bool:
     try:
-        from dsv_ext.attention import DSVAttention  # noqa: F401
+        from dsv_ext.modules.attention import DSVAttention  # noqa: F401
     except Exception:
         return False
     return True
@@ -189,7 +189,7 @@ class SelfAttention(nn.Module):
 
     ``[B, S, hidden] -> [B, S, hidden]``; the same ``qkv`` / ``proj`` layers (and optional
     per-head RMS QK-norm) as DSVAttention so the two start from identical weights. On CUDA it
-    calls SDPA exactly as DSV's stage 1 does (``dsv_ext.attention.dense_core``: cuDNN first in
+    calls SDPA exactly as DSV's stage 1 does (``dsv_ext.functional.attention.dense_core``: cuDNN first in
     the backend priority), so the baseline is the fastest dense kernel available.
     """
 
@@ -217,9 +217,9 @@ def _make_attention(cfg: DiTConfig, dsv_config=None) -> nn.Module:
     if cfg.attention == "dense":
         return SelfAttention(cfg.hidden, cfg.heads, qk_norm=cfg.qk_norm)
     try:
-        from dsv_ext.attention import DSVAttention
+        from dsv_ext.modules.attention import DSVAttention
     except Exception as e:  # the drop-in module is not importable (not built yet?)
-        warnings.warn(f"dsv_ext.attention.DSVAttention is not importable ({e}); "
+        warnings.warn(f"dsv_ext.modules.attention.DSVAttention is not importable ({e}); "
                       "falling back to dense SelfAttention")
         return SelfAttention(cfg.hidden, cfg.heads, qk_norm=cfg.qk_norm)
     kw = dict(cfg.attention_kwargs)
@@ -314,7 +314,7 @@ class VideoDiT(nn.Module):
         """(name, module) of the DiT's own layers in order, skipping DSV predictor internals."""
         skip = set()
         try:
-            from dsv_ext.attention import SparseAttention  # type: ignore
+            from dsv_ext.modules.attention import SparseAttention  # type: ignore
         except Exception:
             SparseAttention = None
         for name, m in self.named_modules():

@@ -21,7 +21,7 @@ from typing import Optional
 import torch._dynamo  # noqa: F401  (see below)
 
 # torch._dynamo is imported above so that it comes before the user's init_process_group
-# (docs/PARALLEL.md, "Troubleshooting"): importing it after (dsv_ext.attention does, through
+# (docs/PARALLEL.md, "Troubleshooting"): importing it after (dsv_ext.modules.attention does, through
 # @torch._dynamo.disable) keeps the default gloo group alive past destroy_process_group and can
 # abort the process at exit.
 

@@ -6,7 +6,8 @@ from typing import List, Optional
 
 import torch
 
-import dsv_ext
+from .. import ops
+from ..functional.attention import dense_core
 
 __all__ = ["local_attention", "dense_heads"]
 
@@ -20,8 +21,6 @@ def dense_heads(kv_count_host: List[List[int]], num_keys: int) -> List[bool]:
 def _sdpa(q, k, v, scale):
     """Dense heads: SDPA with the single-GPU stage 1's backend order (cuDNN first on CUDA: on the
     H200 it is 1.7x FlashAttention-2's speed at 64k tokens, benchmarks/results/kernels.md)."""
-    from ..attention import dense_core
-
     return dense_core(q, k, v, scale, "auto")
 
 
@@ -44,9 +43,9 @@ def local_attention(q, k, v, q_lr, k_lr, kv_count, kv_count_host, group_size: in
         kmax = max(row[h] for row in kv_count_host for h in sp)
         kmax = max(1, min(kmax, S))
         with torch.no_grad():
-            idx = dsv_ext.topk_estimate(pick(q_lr).detach(), pick(k_lr).detach(), cnt, group_size, kmax=kmax)
-        outs.append(dsv_ext.sparse_attention(pick(q), pick(k), pick(v), idx, cnt, group_size, scale=scale,
-                                             check_index=False))
+            idx = ops.topk_estimate(pick(q_lr).detach(), pick(k_lr).detach(), cnt, group_size, kmax=kmax)
+        outs.append(ops.sparse_attention(pick(q), pick(k), pick(v), idx, cnt, group_size, scale=scale,
+                                         check_index=False))
         order += sp
     if dn:
         def pickd(t):

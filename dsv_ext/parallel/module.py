@@ -27,8 +27,11 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from ..functional.attention import autocast_inputs, kernel_dtype
+from ..modules.attention import SparseAttention
 from .comm import group_size_rank
 from .hcp import hcp_attention
+from .hybrid import hybrid_attention
 from .plan import CostModel, Planner
 from .scp import _all_gather_seq, _budget_error
 
@@ -67,7 +70,9 @@ def gather_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
 
 @dataclass
 class CPSettings:
-    """What :func:`enable` attaches to each SparseAttention (shared by the model's blocks)."""
+    """The context-parallel runner :func:`enable` registers on each SparseAttention (one object
+    shared by the model's blocks; ``SparseAttention.set_context_parallel``): the module's
+    forward calls ``runner(attn, q, k, v, scale)`` (:func:`cp_forward`) on this rank's shard."""
 
     group: object = None
     cost: Optional[CostModel] = None
@@ -91,14 +96,16 @@ class CPSettings:
             self.planners[key] = pl
         return pl.plan(_block_key(attn), sparsity, seqlen)
 
+    def __call__(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: Optional[float]) -> torch.Tensor:
+        return cp_forward(attn, q, k, v, scale, self)
+
 
 def _block_key(attn):
     return attn.name if attn.name is not None else id(attn)
 
 
 def _cores(model):
-    from ..attention import SparseAttention
-
     if isinstance(model, SparseAttention):
         return [model]
     if not isinstance(model, torch.nn.Module):
@@ -138,8 +145,7 @@ def enable(model, group=None, *, cost: Optional[CostModel] = None, memory_limit:
     st = CPSettings(group=group, cost=cost, memory_limit=memory_limit, modes=tuple(modes),
                     remote_budget=remote_budget, validate=validate, planner=planner)
     for m in cores:
-        m._cp = st
-        m.reset_index_cache()
+        m.set_context_parallel(st)
     return len(cores)
 
 
@@ -147,21 +153,21 @@ def disable(model) -> int:
     """Back to whole sequences per rank; returns how many modules were switched."""
     cores = _cores(model)
     for m in cores:
-        m._cp = None
+        m.set_context_parallel(None)
     return len(cores)
 
 
 @torch._dynamo.disable
-def cp_forward(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
-    """SparseAttention.forward on this rank's shard (see the module docstring)."""
-    from ..attention import _autocast_inputs, kernel_dtype
-
-    st = attn._cp
+def cp_forward(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
+               settings: Optional[CPSettings] = None) -> torch.Tensor:
+    """SparseAttention.forward on this rank's shard (see the module docstring); ``settings``:
+    the runner's (default: the one registered on ``attn``)."""
+    st = settings if settings is not None else attn.context_parallel
     n, p = group_size_rank(st.group)
     B, L, H, D = q.shape
     S = n * L
     cfg = attn.config
-    if attn.training and (attn._train_now or attn._profile_now) and torch._C._current_graph_task_id() == -1:
+    if attn.side_tasks_due and torch._C._current_graph_task_id() == -1:
         # side tasks on this rank's sampled rows against all keys (q padded to the full length:
         # only the rows are read). The rows are the cube-order positions the single-process
         # module samples; each rank's share is weighted so that the controller's average over
@@ -169,37 +175,35 @@ def cp_forward(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: O
         k_full = _all_gather_seq(k.detach(), st.group)
         q_pad = q.detach().new_zeros((B, S, H, D))
         q_pad[:, p * L:(p + 1) * L] = q.detach()
-        rows = attn._rows(S, q.device)
+        rows = attn.sampled_rows(S, q.device)
         n_all = rows.numel()
         rows = rows[(rows >= p * L) & (rows < (p + 1) * L)]
         weight = rows.numel() * n / n_all
         if rows.numel() == 0:  # no sampled row here: contribute zeros (every rank must report)
             rows, weight = torch.full((1,), p * L, dtype=torch.int32, device=q.device), 0.0
-        attn._side_tasks(q_pad, k_full, None, scale, rows=rows, weight=weight)
+        attn.run_side_tasks(q_pad, k_full, None, scale, rows=rows, weight=weight)
         del k_full, q_pad
-    q, k, v = _autocast_inputs(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)
     out_dtype = q.dtype
     kdt = kernel_dtype(q)
     q, k, v = q.to(kdt), k.to(kdt), v.to(kdt)
-    r = cfg.rank
     if attn.stage == 2 and attn.use_sparse and attn.density is not None:
-        if S != attn._k_seq_len:
-            attn._refresh_counts(S)
-        counts = attn.kv_count.view(1, H).expand(B, H).contiguous()
+        counts = attn.kv_counts_for(S).view(1, H).expand(B, H).contiguous()
         with torch.no_grad():
             q_lr = torch.einsum("bshd,hdr->bshr", q.detach(), attn.predictor.wq.detach().to(kdt)).contiguous()
             k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), attn.predictor.wk.detach().to(kdt)).contiguous()
         sparsity = [1.0 - kk / S for kk in attn.head_k]
         plan = st.plan_for(attn, sparsity, S, n)
-        from . import cp_attention
-
-        out = cp_attention(q, k, v, q_lr, k_lr, counts, cfg.group_size, plan, group=st.group, scale=scale,
-                           validate=st.validate, remote_budget=st.remote_budget)
+        if plan.world_size != n:
+            raise ValueError(f"plan: made for {plan.world_size} ranks, the group has {n}")
+        out = hybrid_attention(q, k, v, q_lr, k_lr, counts, cfg.group_size, g_h=plan.g_h,
+                               assignment=plan.assignment, group=st.group, scale=scale, validate=st.validate,
+                               remote_budget=st.remote_budget)
     else:
         # dense (stage 1, or a block the dispatcher keeps dense): Ulysses through HCP with every
         # head's count >= S (the low-rank inputs travel along; r / D of q's bytes)
         counts = torch.full((B, H), S, dtype=torch.int32, device=q.device)
-        z = q.new_zeros((B, L, H, r))
+        z = q.new_zeros((B, L, H, cfg.rank))
         out = hcp_attention(q, k, v, z, z, counts, cfg.group_size, group=st.group, scale=scale,
                             validate=st.validate)
     return out.to(out_dtype)

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import SparseAttention
-from .config import DSVConfig
+from ..modules.attention import SparseAttention
+from ..config import DSVConfig
 
 __all__ = ["DSVLTXAttnProcessor", "DSVCogVideoXAttnProcessor", "DSVHunyuanVideoAttnProcessor",
            "DSVMochiAttnProcessor", "convert_diffusers_video"]

@@ -11,7 +11,7 @@ never inside the forward):
      sparse blocks (index lists, cube-ordered q, low-rank projections) would exceed
      config.memory_fraction of the free device memory.
 
-The table is measured once by `calibrate()` (or `python -m dsv_ext.dispatch`) on the GPU and
+The table is measured once by `calibrate()` (or `python -m dsv_ext.control.dispatch`) on the GPU and
 cached as JSON (default ~/.cache/dsv_ext/calibration.json, or config.calibration_path /
 $DSV_EXT_CACHE); for devices that file has no entries for, the tables shipped in
 dsv_ext/calibration/ are used (an H200's). The format:
@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .config import DSVConfig
+from ..config import DSVConfig
 
 __all__ = ["Dispatcher", "default_calibration_path", "calibrate"]
 
@@ -237,8 +237,8 @@ class Dispatcher:
         """Measure dense (SDPA) vs sparse (estimation + sparse attention) forward+backward time per
         (seq_len, sparsity) on `device`, store them in the table (replacing entries of the same
         device/dtype/heads/head_dim/seq_len) and save it as JSON."""
-        from .attention import dense_core, sparse_core
-        from .grouping import cube_permutation
+        from ..functional.attention import dense_core, sparse_core
+        from ..grouping import cube_permutation
 
         dev = torch.device(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
@@ -305,12 +305,12 @@ def calibrate(config: Optional[DSVConfig] = None, **kw) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m dsv_ext.dispatch``: measure this GPU's calibration table (dense vs sparse
+    """``python -m dsv_ext.control.dispatch``: measure this GPU's calibration table (dense vs sparse
     forward+backward per length and sparsity) for one group size and head shape, merge it into
     the table file and print the sparsity from which sparse pays at each length."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m dsv_ext.dispatch", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m dsv_ext.control.dispatch", description=main.__doc__)
     p.add_argument("--device", default="cuda")
     p.add_argument("--group-size", type=int, default=DSVConfig.group_size)
     p.add_argument("--heads", type=int, default=16)

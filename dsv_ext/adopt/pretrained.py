@@ -31,8 +31,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from .attention import SparseAttention
-from .config import DSVConfig
+from ..modules.attention import SparseAttention
+from ..config import DSVConfig
 
 __all__ = ["save_pretrained", "from_pretrained", "check_not_stripped"]
 
@@ -160,7 +160,7 @@ def from_pretrained(cls, path: str, config: Optional[DSVConfig] = None, grid=Non
     sdpa_modules: as for dsv_ext.convert; device: where the model and the controller's
     optimizer state go (default: where cls.from_pretrained put them).
     Raises ValueError when the folder has no predictors for some converted layer."""
-    from .controller import DSVController
+    from ..control.controller import DSVController
     from .convert import convert, sparse_modules
     if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
         raise TypeError(f"cls: expected a diffusers model class (with from_pretrained), got {cls!r}")

@@ -27,19 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import attention as _attention
-from .attention import SparseAttention
-from .config import DSVConfig
+from ..functional import attention as _attention
+from ..modules.attention import SparseAttention
+from ..config import DSVConfig
 
 __all__ = ["DSVMultiheadAttention", "route_sdpa", "unroute_sdpa"]
 
 
 def _sparse_now(core: SparseAttention) -> bool:
     return core.stage == 2 and core.use_sparse and core.density is not None
-
-
-def _armed(core: SparseAttention) -> bool:
-    return core.training and (core._train_now or core._profile_now)
 
 
 def _warn_once(core: SparseAttention, what: str) -> None:
@@ -86,10 +82,10 @@ class DSVMultiheadAttention(nn.MultiheadAttention):
         x = x if self.batch_first else x.transpose(0, 1)           # [B, S, E]
         if not sparse:
             out = super().forward(*args)
-            if _armed(core):
+            if core.side_tasks_due:
                 with torch.no_grad():
                     q, k, _ = self._dsv_qkv(x)
-                core._side_tasks(q, k, core.grid, None)
+                core.run_side_tasks(q, k, core.grid, None)
             return out
         if need_weights:
             _warn_once(core, "need_weights=True: the sparse path has no attention weights (None returned)")
@@ -163,8 +159,8 @@ def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     if not _sparse_now(core) or (dropout_p and core.training):
         if dropout_p and core.training and _sparse_now(core):
             _warn_once(core, "attention dropout has no sparse path: these calls stay dense")
-        if _armed(core):
-            core._side_tasks(q, k, core.grid, scale)
+        if core.side_tasks_due:
+            core.run_side_tasks(q, k, core.grid, scale)
         return original()
     return core(q, k, value.transpose(1, 2), scale=scale).transpose(1, 2)
 

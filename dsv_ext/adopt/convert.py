@@ -6,7 +6,7 @@ Handled (self-attention only; cross-attention is left alone):
   1. Any module with an `attn_core` attribute (the hook for new models). If it is already a
      SparseAttention (e.g. inside DSVAttention) its grid/config are updated; otherwise the core
      must be a module called as `core(q, k, v, ...)` on [B, S, H, D] tensors (such as
-     dsv_ext.attention.DenseAttention) and must expose `num_heads` and `head_dim` (on the core
+     dsv_ext.DenseAttention) and must expose `num_heads` and `head_dim` (on the core
      or on its parent); it is replaced by a SparseAttention.
   2. The reference video DiT's dense layer (dsv_ext.models.dit.SelfAttention: qkv, q_norm,
      k_norm, proj): replaced by a DSVAttention that takes over the same submodules, so the
@@ -18,11 +18,11 @@ Handled (self-attention only; cross-attention is left alone):
      transformer, so `grid` is optional there.
 
   4. diffusers' LTX-Video, CogVideoX, HunyuanVideo and Mochi transformers (see
-     dsv_ext.diffusers_models): their attention processors are replaced; joint text+video
+     dsv_ext.adopt.diffusers_models): their attention processors are replaced; joint text+video
      attention keeps the text tokens dense; the grid is read from each forward's input.
-  5. torch.nn.MultiheadAttention (self-attention calls; see dsv_ext.generic).
+  5. torch.nn.MultiheadAttention (self-attention calls; see dsv_ext.adopt.generic).
   6. sdpa_modules=(SomeClass, ...): every instance of these classes gets its SDPA
-     self-attention calls routed to DSV (dsv_ext.generic.route_sdpa); heads and head_dim are
+     self-attention calls routed to DSV (dsv_ext.route_sdpa); heads and head_dim are
      read from its `num_heads`/`heads`/`n_heads` and `head_dim` attributes (or dim // heads).
 
 The model's forward does not change otherwise. Returns the model. Each SparseAttention gets a
@@ -35,10 +35,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .attention import DSVAttention, SparseAttention
-from .config import DSVConfig
-from .grouping import check_grid
-from .predictor import LowRankPredictor
+from ..modules.attention import DSVAttention, SparseAttention
+from ..config import DSVConfig
+from ..grouping import check_grid
+from ..modules.predictor import LowRankPredictor
 
 __all__ = ["convert", "DSVWanAttnProcessor", "sparse_modules"]
 
@@ -171,7 +171,7 @@ def _convert_wan(model: nn.Module, grid, config: DSVConfig) -> int:
 
 def _dit_self_attention_cls():
     try:
-        from .models.dit import SelfAttention
+        from ..models.dit import SelfAttention
         return SelfAttention
     except Exception:
         return None
@@ -198,7 +198,7 @@ def _route_sdpa_modules(model: nn.Module, classes, grid, config: DSVConfig) -> i
             D = dim // H if dim is not None and dim % H == 0 else None
         if H is None or D is None:
             raise ValueError(f"sdpa_modules: {name or 'model'} ({type(m).__name__}) needs `num_heads` (or `heads`) "
-                             "and `head_dim` (or `dim`) attributes; call dsv_ext.generic.route_sdpa(module, "
+                             "and `head_dim` (or `dim`) attributes; call dsv_ext.route_sdpa(module, "
                              "num_heads, head_dim) on it instead")
         route_sdpa(m, H, D, grid=grid, config=config, name=name)
         n += 1
@@ -289,8 +289,8 @@ def convert(model: nn.Module, grid: Optional[Sequence[int]] = None, config: Opti
 
 
 class _CallableModule(type(__import__("sys"))):
-    """`import dsv_ext.convert` binds the name `convert` of the package to this module (shadowing
-    the function the package exports lazily); making the module callable keeps
+    """`import dsv_ext.convert` (the old path of this module) binds the name `convert` of the
+    package to this module (shadowing the function the package exports lazily); making the module callable keeps
     `dsv_ext.convert(model, ...)` working in either import order."""
 
     def __call__(self, *args, **kwargs):

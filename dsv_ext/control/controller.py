@@ -35,14 +35,14 @@ class DSVController:
 """
 from __future__ import annotations
 
-import math
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-from .attention import SparseAttention
-from .config import DSVConfig
+from ..modules.attention import SparseAttention
+from ..config import DSVConfig
 from .dispatch import Dispatcher
 
 __all__ = ["DSVController"]
@@ -119,17 +119,21 @@ class DSVController:
         self.switch_step: Optional[int] = None
         self._arm()
 
-    # ---------------------------------------------------------------- per-step flags
+    # ---------------------------------------------------------------- the modules' step plans
+    @staticmethod
+    def _plan(m: SparseAttention, **decisions) -> None:
+        """Hand block m its step plan with these decisions changed (the rest as in force)."""
+        m.plan_step(replace(m.plan, **decisions))
+
     def _arm(self) -> None:
-        """Set the flags the forwards of the next step (self.step_count) read."""
+        """Plan the forwards of the next step (self.step_count): stage, training, profiling, rows."""
         s, cfg = self.step_count, self.config
         train = cfg.train_due(s, self.stage)
         profile = cfg.profile_due(s) or (self._switch_pending and any(e is None for e in self.sparsity_ema))
         # rotate the sampled rows: offset (s * 7) mod stride visits every residue (stride a power of 2)
         off = (s * 7) % cfg.row_sample_stride
-        for m in (m for _, m in self.modules):
-            m._train_now, m._profile_now, m._row_offset = train, profile, off
-            m.stage = self.stage
+        for _, m in self.modules:
+            self._plan(m, stage=self.stage, train=train, profile=profile, row_offset=off)
         self._trained_this_step = train
 
     # ---------------------------------------------------------------- the step
@@ -138,19 +142,15 @@ class DSVController:
         """Once per training step, after loss.backward()."""
         cfg = self.config
         profiled = False
-        got_loss = []
-        sparsities = []
-        recalls = []
-        for i, (_, m) in enumerate(self.modules):
-            loss, sp, rec = m.pop_pending()
-            if loss is not None:
+        stats = [m.take_stats() for _, m in self.modules]
+        for i, st in enumerate(stats):
+            if st.loss is not None:
                 a = cfg.loss_ema_alpha
                 prev = self._loss_ema[i]
-                self._loss_ema[i] = loss.clone() if prev is None else prev.mul(a).add_(loss, alpha=1 - a)
-            got_loss.append(loss is not None)
-            sparsities.append(sp)
-            recalls.append(rec)
-        grads = [(m, m.pop_grads()) for _, m in self.modules]
+                self._loss_ema[i] = st.loss.clone() if prev is None else prev.mul(a).add_(st.loss, alpha=1 - a)
+        sparsities = [st.sparsity for st in stats]
+        recalls = [st.recall for st in stats]
+        grads = [(m, st.grads) for (_, m), st in zip(self.modules, stats)]
         if any(g is not None for _, g in grads):
             self._sync_grads(grads)
             for m, g in grads:
@@ -181,10 +181,7 @@ class DSVController:
                 for i, r in zip(ridx, rhost):
                     self.recall[i] = list(r)
                     measured[i] = list(r)
-            self._update_recall_density(measured)
-        else:
-            for _, m in self.modules:
-                m.pop_recall_curve()
+            self._update_recall_density([st.recall_curve for st in stats], measured)
 
         s = self.step_count  # the step that just finished
         # stage switch
@@ -248,24 +245,25 @@ class DSVController:
             t /= torch.distributed.get_world_size(pg)
         return t
 
-    def _update_recall_density(self, measured: Dict[int, List[float]]) -> None:
-        """k_rule "recall": fold the recall-versus-K curves of this profile step into the per-head
-        densities (one host transfer for all blocks). The density needed for recall_target rises
-        at once and falls with the EMA; a head whose recall, measured with the real index at its
-        K (``measured``), missed the target by more than recall_tolerance gets twice its density."""
+    def _update_recall_density(self, curves: List[Optional[torch.Tensor]],
+                               measured: Dict[int, List[float]]) -> None:
+        """k_rule "recall": fold the recall-versus-K curves of this profile step (per block, from
+        take_stats) into the per-head densities (one host transfer for all blocks). The density
+        needed for recall_target rises at once and falls with the EMA; a head whose recall,
+        measured with the real index at its K (``measured``), missed the target by more than
+        recall_tolerance gets twice its density."""
         cfg = self.config
-        curves = [m.pop_recall_curve() for _, m in self.modules]
         idx = [i for i, c in enumerate(curves) if c is not None]
         if cfg.k_rule != "recall" or not idx:
             return
-        from .recall import density_for_recall
+        from ..recall import density_for_recall
 
         host = self._split(self._sync_stats(torch.cat([curves[i].reshape(-1) for i in idx])),
                            [curves[i].numel() for i in idx])
         a = cfg.ema_alpha
         for i, flat in zip(idx, host):
             m = self.modules[i][1]
-            H, S = m.num_heads, m._seq_len
+            H, S = m.num_heads, m.workload.seq_len
             nb = len(flat) // H
             if S <= 0 or nb != -(-S // cfg.k_multiple):
                 continue
@@ -316,7 +314,8 @@ class DSVController:
         self._update_dispatch()
         if force_sparse is not None and self.stage == 2:
             for _, m in self.modules:
-                m.use_sparse = bool(force_sparse) and m.sparse_supported() and m.density is not None
+                sparse = bool(force_sparse) and m.sparse_supported() and m.density is not None
+                self._plan(m, mode="sparse" if sparse else "dense")
 
     def switch_to_stage2(self) -> None:
         """Switch now (blocks without a sparsity estimate are profiled on the next step first)."""
@@ -336,7 +335,7 @@ class DSVController:
         for i, (_, m) in enumerate(self.modules):
             dens = self.head_density(i)
             if dens is None:
-                m.set_density(None)
+                self._plan(m, density=None)
                 blocks.append(None)
                 continue
             all_keys[i] = all(d >= 1.0 for d in dens)
@@ -344,19 +343,20 @@ class DSVController:
             if by_recall:
                 # K = head_k(1 - d) adds k_margin (a theta-rule knob): take it off the recall rule's
                 dens = [d - cfg.k_margin for d in dens]
-            m.set_density(dens)
+            self._plan(m, density=tuple(dens))
             ema = self.sparsity_ema[i] if self.sparsity_ema[i] is not None else [1.0 - d for d in dens]
-            S = m._seq_len if m._seq_len > 0 else 0
+            w = m.workload
+            S = w.seq_len if w.seq_len > 0 else 0
             # the recall rule: the dispatcher weighs the K's the block runs with
             kd = [k / S for k in m.head_k] if by_recall and S > 0 and m.head_k else None
-            dt = m._dtype
+            dt = w.dtype
             if m.kv_count.is_cuda and dt not in (torch.bfloat16, torch.float16):
-                dt = torch.bfloat16  # the CUDA kernels run in bf16 (see attention.kernel_dtype)
+                dt = torch.bfloat16  # the CUDA kernels run in bf16 (see functional.attention.kernel_dtype)
             blocks.append(dict(sparsity=ema, seq_len=S, heads=m.num_heads, head_dim=m.head_dim, kmax=m.kmax,
-                               dtype=dt, batch=m._batch, device=m.kv_count.device, density=kd))
+                               dtype=dt, batch=w.batch, device=m.kv_count.device, density=kd))
         if self.stage == 1:
             for _, m in self.modules:
-                m.use_sparse = False
+                self._plan(m, mode="dense")
             return
         blocks = [b if b is not None and b["seq_len"] > 0 and m.sparse_supported() else None
                   for b, (_, m) in zip(blocks, self.modules)]
@@ -366,7 +366,7 @@ class DSVController:
         choice = iter(self.dispatcher.plan(valid, valid[0]["device"]) if valid else [])
         use = [bool(next(choice)) and not f if b is not None else False for b, f in zip(blocks, all_keys)]
         for (_, m), u in zip(self.modules, self._agree(use)):
-            m.use_sparse = u
+            self._plan(m, mode="sparse" if u else "dense")
 
     def _agree(self, use: List[bool]) -> List[bool]:
         """A block runs sparse only where every data-parallel rank chose sparse: the memory check
@@ -453,8 +453,8 @@ class DSVController:
             "recall": [None if r is None else list(r) for r in self.recall],
             "recall_density": [None if r is None else list(r) for r in self.recall_density],
             "loss_ema": [None if l is None else l.detach().cpu().clone() for l in self._loss_ema],
-            "blocks": [{"seq_len": m._seq_len, "dtype": str(m._dtype).replace("torch.", ""), "batch": m._batch,
-                        "use_sparse": m.use_sparse} for _, m in self.modules],
+            "blocks": [{"seq_len": m.workload.seq_len, "dtype": str(m.workload.dtype).replace("torch.", ""),
+                        "batch": m.workload.batch, "use_sparse": m.use_sparse} for _, m in self.modules],
             "predictors": {n: {k: v.detach().cpu().clone() for k, v in m.predictor.state_dict().items()}
                            for n, m in self.modules},
             "optimizer": self.optimizer.state_dict(),
@@ -478,15 +478,13 @@ class DSVController:
                                for r in sd.get("recall_density", [None] * len(names))]
         self._loss_ema = [None if l is None else l.to(m.kv_count.device) for l, (_, m) in zip(sd["loss_ema"], self.modules)]
         for b, (_, m) in zip(sd.get("blocks", []), self.modules):
-            m._seq_len = int(b["seq_len"])
-            m._dtype = getattr(torch, b["dtype"])
-            m._batch = int(b["batch"])
+            m.set_workload(int(b["seq_len"]), int(b["batch"]), getattr(torch, b["dtype"]))
         for _, m in self.modules:  # discard what forwards before the load measured / accumulated
-            m.pop_pending()
-            m.pop_grads()
+            m.take_stats()
         self._update_dispatch()
         if self.stage == 2:
             # keep the exact per-block decisions of the saved run (they depend on free memory)
             for b, (_, m) in zip(sd.get("blocks", []), self.modules):
-                m.use_sparse = bool(b["use_sparse"]) and m.density is not None
+                sparse = bool(b["use_sparse"]) and m.density is not None
+                self._plan(m, mode="sparse" if sparse else "dense")
         self._arm()
