@@ -196,7 +196,7 @@ def _save_checkpoint(path, step, model, opt, controller, cfg, attention, history
     }
     from .checkpoint import save_checkpoint
 
-    save_checkpoint(state, path)  # atomic, with a checksum (dsv_ext/checkpoint.py)
+    save_checkpoint(state, path)  # atomic, with a checksum (dsv_ext/app/checkpoint.py)
 
 
 def _resume_from(path, dev, cfg, attention, model, opt, controller, log) -> Dict[str, Any]:
