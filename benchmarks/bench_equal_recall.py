@@ -316,7 +316,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "equal_recall"))
     a = ap.parse_args(argv)
-    from dsv_ext.train import _ValSet, TrainConfig, build_model, inference_state_dict, load_config, train
+    from dsv_ext.app.common import ValidationSet, TrainConfig, build_model, inference_state_dict, load_config
+    from dsv_ext.app.train import train
 
     dev = torch.device(a.device)
     ckpt = a.checkpoint
@@ -339,7 +340,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         DSVController(model, dsv_cfg).load_state_dict(ck["controller"])
     model.eval()
-    vs = _ValSet(cfg, TrainConfig.from_dict(cfg["train"]))
+    vs = ValidationSet(cfg, TrainConfig.from_dict(cfg["train"]))
     captures = []
     for i in range(vs.x.shape[0]):
         sl = slice(i, i + 1)

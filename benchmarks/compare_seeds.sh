@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-seed comparison (python -m dsv_ext.compare --seeds N) with the seeds trained side by
+# The multi-seed comparison (python -m dsv_ext.app.compare --seeds N) with the seeds trained side by
 # side on one GPU: one compare process per seed, each into $RUN/seed<S>, then the statistics over
 # the seeds (compare_seeds.md / .json). The processes share the GPU, so their tokens/s are not a
 # speed measurement (speed: a run alone, or benchmarks/bench_train.py). Resumable: when the time
@@ -29,12 +29,12 @@ if [ -f .devso/_C.abi3.so ] && [ "$(cat .devso/csrc.sha256 2>/dev/null)" = "$(ba
 fi
 python3 -c "import dsv_ext; print('CUDA kernels:', dsv_ext.has_cuda_kernels())"
 # decode the clips once, before the seeds start side by side
-python3 -c "from dsv_ext.train import load_config; from dsv_ext.data import make_dataset as m; c = load_config('$CONFIG')['data']; m(c, 'train'); m(c, 'val')" || true
+python3 -c "from dsv_ext.app.common import load_config; from dsv_ext.app.data import make_dataset as m; c = load_config('$CONFIG')['data']; m(c, 'train'); m(c, 'val')" || true
 left=$(( ${CALL_S:-590} - ($(date +%s) - t0) - 60 ))
 echo "training budget of this call: $left s, seeds $SEEDS, run folder $RUN"
 n=0
 for s in $SEEDS; do  # seeds must be consecutive from the config's train.seed (compare --seeds)
-  python3 -m dsv_ext.compare --config "$CONFIG" --device "${DEVICE:-cuda}" --out "$RUN/seed$s" \
+  python3 -m dsv_ext.app.compare --config "$CONFIG" --device "${DEVICE:-cuda}" --out "$RUN/seed$s" \
     --set train.seed=$s --samples 0 --resume --time-limit "$left" --no-progress ${ARGS:-} \
     > "$OUT/seed$s.log" 2>&1 &
   n=$((n + 1))
@@ -43,7 +43,7 @@ wait
 for s in $SEEDS; do echo "seed $s:"; grep -v "^\s*$" "$OUT/seed$s.log" | tail -4; done
 done=1; for s in $SEEDS; do [ -f "$RUN/seed$s/compare.json" ] || done=0; done
 if [ $done = 1 ]; then  # every seed finished: only the statistics are computed, nothing is trained
-  python3 -m dsv_ext.compare --config "$CONFIG" --device "${DEVICE:-cuda}" --out "$RUN" --seeds $n \
+  python3 -m dsv_ext.app.compare --config "$CONFIG" --device "${DEVICE:-cuda}" --out "$RUN" --seeds $n \
     --samples 0 --resume --no-progress ${ARGS:-} > "$OUT/seeds.log" 2>&1
   cat "$RUN/compare_seeds.md"; echo complete
 else echo "not complete: run this script again"; fi

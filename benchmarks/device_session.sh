@@ -48,7 +48,7 @@ case " $STEPS " in *" ncu "*)
   grep -E "sparse_attn_fwd|bwd_qmajor|bwd_kmajor|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible" "$OUT/ncu_random.txt" | head -40;;
 esac
 case " $STEPS " in *" compare "*)
-  timeout ${COMPARE_LIMIT:-420} python3 -m dsv_ext.compare --config configs/small.yaml --device cuda \
+  timeout ${COMPARE_LIMIT:-420} python3 -m dsv_ext.app.compare --config configs/small.yaml --device cuda \
     --no-progress --out "$OUT/compare-small" ${COMPARE_ARGS:-} > "$OUT/compare.log" 2>&1
   echo "compare rc=$?"; tail -25 "$OUT/compare.log";;
 esac

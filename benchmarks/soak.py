@@ -4,7 +4,7 @@
     python benchmarks/soak.py --config configs/tiny.yaml --device cpu --steps 40 --switch-step 15 \\
         --warmup 5 --window 5 --set model.depth=2                   # quick CPU check
 
-Runs ``dsv_ext.train.train`` (the real training loop: DSV attention, predictor training, the
+Runs ``dsv_ext.app.train.train`` (the real training loop: DSV attention, predictor training, the
 profiler, the switch to stage 2 at ``--switch-step`` at the latest, then sparse attention) and
 records after every optimizer step: CUDA memory allocated (``alloc``), the step's peak allocated
 (``peak``), reserved by the caching allocator (``reserved``) and the host resident set size
@@ -186,8 +186,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     from bench_common import provenance
-    from dsv_ext.cli import check_numeric_args, run_command
-    from dsv_ext.train import _resolve_device, load_config, train
+    from dsv_ext.app.cli import check_numeric_args, run_command
+    from dsv_ext.app.common import load_config, resolve_device
+    from dsv_ext.app.train import train
 
     def body() -> int:
         check_numeric_args(a, ints={"steps": 1, "switch_step": 0, "warmup": 0, "window": 1})
@@ -197,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise ValueError(f"--tol-{m}: expected a finite number >= 0, got {v}")
         cfg = load_config(a.config, ["train.val_every=0", "train.ckpt_every=0",
                                      f"dsv.force_stage2_step={a.switch_step}", *a.overrides])
-        dev = _resolve_device(a.device)
+        dev = resolve_device(a.device)
         name = cfg.get("name", "run")
         out = a.out or os.path.join(HERE, "results", f"soak_{name}")
         os.makedirs(out, exist_ok=True)

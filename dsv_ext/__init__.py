@@ -32,6 +32,7 @@ _LAZY = {
     "DSVController": "control.controller",
     "DSVConfig": "config",
     "convert": "adopt.convert",
+    "register_layer": "adopt.convert",
     "route_sdpa": "adopt.generic",
     "save_pretrained": "adopt.pretrained",
     "from_pretrained": "adopt.pretrained",
@@ -40,6 +41,8 @@ _LAZY = {
     "parallel": None,
     "models": None,
 }
+# the modules among the names above (None in _LAZY): where they live
+_SUBMODULES = {"parallel": "parallel", "models": "app.models"}
 
 __all__ = [
     "sparse_attention", "topk_estimate", "predictor_loss", "profile_attention", "ProfileResult",
@@ -52,7 +55,7 @@ _compat.install()  # old module paths (dsv_ext/_compat.py) keep working, with a 
 
 def __getattr__(name):
     if name in _LAZY:
-        module = import_module(f".{_LAZY[name] or name}", __name__)
+        module = import_module(f".{_LAZY[name] or _SUBMODULES[name]}", __name__)
         value = module if _LAZY[name] is None else getattr(module, name)
         globals()[name] = value
         return value

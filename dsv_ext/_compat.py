@@ -3,8 +3,10 @@
 ``MOVED`` maps an old dotted module name to the module that now holds its code. ``import
 dsv_ext.train``, ``from dsv_ext.attention import SparseAttention`` and ``python -m dsv_ext.train``
 all keep working: the import returns the new module itself (same classes and functions), and
-``python -m`` runs the new module as the program. A name is looked up here only when no module of
-that name exists (the finder sits last on ``sys.meta_path``).
+``python -m`` runs the new module as the program. The finder sits first on ``sys.meta_path`` and
+answers only for the names in ``MOVED``: an old submodule of a moved package
+(``dsv_ext.models.dit``) must not be found as a file in the new package's folder by the path
+finder, which would load a second copy of the module under the old name.
 """
 from __future__ import annotations
 
@@ -25,6 +27,16 @@ MOVED: Dict[str, str] = {
     "dsv_ext.generic": "dsv_ext.adopt.generic",
     "dsv_ext.diffusers_models": "dsv_ext.adopt.diffusers_models",
     "dsv_ext.pretrained": "dsv_ext.adopt.pretrained",
+    "dsv_ext.train": "dsv_ext.app.train",
+    "dsv_ext.compare": "dsv_ext.app.compare",
+    "dsv_ext.sample": "dsv_ext.app.sample",
+    "dsv_ext.evaluate": "dsv_ext.app.evaluate",
+    "dsv_ext.seeds": "dsv_ext.app.seeds",
+    "dsv_ext.data": "dsv_ext.app.data",
+    "dsv_ext.checkpoint": "dsv_ext.app.checkpoint",
+    "dsv_ext.cli": "dsv_ext.app.cli",
+    "dsv_ext.models": "dsv_ext.app.models",
+    "dsv_ext.models.dit": "dsv_ext.app.models.dit",
 }
 
 
@@ -65,9 +77,9 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Put the finder of the old names last on ``sys.meta_path`` (once)."""
+    """Put the finder of the old names first on ``sys.meta_path`` (once)."""
     if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
-        sys.meta_path.append(_AliasFinder())
+        sys.meta_path.insert(0, _AliasFinder())
 
 
 def alias(name: str):

@@ -1,4 +1,4 @@
-"""Checkpoints (dsv_ext.checkpoint), signals during training, resume with a changed config, and
+"""Checkpoints (dsv_ext.app.checkpoint), signals during training, resume with a changed config, and
 the commands' handling of bad configs and arguments: every failure is one line, no traceback."""
 import json
 import os
@@ -11,9 +11,9 @@ import pytest
 import torch
 import yaml
 
-from dsv_ext import checkpoint as ckpt_mod
-from dsv_ext.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
-from dsv_ext.train import load_config, main as train_main, train
+from dsv_ext.app import checkpoint as ckpt_mod
+from dsv_ext.app.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
+from dsv_ext.app.train import load_config, main as train_main, train
 from test_train import micro_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,7 +121,7 @@ def test_every_load_failure_is_one_line_naming_the_file(tmp_path, gen, case):
     msg = str(ei.value)
     assert "\n" not in msg and msg.startswith(f"checkpoint: {bad}: ") and want in msg, msg
     # The commands: one line on stderr, exit status 2.
-    r = subprocess.run([sys.executable, "-m", "dsv_ext.sample", "--checkpoint", bad, "--out",
+    r = subprocess.run([sys.executable, "-m", "dsv_ext.app.sample", "--checkpoint", bad, "--out",
                         str(tmp_path / "s")], capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": ROOT}) if case in ("flip64", "truncated") else None
     if r is not None:
@@ -173,7 +173,7 @@ def _start(tmp_path, cfg, out, *extra):
     cfgp = tmp_path / "run.yaml"
     cfgp.write_text(yaml.safe_dump(cfg))
     return subprocess.Popen(
-        [sys.executable, "-m", "dsv_ext.train", "--config", str(cfgp), "--out", str(out),
+        [sys.executable, "-m", "dsv_ext.app.train", "--config", str(cfgp), "--out", str(out),
          "--device", "cpu", "--no-progress", *extra],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True), str(cfgp)
@@ -314,7 +314,7 @@ def test_strict_data_section():
         load_config(base=cfg)
     with pytest.raises(ValueError, match=r"^data: unknown key"):
         load_config(base=micro_cfg(), overrides=["data.colour=3"])
-    from dsv_ext.data import make_dataset  # the library entry point checks too
+    from dsv_ext.app.data import make_dataset  # the library entry point checks too
     with pytest.raises(ValueError, match=r"^data: unknown key"):
         make_dataset({"frames": 4, "height": 8, "width": 8, "max_object": 2})
 
@@ -337,8 +337,8 @@ def test_yaml_errors_are_one_line_with_the_position(tmp_path, capsys, text, wher
 def test_numeric_cli_arguments_are_range_checked(tmp_path, capsys):
     cfgp = tmp_path / "c.yaml"
     cfgp.write_text(yaml.safe_dump(micro_cfg()))
-    from dsv_ext.compare import main as compare_main
-    from dsv_ext.sample import main as sample_main
+    from dsv_ext.app.compare import main as compare_main
+    from dsv_ext.app.sample import main as sample_main
 
     base = ["--config", str(cfgp), "--out", str(tmp_path / "o"), "--no-progress"]
     cases = [(train_main, base + ["--steps", "-1"], "--steps: expected an integer >= 1, got -1"),
@@ -374,7 +374,7 @@ def test_config_file_that_is_not_yaml(tmp_path, capsys):
 
 
 def test_compare_stops_after_a_signalled_run(tmp_path, capsys, monkeypatch):
-    import dsv_ext.compare as cmp
+    import dsv_ext.app.compare as cmp
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""CPU tests of dsv_ext.compare in time-limited chunks (--time-limit / --resume) and of its
+"""CPU tests of dsv_ext.app.compare in time-limited chunks (--time-limit / --resume) and of its
 report: validation at equal steps, throughput before / after the switch, time to full
 attention's final validation loss, and the sample strip."""
 import json
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from dsv_ext.models import dsv_attention_available
+from dsv_ext.app.models import dsv_attention_available
 from test_train import micro_config
 
 needs_dsv = pytest.mark.skipif(not dsv_attention_available(), reason="DSVAttention not importable")
@@ -14,7 +14,7 @@ needs_dsv = pytest.mark.skipif(not dsv_attention_available(), reason="DSVAttenti
 
 @needs_dsv
 def test_compare_in_chunks_equals_one_go(tmp_path):
-    from dsv_ext.compare import compare
+    from dsv_ext.app.compare import compare
 
     cfg = micro_config(steps=4, log_every=1, val_every=2)
     one = compare(cfg, str(tmp_path / "one"), device="cpu", progress=False, samples=1,
@@ -51,7 +51,7 @@ def test_compare_in_chunks_equals_one_go(tmp_path):
 def test_compare_report_fields_and_sample_strip(tmp_path):
     from PIL import Image
 
-    from dsv_ext.compare import compare
+    from dsv_ext.app.compare import compare
 
     cfg = micro_config(steps=6, log_every=1, val_every=2)
     res = compare(cfg, str(tmp_path), device="cpu", progress=False, samples=2, sample_steps=2)
@@ -75,7 +75,7 @@ def test_compare_report_fields_and_sample_strip(tmp_path):
 
 
 def test_train_time_limit_stops_with_a_checkpoint_and_resumes_exactly(tmp_path):
-    from dsv_ext.train import train
+    from dsv_ext.app.train import train
     from test_train import _read
 
     cfg = micro_config(steps=5, log_every=2, val_every=2)

@@ -1,7 +1,7 @@
 """Config files: YAML numbers as people write them, and the train / DSV sections."""
 import dsv_ext
 from dsv_ext.config import yaml_load
-from dsv_ext.train import load_config
+from dsv_ext.app.train import load_config
 
 
 def test_exponent_without_dot_is_a_float():

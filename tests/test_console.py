@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import dsv_ext
-from dsv_ext.models import dsv_attention_available
-from dsv_ext.train import train
+from dsv_ext.app.models import dsv_attention_available
+from dsv_ext.app.train import train
 from test_train import micro_config
 
 SWITCH = re.compile(r"step (\d+): switched to stage 2 \((.+)\): (\d+)/(\d+) blocks sparse, "

@@ -74,7 +74,7 @@ def test_wan_trains_with_controller_and_goes_sparse():
 
 
 def test_reference_dit_dense_layers_converted_in_place():
-    from dsv_ext.models.dit import DiTConfig, SelfAttention, VideoDiT
+    from dsv_ext.app.models.dit import DiTConfig, SelfAttention, VideoDiT
     cfg = DiTConfig(latent_size=(2, 6, 10), patch=(1, 2, 2), hidden=32, depth=2, heads=2, attention="dense")
     model = VideoDiT(cfg, seed=0)
     x = torch.randn(2, 4, 2, 6, 10)
@@ -92,6 +92,57 @@ def test_reference_dit_dense_layers_converted_in_place():
     assert attn.attn_core.grid == (2, 3, 5)  # model.cfg.grid
     assert keys < set(model.state_dict())
     assert torch.equal(model(x, tt), ref)
+
+
+
+def test_register_layer_teaches_convert_a_layer_class():
+    import dsv_ext.adopt.convert as convert_mod
+    from dsv_ext import register_layer
+
+    class MyAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.proj = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 8).transpose(1, 3).unbind(2)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return self.proj(o.transpose(1, 2).flatten(2))
+
+    class Sub(MyAttention):  # exactly the registered class only
+        pass
+
+    seen = []
+
+    def replace(layer, grid, config):
+        seen.append((grid, config))
+        return DSVAttention.from_modules(layer.qkv, layer.proj, 2, 8, grid=grid, config=config)
+
+    with pytest.raises(TypeError, match="^cls"):
+        register_layer(int, replace)
+    with pytest.raises(TypeError, match="^replace"):
+        register_layer(MyAttention, "nope")
+    register_layer(MyAttention, replace)
+    try:
+        model = torch.nn.Sequential(MyAttention(), MyAttention()).eval()
+        qkv0 = model[0].qkv
+        x = torch.randn(2, 30, 16)
+        ref = model(x)
+        cfg = DSVConfig(rank=4)
+        convert(model, grid=(2, 3, 5), config=cfg)
+        assert all(type(m) is DSVAttention and not m.training for m in model) and model[0].qkv is qkv0
+        assert seen == [((2, 3, 5), cfg)] * 2
+        assert [m.name for _, m in sparse_modules(model)] == ["0.attn_core", "1.attn_core"]
+        torch.testing.assert_close(model(x), ref)  # stage 1: the same dense attention
+        with pytest.raises(ValueError, match="^model: no convertible"):
+            convert(torch.nn.Sequential(Sub()))
+        register_layer(MyAttention, lambda layer, grid, config: "not a module")
+        with pytest.raises(TypeError, match="^register_layer: .*MyAttention"):
+            convert(torch.nn.Sequential(MyAttention()))
+        with pytest.raises(ValueError, match="^model: is itself"):
+            convert(MyAttention())
+    finally:
+        convert_mod._LAYERS.pop(MyAttention, None)
 
 
 def test_attn_core_hook_and_existing_sparse_attention():

@@ -1,4 +1,4 @@
-"""CPU tests of dsv_ext.data: procedural videos, the patch encoder and the folder loader."""
+"""CPU tests of dsv_ext.app.data: procedural videos, the patch encoder and the folder loader."""
 import os
 import sys
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv_ext.data import PatchEncoder, ProceduralVideos, VideoFolder, make_dataset
+from dsv_ext.app.data import PatchEncoder, ProceduralVideos, VideoFolder, make_dataset
 
 
 def _corr(a, b):

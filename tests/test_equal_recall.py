@@ -90,7 +90,7 @@ def test_sizes_that_do_not_divide_are_refused():
 
 
 def test_end_to_end_on_the_cpu(tmp_path):
-    from dsv_ext.train import load_config, train
+    from dsv_ext.app.train import load_config, train
     from test_train import micro_dict
 
     d = micro_dict(steps=4, val_videos=1)

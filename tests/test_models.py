@@ -1,9 +1,9 @@
-"""CPU tests of the reference video DiT (dsv_ext.models)."""
+"""CPU tests of the reference video DiT (dsv_ext.app.models)."""
 import pytest
 import torch
 
-from dsv_ext.models import DiTConfig, VideoDiT, dsv_attention_available
-from dsv_ext.models.dit import sincos_pos_embed_3d
+from dsv_ext.app.models import DiTConfig, VideoDiT, dsv_attention_available
+from dsv_ext.app.models.dit import sincos_pos_embed_3d
 
 needs_dsv = pytest.mark.skipif(not dsv_attention_available(), reason="DSVAttention not importable")
 

@@ -1,19 +1,19 @@
-"""Paired quality evaluation (dsv_ext.evaluate) and the multi-seed comparison (compare --seeds)."""
+"""Paired quality evaluation (dsv_ext.app.evaluate) and the multi-seed comparison (compare --seeds)."""
 import json
 import math
 
 import pytest
 import torch
 
-from dsv_ext.checkpoint import load_checkpoint, save_checkpoint
-from dsv_ext.models import dsv_attention_available
+from dsv_ext.app.checkpoint import load_checkpoint, save_checkpoint
+from dsv_ext.app.models import dsv_attention_available
 from test_train import micro_config
 
 needs_dsv = pytest.mark.skipif(not dsv_attention_available(), reason="DSVAttention not importable")
 
 
 def test_paired_stats():
-    from dsv_ext.evaluate import paired_stats
+    from dsv_ext.app.evaluate import paired_stats
 
     g = torch.Generator().manual_seed(0)
     a = torch.rand(12, generator=g, dtype=torch.float64) + 1.0
@@ -34,7 +34,7 @@ def test_paired_stats():
 
 
 def test_seed_stats_and_verdict():
-    from dsv_ext.seeds import gap_verdict, seed_stats
+    from dsv_ext.app.seeds import gap_verdict, seed_stats
 
     st = seed_stats([1.0, 2.0, 3.0])
     h = 4.303 / math.sqrt(3)
@@ -52,7 +52,7 @@ def test_seed_stats_and_verdict():
 def micro_ckpt(tmp_path_factory):
     if not dsv_attention_available():
         pytest.skip("DSVAttention not importable")
-    from dsv_ext.train import train
+    from dsv_ext.app.train import train
 
     out = tmp_path_factory.mktemp("micro_dsv")
     cfg = micro_config()  # the theta K rule: its blocks run sparse in stage 2 (the "checkpoint" arm)
@@ -71,9 +71,9 @@ def micro_ckpt(tmp_path_factory):
 @needs_dsv
 def test_paired_evaluation_on_a_trained_checkpoint(micro_ckpt, tmp_path):
     from dsv_ext.modules.attention import SparseAttention
-    from dsv_ext.evaluate import evaluate, main
+    from dsv_ext.app.evaluate import evaluate, main
     from dsv_ext.recall import k_for_recall
-    from dsv_ext.train import TrainConfig, _ValSet, build_model, load_config, validation_loss
+    from dsv_ext.app.common import TrainConfig, ValidationSet, build_model, load_config, validation_loss
 
     ck = torch.load(micro_ckpt, map_location="cpu", weights_only=False)
     # every head may run sparse at its K (no all-keys cap): a low target drops keys
@@ -99,7 +99,7 @@ def test_paired_evaluation_on_a_trained_checkpoint(micro_ckpt, tmp_path):
     torch.manual_seed(0)
     model, _ = build_model(cfg, "dsv", "cpu")
     model.load_state_dict(ck["model"])
-    vs = _ValSet(cfg, tcfg)
+    vs = ValidationSet(cfg, tcfg)
     cores = [m for m in model.modules() if isinstance(m, SparseAttention)]
     assert validation_loss(model, vs, torch.device("cpu"), "fp32") == pytest.approx(res["loss_full"], rel=1e-12)
     for m, ks in zip(cores, lo["head_k"]):
@@ -126,8 +126,8 @@ def test_paired_evaluation_on_a_trained_checkpoint(micro_ckpt, tmp_path):
 
 @needs_dsv
 def test_compare_seeds(tmp_path):
-    from dsv_ext.compare import main
-    from dsv_ext.seeds import compare_seeds
+    from dsv_ext.app.compare import main
+    from dsv_ext.app.compare import compare_seeds
 
     res = compare_seeds(micro_config(steps=2, val_videos=3), str(tmp_path), 2, device="cpu", progress=False)
     assert res["seeds"] == [0, 1]
@@ -145,7 +145,7 @@ def test_compare_seeds(tmp_path):
 def test_training_with_the_recall_rule_resumes_identically(tmp_path):
     """The recall K rule in a training run: per-head K from the recall measurement, blocks sparse
     in stage 2, and a resumed run continues exactly (the recall densities are checkpointed)."""
-    from dsv_ext.train import load_config, train
+    from dsv_ext.app.train import load_config, train
 
     def cfg(steps):
         c = micro_config(steps=steps)

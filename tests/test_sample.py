@@ -1,4 +1,4 @@
-"""CPU tests of the sampler (dsv_ext.sample): a tiny trained checkpoint (configs/tiny.yaml, a few
+"""CPU tests of the sampler (dsv_ext.app.sample): a tiny trained checkpoint (configs/tiny.yaml, a few
 steps, stage 2 forced so the sparse path is used) -> GIF / PNG / npy of the configured shape,
 determinism, full attention vs DSV with K = S, and the flow-matching solver on a known answer."""
 import json
@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from dsv_ext.models import dsv_attention_available
-from dsv_ext.train import load_config, train
-from dsv_ext.checkpoint import load_checkpoint, save_checkpoint
+from dsv_ext.app.models import dsv_attention_available
+from dsv_ext.app.train import load_config, train
+from dsv_ext.app.checkpoint import load_checkpoint, save_checkpoint
 
 PIL = pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
 import dsv_ext.modules.attention as attention_mod  # noqa: E402
-from dsv_ext.sample import (latents_to_frames, load_for_sampling, main, sample,  # noqa: E402
+from dsv_ext.app.sample import (latents_to_frames, load_for_sampling, main, sample,  # noqa: E402
                             sample_latents, timestep_grid)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -301,7 +301,7 @@ def test_cli(ckpt, tmp_path, capsys, monkeypatch):
         argv = ["--checkpoint", ckpt, "--steps", "1", "--out", str(tmp_path)] + args
         assert main(argv) == 2
         err = capsys.readouterr().err
-        assert f"python -m dsv_ext.sample: {msg}" in err and "Traceback" not in err, err
+        assert f"python -m dsv_ext.app.sample: {msg}" in err and "Traceback" not in err, err
     monkeypatch.setenv("DSV_TRACEBACK", "1")  # the traceback on request
     with pytest.raises(ValueError, match="^--set"):
         main(["--checkpoint", ckpt, "--steps", "1", "--out", str(tmp_path), "--set", "k=1"])

@@ -1,4 +1,4 @@
-"""CPU tests of the training loop (dsv_ext.train) and the comparison (dsv_ext.compare)."""
+"""CPU tests of the training loop (dsv_ext.app.train) and the comparison (dsv_ext.app.compare)."""
 import json
 import os
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import yaml
 
-from dsv_ext.models import dsv_attention_available
-from dsv_ext.train import load_config, main, train
+from dsv_ext.app.models import dsv_attention_available
+from dsv_ext.app.train import load_config, main, train
 
 needs_dsv = pytest.mark.skipif(not dsv_attention_available(), reason="DSVAttention not importable")
 
@@ -145,7 +145,7 @@ def test_cli_and_overrides(tmp_path, capsys):
         assert main(["--config", str(path), "--out", str(tmp_path / "y"), "--device", "cpu",
                      "--no-progress", "--set", ov]) == 2, ov
         err = capsys.readouterr().err
-        assert f"python -m dsv_ext.train: error: {msg}" in err and "Traceback" not in err, err
+        assert f"python -m dsv_ext.app.train: error: {msg}" in err and "Traceback" not in err, err
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in capsys.readouterr().err
 
@@ -167,7 +167,7 @@ def test_train_on_npy_folder(tmp_path):
 
 @needs_dsv
 def test_compare_writes_table_and_plot(tmp_path):
-    from dsv_ext.compare import compare
+    from dsv_ext.app.compare import compare
 
     res = compare(micro_config(steps=4, log_every=1), str(tmp_path), device="cpu", progress=False)
     md = open(tmp_path / "compare.md").read()
@@ -184,7 +184,7 @@ def test_compare_writes_table_and_plot(tmp_path):
     assert os.path.exists(tmp_path / "dsv" / "metrics.jsonl")
     assert not os.path.exists(tmp_path / "dsv" / "ckpt_last.pt")  # small enough to commit
     # a config that forces blocks sparse by the threshold rule says so under the table
-    from dsv_ext.compare import write_table
+    from dsv_ext.app.compare import write_table
     assert "Dispatch:" not in md
     res["dispatch"] = {"use_calibration": False, "dispatch_threshold": 0.5}
     write_table(res, str(tmp_path / "forced.md"))
@@ -210,7 +210,7 @@ def test_resume_mid_log_window_logs_the_same_means(tmp_path):
 @needs_dsv
 def test_compare_reports_the_actual_switch_step(tmp_path):
     # log_every=2: the first logged stage-2 line is step 4, but the switch happened at step 3
-    from dsv_ext.compare import compare
+    from dsv_ext.app.compare import compare
 
     res = compare(micro_config(steps=4, log_every=2), str(tmp_path), device="cpu", progress=False)
     assert res["dsv"]["dsv_switch_step"] == 3

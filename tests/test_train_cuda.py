@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _cfg(steps=8):
-    from dsv_ext.train import load_config
+    from dsv_ext.app.train import load_config
 
     return load_config(base={
         "name": "micro-cuda",
@@ -29,7 +29,7 @@ def _cfg(steps=8):
 @pytest.mark.parametrize("attention", ["dense", "dsv"])
 def test_cuda_training_run_and_resume(tmp_path, attention):
     import dsv_ext
-    from dsv_ext.train import train
+    from dsv_ext.app.train import train
 
     if attention == "dsv" and not dsv_ext.has_cuda_kernels():
         pytest.skip("extension built without CUDA kernels")

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from dsv_ext.train import TrainConfig, WeightEMA, _lr_at, inference_state_dict, train
+from dsv_ext.app.common import inference_state_dict
+from dsv_ext.app.train import TrainConfig, WeightEMA, _lr_at, train
 from test_train import micro_config
 
 
@@ -77,12 +78,12 @@ def test_validation_uses_the_average_and_resume_is_exact(tmp_path):
     assert inference_state_dict({**ck, "ema": None}) is not ck["model"]
     assert all(torch.equal(a, ck["model"][n]) for n, a in inference_state_dict({**ck, "ema": None}).items())
     # validating the averaged weights by hand gives the logged number
-    from dsv_ext.train import _ValSet, TrainConfig as TC, build_model, validation_loss
+    from dsv_ext.app.common import ValidationSet, TrainConfig as TC, build_model, validation_loss
 
     cfg = micro_config(**kw)
     model, _ = build_model(cfg, "dense", torch.device("cpu"))
     model.load_state_dict(sd)
-    v = validation_loss(model, _ValSet(cfg, TC.from_dict(cfg["train"])), torch.device("cpu"), "fp32")
+    v = validation_loss(model, ValidationSet(cfg, TC.from_dict(cfg["train"])), torch.device("cpu"), "fp32")
     assert math.isclose(v, full["summary"]["final_val_loss"], rel_tol=1e-6)
 
 

@@ -8,9 +8,11 @@ Handled (self-attention only; cross-attention is left alone):
      must be a module called as `core(q, k, v, ...)` on [B, S, H, D] tensors (such as
      dsv_ext.DenseAttention) and must expose `num_heads` and `head_dim` (on the core
      or on its parent); it is replaced by a SparseAttention.
-  2. The reference video DiT's dense layer (dsv_ext.models.dit.SelfAttention: qkv, q_norm,
-     k_norm, proj): replaced by a DSVAttention that takes over the same submodules, so the
-     state_dict keys of the DiT stay the same (plus `attn_core.predictor.*`).
+  2. Layer classes registered with `register_layer(cls, replace)`: every module of exactly that
+     class is replaced by `replace(layer, grid, config)`. The reference DiT's dense layer
+     (dsv_ext.app.models.dit.SelfAttention) registers itself this way: it becomes a DSVAttention
+     that takes over its qkv / q_norm / k_norm / proj submodules, so the DiT's state_dict keys stay
+     the same (plus `attn_core.predictor.*`).
   3. diffusers' WanTransformer3DModel (any WanAttention with is_cross_attention False): its
      processor becomes DSVWanAttnProcessor, which calls a SparseAttention registered on the
      attention module as `attn.dsv_core`. The token grid is read from each forward's input
@@ -30,7 +32,7 @@ name (its module path) and the given config (one DSVConfig object shared by all)
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -40,7 +42,7 @@ from ..config import DSVConfig
 from ..grouping import check_grid
 from ..modules.predictor import LowRankPredictor
 
-__all__ = ["convert", "DSVWanAttnProcessor", "sparse_modules"]
+__all__ = ["convert", "register_layer", "DSVWanAttnProcessor", "sparse_modules"]
 
 
 def sparse_modules(model: nn.Module) -> List[Tuple[str, SparseAttention]]:
@@ -169,12 +171,23 @@ def _convert_wan(model: nn.Module, grid, config: DSVConfig) -> int:
 
 # ------------------------------------------------------------------------------------------------
 
-def _dit_self_attention_cls():
-    try:
-        from ..models.dit import SelfAttention
-        return SelfAttention
-    except Exception:
-        return None
+# dense attention layer class -> replace(layer, grid, config) returning the module put in its place
+_LAYERS: Dict[type, Callable[[nn.Module, Optional[Tuple[int, int, int]], DSVConfig], nn.Module]] = {}
+
+
+def register_layer(cls: type, replace: Callable[[nn.Module, Optional[Tuple[int, int, int]], DSVConfig],
+                                                nn.Module]) -> None:
+    """Teach :func:`convert` a dense self-attention layer class of your own model.
+
+    Every module whose type is exactly ``cls`` is replaced by ``replace(layer, grid, config)``
+    (``grid``: the (T, H, W) token grid or None; ``config``: the DSVConfig of the conversion),
+    typically a :class:`DSVAttention` built with ``DSVAttention.from_modules`` from the layer's own
+    projections so the state_dict keys stay. Registering a class again replaces its function."""
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"cls: expected an nn.Module subclass, got {cls!r}")
+    if not callable(replace):
+        raise TypeError(f"replace: expected a function (layer, grid, config) -> nn.Module, got {replace!r}")
+    _LAYERS[cls] = replace
 
 
 def _route_sdpa_modules(model: nn.Module, classes, grid, config: DSVConfig) -> int:
@@ -218,7 +231,7 @@ def convert(model: nn.Module, grid: Optional[Sequence[int]] = None, config: Opti
     with dsv_ext.from_pretrained instead)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    from .pretrained import check_not_stripped
+    from .saved_state import check_not_stripped
     check_not_stripped(model)
     if config is None:
         config = DSVConfig()
@@ -233,18 +246,20 @@ def convert(model: nn.Module, grid: Optional[Sequence[int]] = None, config: Opti
         grid = check_grid(grid)
 
     n = 0
-    # 2. the reference DiT's dense SelfAttention -> DSVAttention sharing its submodules
-    SA = _dit_self_attention_cls()
-    if SA is not None:
-        for name, m in list(model.named_modules()):
-            if type(m) is SA:
-                new = DSVAttention.from_modules(m.qkv, m.proj, m.heads, m.head_dim, m.q_norm, m.k_norm,
-                                                grid=grid, config=config)
-                new.train(m.training)
-                if name == "":
-                    raise ValueError("model: is itself an attention layer; wrap it in a container module")
-                _set_child(model, name, new)
-                n += 1
+    # 2. registered layer classes (the reference DiT's SelfAttention) -> their replacement
+    for name, m in list(model.named_modules()):
+        replace = _LAYERS.get(type(m))
+        if replace is None:
+            continue
+        if name == "":
+            raise ValueError("model: is itself an attention layer; wrap it in a container module")
+        new = replace(m, grid, config)
+        if not isinstance(new, nn.Module):
+            raise TypeError(f"register_layer: the function for {type(m).__name__} returned "
+                            f"{type(new).__name__}, not an nn.Module")
+        new.train(m.training)
+        _set_child(model, name, new)
+        n += 1
     # 1. the attn_core hook
     for name, m in list(model.named_modules()):
         core = getattr(m, "attn_core", None)

@@ -22,86 +22,20 @@ Local folders only (download a Hub repository with huggingface_hub.snapshot_down
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
-import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..modules.attention import SparseAttention
 from ..config import DSVConfig
+from .saved_state import META, check_not_stripped, loading, read_predictors
 
 __all__ = ["save_pretrained", "from_pretrained", "check_not_stripped"]
 
-META = "dsv.json"
 CONTROLLER = "dsv_controller.pt"
-_local = threading.local()
-
-
-def _predictor_key(k: str) -> bool:
-    return k.endswith(".predictor.wq") or k.endswith(".predictor.wk")
-
-
-def _weight_files(folder: str):
-    return sorted(glob.glob(os.path.join(folder, "*.safetensors")) + glob.glob(os.path.join(folder, "*.bin")))
-
-
-def _read_predictors(folder: str, keys_only: bool = False) -> Dict[str, Any]:
-    """Predictor tensors (or just their names: safetensors headers only) in the weights files of
-    `folder`."""
-    out: Dict[str, Any] = {}
-    for f in _weight_files(folder):
-        if f.endswith(".safetensors"):
-            from safetensors import safe_open
-            with safe_open(f, framework="pt") as sf:
-                for k in sf.keys():
-                    if _predictor_key(k):
-                        out[k] = None if keys_only else sf.get_tensor(k)
-        elif not keys_only:  # pickled weights: no cheap way to list the names
-            sd = torch.load(f, map_location="cpu", weights_only=True)
-            out.update({k: v for k, v in sd.items() if _predictor_key(k)})
-    return out
-
-
-def _holds_dsv_state(folder: str) -> bool:
-    if os.path.isfile(os.path.join(folder, META)):
-        return True
-    try:
-        return bool(_read_predictors(folder, keys_only=True))
-    except Exception:  # unreadable weights: not ours to judge here
-        return False
-
-
-def check_not_stripped(model: nn.Module) -> None:
-    """ValueError when `model` (not yet converted) was loaded by diffusers from a folder that holds
-    DSV predictors: diffusers dropped them, and converting would start from fresh predictors."""
-    if getattr(_local, "loading", False):
-        return
-    if any(isinstance(m, SparseAttention) for m in model.modules()):
-        return
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        root = cfg.get("_name_or_path") if isinstance(cfg, dict) else None
-        if not isinstance(root, str) or not os.path.isdir(root):
-            continue
-        folders = [root] + [d for d in glob.glob(os.path.join(root, "*")) if os.path.isdir(d)]
-        for folder in folders:
-            if folder != root:  # a pipeline's subfolder: only the one of this model's class
-                try:
-                    with open(os.path.join(folder, "config.json")) as fh:
-                        if json.load(fh).get("_class_name") != type(m).__name__:
-                            continue
-                except (OSError, ValueError):
-                    continue
-            if _holds_dsv_state(folder):
-                sub = "" if folder == root else f", subfolder={os.path.basename(folder)!r}"
-                raise ValueError(
-                    f"model: {type(m).__name__} was loaded from {folder}, which holds DSV predictors that "
-                    f"{type(m).__name__}.from_pretrained dropped; load it with "
-                    f"dsv_ext.from_pretrained({type(m).__name__}, {root!r}{sub}) to keep them")
 
 
 def save_pretrained(model: nn.Module, path: str, controller=None, **kwargs) -> None:
@@ -117,7 +51,7 @@ def save_pretrained(model: nn.Module, path: str, controller=None, **kwargs) -> N
         raise ValueError("controller: drives another model than the one being saved")
     model.save_pretrained(path, **kwargs)
     folder = os.fspath(path)
-    saved = set(_read_predictors(folder))
+    saved = set(read_predictors(folder))
     want = {f"{n}.predictor.{w}" for n, _ in cores for w in ("wq", "wk")}
     if not want <= saved:
         raise RuntimeError(f"save_pretrained: the weights written to {folder} lack predictors "
@@ -174,19 +108,16 @@ def from_pretrained(cls, path: str, config: Optional[DSVConfig] = None, grid=Non
             meta = json.load(fh)
     if config is None:
         config = DSVConfig.from_dict(meta["config"]) if meta is not None else DSVConfig()
-    preds = _read_predictors(folder)
+    preds = read_predictors(folder)
     if not preds:
         raise ValueError(f"path: {folder} holds no DSV predictors (saved from a model that was not converted? "
                          "then load it with cls.from_pretrained and call dsv_ext.convert)")
-    _local.loading = True
-    try:
+    with loading():  # the predictors are loaded below: no stripped-load check
         with _quiet_diffusers():
             model = cls.from_pretrained(path, **kwargs)
         if device is not None:
             model.to(device)
         convert(model, grid=grid, config=config, sdpa_modules=sdpa_modules)
-    finally:
-        _local.loading = False
     want = {f"{n}.predictor.{w}": m for n, m in sparse_modules(model) for w in ("wq", "wk")}
     missing = sorted(set(want) - set(preds))
     if missing:

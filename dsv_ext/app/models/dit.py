@@ -213,6 +213,23 @@ class SelfAttention(nn.Module):
         return self.proj(o.reshape(b, s, self.hidden))
 
 
+def _to_dsv_attention(layer: SelfAttention, grid, config) -> nn.Module:
+    """dsv_ext.convert of a dense layer: a DSVAttention taking over its submodules (same weights,
+    same state_dict keys plus the predictor's)."""
+    from dsv_ext.modules.attention import DSVAttention
+
+    return DSVAttention.from_modules(layer.qkv, layer.proj, layer.heads, layer.head_dim, layer.q_norm,
+                                     layer.k_norm, grid=grid, config=config)
+
+
+try:  # the library converts this layer through its public registry (it never imports the app)
+    from dsv_ext.adopt.convert import register_layer
+except Exception:  # pragma: no cover  (the drop-in modules are not importable: not built yet?)
+    pass
+else:
+    register_layer(SelfAttention, _to_dsv_attention)
+
+
 def _make_attention(cfg: DiTConfig, dsv_config=None) -> nn.Module:
     if cfg.attention == "dense":
         return SelfAttention(cfg.hidden, cfg.heads, qk_norm=cfg.qk_norm)
@@ -305,7 +322,7 @@ class VideoDiT(nn.Module):
         contiguous shard and the final layer's output is all-gathered
         (:func:`dsv_ext.parallel.gather_sequence`). Apply :func:`dsv_ext.parallel.enable` to the
         model too (its DSV attention then works on shards), and sum the DiT parameters' gradients
-        over the group after ``backward`` (each rank holds its shard's part). ``dsv_ext.train
+        over the group after ``backward`` (each rank holds its shard's part). ``dsv_ext.app.train
         --context-parallel`` does all of this."""
         self._cp = (group, tuple(int(c) for c in cube)) if enabled else None
 

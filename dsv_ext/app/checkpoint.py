@@ -1,4 +1,4 @@
-"""Training checkpoints that cannot be silently corrupted (used by dsv_ext.train and dsv_ext.sample).
+"""Training checkpoints that cannot be silently corrupted (used by dsv_ext.app.train and dsv_ext.app.sample).
 
 A checkpoint is the ``torch.save`` file of the state dict (so ``torch.load`` still reads it)
 whose zip end-of-archive comment holds a checksum of everything before it::
@@ -19,7 +19,7 @@ Files written by earlier versions (no checksum) still load, unverified, with a w
 :class:`StopOnSignal` is the training loop's SIGINT / SIGTERM handling (finish the step, save,
 stop; a second signal aborts).
 
-    python -m dsv_ext.checkpoint runs/tiny-dsv/ckpt_last.pt      # verify and describe
+    python -m dsv_ext.app.checkpoint runs/tiny-dsv/ckpt_last.pt      # verify and describe
 """
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def verify_checkpoint(path: str) -> Dict[str, Any]:
 
 def load_checkpoint(path: str, map_location=None,
                     required: Sequence[str] = ("step", "model", "config")) -> Dict[str, Any]:
-    """Verify and load a dsv_ext.train checkpoint (tensors and plain containers only:
+    """Verify and load a dsv_ext.app.train checkpoint (tensors and plain containers only:
     ``weights_only`` unpickling). Raises :class:`CheckpointError` with one line naming the file
     and the problem; ``required`` keys must be present."""
     path = os.fspath(path)
@@ -197,11 +197,11 @@ def load_checkpoint(path: str, map_location=None,
         what = "unreadable" if h["verified"] else "not a readable checkpoint"
         raise CheckpointError(f"checkpoint: {path}: {what} ({type(e).__name__}: {_first_line(e)})") from None
     if not isinstance(ck, dict):
-        raise CheckpointError(f"checkpoint: {path}: holds a {type(ck).__name__}, not a dsv_ext.train checkpoint")
+        raise CheckpointError(f"checkpoint: {path}: holds a {type(ck).__name__}, not a dsv_ext.app.train checkpoint")
     missing = [k for k in required if k not in ck]
     if missing:
         raise CheckpointError(f"checkpoint: {path}: no {', '.join(map(repr, missing))} entry "
-                              "(not a dsv_ext.train checkpoint)")
+                              "(not a dsv_ext.app.train checkpoint)")
     if not h["verified"]:
         warnings.warn(f"checkpoint: {path}: written without a checksum (older dsv_ext): not verified",
                       stacklevel=2)
@@ -293,8 +293,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from .cli import run_command
 
-    p = argparse.ArgumentParser(prog="python -m dsv_ext.checkpoint",
-                                description="Verify dsv_ext.train checkpoints and print what they hold.")
+    p = argparse.ArgumentParser(prog="python -m dsv_ext.app.checkpoint",
+                                description="Verify dsv_ext.app.train checkpoints and print what they hold.")
     p.add_argument("paths", nargs="+", metavar="CKPT")
     a = p.parse_args(argv)
 

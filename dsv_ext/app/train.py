@@ -1,10 +1,10 @@
 """Train the reference video DiT with flow matching, with DSV sparse attention or full attention.
 
-    python -m dsv_ext.train --config configs/tiny.yaml [--out DIR] [--steps N] [--resume CKPT]
+    python -m dsv_ext.app.train --config configs/tiny.yaml [--out DIR] [--steps N] [--resume CKPT]
                             [--attention dense|dsv] [--device cpu|cuda] [--set train.lr=1e-4 ...]
 
-The config file has four sections: ``model`` (dsv_ext.models.DiTConfig), ``data``
-(dsv_ext.data.make_dataset), ``train`` (:class:`TrainConfig` below) and ``dsv``
+The config file has four sections: ``model`` (dsv_ext.app.models.DiTConfig), ``data``
+(dsv_ext.app.data.make_dataset), ``train`` (:class:`TrainConfig` below) and ``dsv``
 (dsv_ext.config.DSVConfig, used with ``--attention dsv``).
 
 Objective (rectified flow / flow matching): for clean latents x0, noise e ~ N(0, I) and a time
@@ -25,7 +25,6 @@ as ``ckpt_<step>.pt``) and ``summary.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import json
@@ -34,305 +33,18 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .cli import check_numeric_args, run_command
-from .config import yaml_load
-from .data import ProceduralVideos, _generator, make_dataset
-from .models.dit import DiTConfig, VideoDiT
+from .common import (BatchStream, TrainConfig, ValidationSet, autocast, build_model, flow_matching_loss,
+                     inference_state_dict, init_context_parallel, load_config, resolve_device, validation_loss,
+                     validation_losses, validation_se)
+from .data import make_dataset
 
 __all__ = ["TrainConfig", "load_config", "train", "build_model", "validation_loss", "WeightEMA",
            "inference_state_dict", "main"]
-
-
-@dataclass
-class TrainConfig:
-    """``train`` section of a config file."""
-
-    steps: int = 500
-    batch_size: int = 4
-    lr: float = 3e-4
-    betas: Sequence[float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    warmup_steps: int = 50
-    """Linear learning-rate warm-up, then ``lr_schedule``."""
-    lr_schedule: str = "constant"
-    """After the warm-up: ``constant`` or ``cosine`` (from ``lr`` down to ``lr * lr_min_ratio``
-    at the last step)."""
-    lr_min_ratio: float = 0.1
-    """Final learning rate of the cosine schedule, as a fraction of ``lr``."""
-    ema_decay: float = 0.0
-    """Exponential moving average of the model weights (0 = off; e.g. 0.995). When on,
-    validation, sampling and the paired evaluation use the averaged weights: they do not move
-    with the step-to-step jitter of the live weights (docs/QUALITY.md)."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this (0 = off)."""
-    seed: int = 0
-    """Seeds the model init, the data stream, the noise and the timesteps."""
-    timestep_sampling: str = "logit_normal"
-    """``logit_normal`` (t = sigmoid(N(0, 1)), as SD3) or ``uniform``."""
-    log_every: int = 10
-    """Write a ``train`` metrics line every this many steps."""
-    val_every: int = 100
-    """Validation loss every this many steps (and at the end; 0 = only at the end)."""
-    val_videos: int = 8
-    val_timesteps: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9)
-    val_batch_size: int = 8
-    ckpt_every: int = 0
-    """Also keep ``ckpt_<step>.pt`` every this many steps (0 = only ``ckpt_last.pt``, written at
-    the end and at every validation)."""
-    precision: str = "auto"
-    """``auto`` (bf16 autocast on CUDA, fp32 on CPU), ``bf16`` or ``fp32``."""
-    grad_checkpointing: bool = False
-    """Recompute each block in the backward (CUDA only; ignored on the CPU)."""
-    threads: int = 0
-    """torch.set_num_threads on the CPU (0 = leave torch's default)."""
-    compile: bool = False
-    """torch.compile the model (CUDA only)."""
-
-    def __post_init__(self) -> None:
-        from .config import check_bool, check_choice, check_int, check_number
-
-        for n, lo in (("steps", 0), ("batch_size", 1), ("warmup_steps", 0), ("seed", 0),
-                      ("log_every", 1), ("val_every", 0), ("val_videos", 1), ("val_batch_size", 1),
-                      ("ckpt_every", 0), ("threads", 0)):
-            check_int("train", n, getattr(self, n), lo)
-        for n in ("lr", "weight_decay", "grad_clip"):
-            check_number("train", n, getattr(self, n))
-        for n in ("lr_min_ratio", "ema_decay"):
-            v = getattr(self, n)
-            check_number("train", n, v)
-            if not 0.0 <= v <= 1.0 or (n == "ema_decay" and v == 1.0):
-                raise ValueError(f"train.{n}: expected a number in [0, 1{']' if n == 'lr_min_ratio' else ')'}, "
-                                 f"got {v!r}")
-        for n in ("grad_checkpointing", "compile"):
-            check_bool("train", n, getattr(self, n))
-        check_choice("train", "precision", self.precision, ("auto", "bf16", "fp32"))
-        check_choice("train", "lr_schedule", self.lr_schedule, ("constant", "cosine"))
-        check_choice("train", "timestep_sampling", self.timestep_sampling, ("logit_normal", "uniform"))
-        for n, count in (("betas", 2), ("val_timesteps", None)):
-            v = getattr(self, n)
-            ok = isinstance(v, (list, tuple)) and (count is None or len(v) == count) and len(v) > 0 and \
-                all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1 for x in v)
-            if not ok:
-                want = f"{count} numbers" if count else "a list of numbers"
-                raise ValueError(f"train.{n}: expected {want} in [0, 1], got {v!r}")
-
-    @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        bad = sorted(set(d) - names)
-        if bad:
-            raise ValueError(f"train: unknown keys {bad}; known: {sorted(names)}")
-        return cls(**d)
-
-
-# ---------------------------------------------------------------------------------------------
-# Config
-# ---------------------------------------------------------------------------------------------
-
-def _parse_value(s: str):
-    return yaml_load(s)
-
-
-def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
-                base: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Read a YAML config (sections model / data / train / dsv) and apply ``section.key=value``
-    overrides. Returns a plain dict."""
-    if base is not None:
-        cfg = copy.deepcopy(base)
-    else:
-        if path is None:
-            raise ValueError("config: a path or a base dict is required")
-        try:
-            with open(path) as f:
-                cfg = yaml_load(f) or {}
-        except UnicodeDecodeError:
-            raise ValueError(f"config: {path}: not a text (YAML) file") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"config: {path}: expected a mapping at top level")
-    bad = sorted(set(cfg) - {"model", "data", "train", "dsv", "name"})
-    if bad:
-        raise ValueError(f"config: unknown sections {bad} (expected model, data, train, dsv)")
-    for sec in ("model", "data", "train", "dsv"):
-        if not isinstance(cfg.get(sec) or {}, dict):
-            raise ValueError(f"{sec}: expected a mapping of keys, got {cfg[sec]!r}"
-                             + (f" (in {path})" if path else ""))
-        cfg[sec] = dict(cfg.get(sec) or {})
-    cfg.setdefault("name", os.path.splitext(os.path.basename(path))[0] if path else "run")
-    for ov in overrides:
-        if "=" not in ov or "." not in ov.split("=", 1)[0]:
-            raise ValueError(f"--set: expected section.key=value, got {ov!r}")
-        key, val = ov.split("=", 1)
-        sec, name = key.split(".", 1)
-        if sec not in ("model", "data", "train", "dsv"):
-            raise ValueError(f"--set: unknown section {sec!r} in {ov!r}")
-        try:
-            cfg[sec][name] = _parse_value(val)
-        except ValueError as e:
-            raise ValueError(f"--set: {ov!r}: {str(e).split(': ', 1)[-1]}") from None
-    from .data import check_data_config
-
-    check_data_config(cfg["data"])  # strict, like the other sections
-    return cfg
-
-
-def _dsv_config(cfg: Dict[str, Any]):
-    from .config import DSVConfig
-
-    return DSVConfig.from_dict(dict(cfg.get("dsv") or {}))
-
-
-def build_model(cfg: Dict[str, Any], attention: Optional[str] = None, device="cpu"):
-    """The model of a config (``attention`` overrides ``model.attention``); weights depend only on
-    ``train.seed``."""
-    mcfg = dict(cfg["model"])
-    if attention is not None:
-        mcfg["attention"] = attention
-    d = cfg["data"]
-
-    def data_int(key: str, default=None) -> int:
-        if key not in d and default is None:
-            raise ValueError(f"data.{key}: missing (needed for the model's latent size)")
-        v = d.get(key, default)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"data.{key}: expected an integer >= 1, got {v!r}")
-        return v
-
-    if "in_channels" not in mcfg:
-        mcfg["in_channels"] = data_int("channels", 4)
-    if "latent_size" not in mcfg:
-        mcfg["latent_size"] = (data_int("frames"), data_int("height"), data_int("width"))
-    dit_cfg = DiTConfig.from_dict(mcfg)
-    seed = int(cfg["train"].get("seed", 0))
-    dsv_cfg = _dsv_config(cfg) if dit_cfg.attention == "dsv" else None
-    model = VideoDiT(dit_cfg, seed=seed, dsv_config=dsv_cfg)
-    return model.to(device), dsv_cfg
-
-
-# ---------------------------------------------------------------------------------------------
-# Flow matching
-# ---------------------------------------------------------------------------------------------
-
-def sample_timesteps(n: int, g: torch.Generator, kind: str) -> torch.Tensor:
-    if kind == "logit_normal":
-        return torch.sigmoid(torch.randn(n, generator=g))
-    if kind == "uniform":
-        return torch.rand(n, generator=g).clamp(1e-4, 1 - 1e-4)
-    raise ValueError(f"train.timestep_sampling: must be 'logit_normal' or 'uniform', got {kind!r}")
-
-
-def flow_matching_loss(model, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
-                       reduce: bool = True) -> torch.Tensor:
-    tb = t.view(-1, 1, 1, 1, 1).to(x0.dtype)
-    xt = (1 - tb) * x0 + tb * noise
-    pred = model(xt, t)
-    err = (pred.float() - (noise - x0).float()).pow(2)
-    return err.mean() if reduce else err.flatten(1).mean(1)
-
-
-def _autocast(device: torch.device, precision: str):
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    raise ValueError(f"train.precision: must be auto, bf16 or fp32, got {precision!r}")
-
-
-class _ValSet:
-    """Fixed held-out latents, times and noise (built once)."""
-
-    def __init__(self, cfg: Dict[str, Any], tcfg: TrainConfig):
-        dcfg = dict(cfg["data"])
-        if dcfg.get("source", "procedural") in ("procedural", "video"):
-            dcfg["num_val"] = int(tcfg.val_videos)
-        ds = make_dataset(dcfg, "val", seed=tcfg.seed)
-        n = min(len(ds), int(tcfg.val_videos)) if tcfg.val_videos > 0 else len(ds)
-        xs, ts, ns = [], [], []
-        for j in range(n):
-            x = ds[j]
-            g = _generator(tcfg.seed + 7919, j)
-            for tv in tcfg.val_timesteps:
-                xs.append(x)
-                ts.append(float(tv))
-                ns.append(torch.randn(x.shape, generator=g))
-        self.x = torch.stack(xs)
-        self.t = torch.tensor(ts, dtype=torch.float32)
-        self.noise = torch.stack(ns)
-
-
-@torch.no_grad()
-def validation_losses(model, valset: _ValSet, device, precision: str, batch_size: int = 8) -> torch.Tensor:
-    """float64 [videos * timesteps] (video-major): the loss of every validation sample, eval mode."""
-    was_training = model.training
-    model.eval()
-    out = []
-    try:
-        for i in range(0, valset.x.shape[0], batch_size):
-            x = valset.x[i:i + batch_size].to(device)
-            n = valset.noise[i:i + batch_size].to(device)
-            t = valset.t[i:i + batch_size].to(device)
-            with _autocast(device, precision):
-                out.append(flow_matching_loss(model, x, n, t, reduce=False).double().cpu())
-    finally:
-        model.train(was_training)
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
-
-
-def validation_se(per_sample: torch.Tensor, per_video: int) -> Optional[float]:
-    """Standard error of the validation loss over the videos (each video's timesteps averaged
-    first; None with one video): how much the evaluation itself could move the loss."""
-    if per_video < 1 or per_sample.numel() % per_video or per_sample.numel() // per_video < 2:
-        return None
-    v = per_sample.double().view(-1, per_video).mean(1)
-    return float(v.std(unbiased=True) / math.sqrt(v.numel()))
-
-
-def validation_loss(model, valset: _ValSet, device, precision: str, batch_size: int = 8) -> float:
-    per = validation_losses(model, valset, device, precision, batch_size)
-    return float(per.mean()) if per.numel() else 0.0
-
-
-# ---------------------------------------------------------------------------------------------
-# Data stream
-# ---------------------------------------------------------------------------------------------
-
-class _Stream:
-    """Batch of step i: dataset items at positions i*B .. i*B+B-1 of a per-epoch permutation
-    (deterministic from the seed; procedural data is already random per index)."""
-
-    def __init__(self, ds, batch_size: int, seed: int):
-        self.ds, self.b, self.seed = ds, batch_size, seed
-        self.n = len(ds)
-        self.shuffle = not isinstance(ds, ProceduralVideos) and self.n <= 10**7
-        self._perm_epoch, self._perm = -1, None
-
-    def indices(self, step: int) -> List[int]:
-        out = []
-        for j in range(self.b):
-            pos = step * self.b + j
-            epoch, k = divmod(pos, self.n)
-            if self.shuffle:
-                if epoch != self._perm_epoch:
-                    g = _generator(self.seed + 104729, epoch)
-                    self._perm, self._perm_epoch = torch.randperm(self.n, generator=g).tolist(), epoch
-                out.append(self._perm[k])
-            else:
-                out.append(k)
-        return out
-
-    def batch(self, step: int, timestep_kind: str):
-        x0 = torch.stack([self.ds[i] for i in self.indices(step)])
-        g = _generator(self.seed + 31337, step)
-        noise = torch.randn(x0.shape, generator=g)
-        t = sample_timesteps(x0.shape[0], g, timestep_kind)
-        return x0, noise, t
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,16 +235,6 @@ class WeightEMA:
             self.shadow[i].copy_(sd["params"][n])
 
 
-def inference_state_dict(ck: Dict[str, Any]) -> Dict[str, Any]:
-    """The weights a checkpoint is evaluated and sampled with: the moving average of the
-    weights where the run kept one (``train.ema_decay`` > 0), else the live weights."""
-    sd = dict(ck["model"])
-    ema = ck.get("ema")
-    if ema:
-        for n, t in ema["params"].items():
-            sd[n] = t.to(dtype=sd[n].dtype) if n in sd else t
-    return sd
-
 
 def _save_checkpoint(path, step, model, opt, controller, cfg, attention, history_tail,
                      log_window=None, ema=None):
@@ -553,7 +255,7 @@ def _save_checkpoint(path, step, model, opt, controller, cfg, attention, history
     }
     from .checkpoint import save_checkpoint
 
-    save_checkpoint(state, path)  # atomic, with a checksum (dsv_ext/checkpoint.py)
+    save_checkpoint(state, path)  # atomic, with a checksum (dsv_ext/app/checkpoint.py)
 
 
 def _resume_from(path, dev, cfg, attention, model, opt, controller, log, ema=None) -> Dict[str, Any]:
@@ -598,7 +300,7 @@ def _resume_from(path, dev, cfg, attention, model, opt, controller, log, ema=Non
 
 def _with_defaults(cfg: Dict[str, Any]) -> Dict[str, Any]:
     """The train and dsv sections with their defaults filled in (for comparing configs)."""
-    from .config import DSVConfig
+    from ..config import DSVConfig
 
     out = copy.deepcopy(cfg)
     for sec, fill in (("train", lambda d: dataclasses.asdict(TrainConfig.from_dict(d))),
@@ -608,15 +310,6 @@ def _with_defaults(cfg: Dict[str, Any]) -> Dict[str, Any]:
         except (ValueError, TypeError):
             pass  # compare as written
     return out
-
-
-def _resolve_device(device: Optional[str]) -> torch.device:
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda requested but torch.cuda.is_available() is False")
-    return dev
 
 
 def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[int] = None,
@@ -644,7 +337,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
 
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("context_parallel: torch.distributed is not initialised (launch with "
-                               "torchrun and python -m dsv_ext.train --context-parallel)")
+                               "torchrun and python -m dsv_ext.app.train --context-parallel)")
         cp_rank, cp_world = dist.get_rank(), dist.get_world_size()
         if cp_rank != 0:
             progress = False
@@ -653,7 +346,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     if steps is not None:
         cfg["train"]["steps"] = steps  # range-checked with the section
     tcfg = TrainConfig.from_dict(cfg["train"])
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     if dev.type == "cpu" and tcfg.threads > 0:
         # context-parallel ranks on one machine share its cores
         torch.set_num_threads(max(1, tcfg.threads // cp_world))
@@ -675,7 +368,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     if tcfg.grad_checkpointing and dev.type == "cuda":
         model.grad_checkpointing = True
     if context_parallel:
-        from . import parallel as _cp
+        from .. import parallel as _cp
 
         _cp.enable(model)
         model.set_context_parallel(True, cube=dsv_cfg.cube)
@@ -687,7 +380,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     ema = WeightEMA(model, params, tcfg.ema_decay) if tcfg.ema_decay > 0 else None
     controller = None
     if attention == "dsv":
-        from .control.controller import DSVController
+        from ..control.controller import DSVController
 
         controller = DSVController(model, dsv_cfg)
         if not getattr(controller, "modules", None):
@@ -743,8 +436,8 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             yaml.safe_dump(cfg, f, sort_keys=False)
 
     ds = make_dataset(cfg["data"], "train", seed=tcfg.seed)
-    stream = _Stream(ds, tcfg.batch_size, tcfg.seed)
-    valset = _ValSet(cfg, tcfg)
+    stream = BatchStream(ds, tcfg.batch_size, tcfg.seed)
+    valset = ValidationSet(cfg, tcfg)
     tokens_per_sample = model.cfg.num_tokens
     mf = open(metrics_path, "a") if writer else None
 
@@ -822,7 +515,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             for gr in opt.param_groups:
                 gr["lr"] = lr
             stage_before = int(getattr(controller, "stage", 1)) if controller is not None else 1
-            with _autocast(dev, tcfg.precision):
+            with autocast(dev, tcfg.precision):
                 loss = flow_matching_loss(fwd_model, x0, noise, t)
             loss.backward()
             sync_grads()
@@ -952,7 +645,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dsv_ext.train", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m dsv_ext.app.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML config (sections model/data/train/dsv)")
     p.add_argument("--out", default=None, help="output folder (default runs/<name>-<attention>)")
@@ -969,7 +662,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "time; continue later with --resume OUT/ckpt_last.pt")
     p.add_argument("--context-parallel", action="store_true",
                    help="split each sequence over the ranks started by torchrun (gloo on the CPU, NCCL "
-                        "on GPUs: one GPU per rank); e.g. torchrun --nproc_per_node=2 -m dsv_ext.train "
+                        "on GPUs: one GPU per rank); e.g. torchrun --nproc_per_node=2 -m dsv_ext.app.train "
                         "--config configs/tiny.yaml --context-parallel")
     a = p.parse_args(argv)
 
@@ -978,7 +671,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = load_config(a.config, a.overrides)
         device = a.device
         if a.context_parallel:
-            device = _init_context_parallel(device)
+            device = init_context_parallel(device)
         try:
             res = train(cfg, out_dir=a.out, steps=a.steps, resume=a.resume, attention=a.attention,
                         device=device, progress=not a.no_progress, context_parallel=a.context_parallel,
@@ -987,7 +680,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if a.context_parallel:
                 import torch.distributed as dist
 
-                from .parallel import clear_group_cache
+                from ..parallel import clear_group_cache
 
                 clear_group_cache()
                 dist.destroy_process_group()
@@ -1011,25 +704,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     return run_command(p.prog, guarded)
 
-
-def _init_context_parallel(device: Optional[str]) -> str:
-    """The process group of a torchrun launch; returns the device of this rank."""
-    import torch.distributed as dist
-
-    from . import parallel  # noqa: F401  (imports torch._dynamo before init_process_group: docs/PARALLEL.md)
-
-    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise ValueError(f"--context-parallel: launch with torchrun (environment lacks {', '.join(missing)}), "
-                         "e.g. torchrun --nproc_per_node=2 -m dsv_ext.train --config C --context-parallel")
-    dev = _resolve_device(device)
-    if dev.type == "cuda":
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        dev = torch.device("cuda", local)
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    return str(dev)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Full attention vs DSV on the same model, data, seed and steps.
 
-    python -m dsv_ext.compare --config configs/small.yaml [--out DIR] [--steps N] [--device cuda]
+    python -m dsv_ext.app.compare --config configs/small.yaml [--out DIR] [--steps N] [--device cuda]
         [--resume] [--time-limit SECONDS] [--samples N] [--sample-steps N] [--keep-checkpoints]
 
-Trains the config twice with :func:`dsv_ext.train.train` (``attention=dense``: plain SDPA, and
+Trains the config twice with :func:`dsv_ext.app.train.train` (``attention=dense``: plain SDPA, and
 ``attention=dsv``: DSVAttention under a DSVController), then writes into ``--out`` (default
 ``runs/compare-<config name>``):
 
@@ -31,29 +31,26 @@ above, and ``compare_seeds.md`` / ``compare_seeds.json`` report per arm the mean
 deviation and 95% confidence interval of the final validation loss over the seeds, the paired
 relative gap (DSV / full - 1 per seed) with its interval, the validation set's own standard error
 (``train.val_videos`` x ``train.val_timesteps`` samples; raise ``--val-videos`` until it is small
-against the seed spread), and whether the gap is resolved relative to 1% (``dsv_ext/seeds.py``).
+against the seed spread), and whether the gap is resolved relative to 1% (:func:`compare_seeds`, ``dsv_ext/app/seeds.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from .cli import check_numeric_args, run_command
-from .train import load_config, train
+from .common import load_config
+from .evaluate import provenance
+from .report import fmt, scalar
+from .seeds import gap_verdict, seed_stats, write_seeds_table
+from .train import train
 
-__all__ = ["compare", "write_table", "write_plot", "main"]
-
-
-def _fmt(v, nd=4):
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{nd}f}"
-    return str(v)
+__all__ = ["compare", "compare_seeds", "write_table", "write_plot", "main"]
 
 
 def _switch_step(history: List[Dict[str, Any]]) -> Optional[int]:
@@ -206,6 +203,58 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
     return res
 
 
+def compare_seeds(cfg: Dict[str, Any], out_dir: str, seeds: int, steps: Optional[int] = None,
+                  device: Optional[str] = None, progress: bool = True,
+                  keep_checkpoints: bool = False, **kw) -> Dict[str, Any]:
+    """:func:`compare` (``kw``: its further options) for ``seeds`` consecutive seeds
+    (``train.seed + i``) into ``out_dir/seed<i>``, then mean, spread and 95% intervals per arm and
+    of the paired gap (``compare_seeds.md/json``; statistics of :mod:`dsv_ext.app.seeds`).
+
+        res = compare_seeds(load_config("configs/small.yaml"), "runs/compare-small-seeds", 3, device="cuda")
+    """
+    if not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1:
+        raise ValueError(f"seeds: expected an integer >= 1, got {seeds!r}")
+    base = int((cfg.get("train") or {}).get("seed", 0))
+    runs = []
+    for i in range(seeds):
+        c = copy.deepcopy(cfg)
+        c["train"]["seed"] = base + i
+        r = compare(c, os.path.join(out_dir, f"seed{base + i}"), steps=steps, device=device,
+                    progress=progress, keep_checkpoints=keep_checkpoints, **kw)
+        if not r.get("complete", True):  # a time limit stopped this seed's pair: report nothing yet
+            return r
+        runs.append(r)
+        r.pop("history", None)
+        r.pop("val", None)
+    arms = {}
+    for att in ("dense", "dsv"):
+        arms[att] = seed_stats([r[att]["final_val_loss"] for r in runs])
+        ses = [r[att].get("final_val_loss_se") for r in runs]
+        arms[att]["eval_se"] = (sum(ses) / len(ses)) if all(x is not None for x in ses) else None
+    gaps = [r["val_loss_rel_gap"] for r in runs]
+    gap = seed_stats(gaps)
+    dsv = [r["dsv"] for r in runs]
+    res = {
+        "config": cfg.get("name"), "seeds": [base + i for i in range(seeds)], "steps": runs[0]["steps"],
+        "device": runs[0]["device"], "tokens_per_sample": runs[0]["tokens_per_sample"],
+        "val_videos": (cfg.get("train") or {}).get("val_videos"),
+        "val_timesteps": (cfg.get("train") or {}).get("val_timesteps"),
+        "arms": arms, "rel_gap": gap, "verdict": gap_verdict(gap["ci95"]),
+        "switch_steps": [r["switch_step"] for r in runs],
+        "speedup_after_switch": seed_stats([r["dsv_tokens_per_s_after_switch"] / r["dense_tokens_per_s_after_switch"]
+                                            for r in runs if r["dsv_tokens_per_s_after_switch"]
+                                            and r["dense_tokens_per_s_after_switch"]] or [float("nan")]),
+        "dsv_sparsity": [scalar(d.get("dsv_sparsity")) for d in dsv],
+        "dsv_recall": [scalar(d.get("dsv_recall")) for d in dsv],
+        "runs": runs,
+    }
+    res["provenance"] = provenance(runs[0]["device"])
+    write_seeds_table(res, os.path.join(out_dir, "compare_seeds.md"))
+    with open(os.path.join(out_dir, "compare_seeds.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
 def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """The numbers of ``compare.json`` from the two runs' folders (metrics of every chunk)."""
     hist, val = {}, {}
@@ -337,28 +386,28 @@ def write_table(res: Dict[str, Any], path: str) -> None:
          f"{res['steps']} steps, {res['tokens_per_sample']} tokens per video, "
          f"batch {d['batch_size']}, device `{res['device']}`"
          + (f" ({res['card']})" if res.get("card") else "") + "; same model init, data, noise "
-         f"and seed. DSV switched to stage 2 at step {_fmt(res['switch_step'])}.", "",
+         f"and seed. DSV switched to stage 2 at step {fmt(res['switch_step'])}.", "",
          "| | full attention | DSV |", "|---|---|---|",
-         f"| validation loss | {_fmt(d['final_val_loss'])} | {_fmt(s['final_val_loss'])} "
-         f"({_fmt(100 * res['val_loss_rel_gap'] if res['val_loss_rel_gap'] is not None else None, 2)}% vs full) |",
-         f"| final training loss (last log window) | {_fmt(d['final_train_loss'])} | {_fmt(s['final_train_loss'])} |",
-         f"| throughput, whole run (tokens/s) | {_fmt(d['tokens_per_s'], 0)} | {_fmt(s['tokens_per_s'], 0)} |",
+         f"| validation loss | {fmt(d['final_val_loss'])} | {fmt(s['final_val_loss'])} "
+         f"({fmt(100 * res['val_loss_rel_gap'] if res['val_loss_rel_gap'] is not None else None, 2)}% vs full) |",
+         f"| final training loss (last log window) | {fmt(d['final_train_loss'])} | {fmt(s['final_train_loss'])} |",
+         f"| throughput, whole run (tokens/s) | {fmt(d['tokens_per_s'], 0)} | {fmt(s['tokens_per_s'], 0)} |",
          f"| throughput before the switch (tokens/s; DSV stage 1) | "
-         f"{_fmt(res.get('dense_tokens_per_s_before_switch'), 0)} | "
-         f"{_fmt(res.get('dsv_tokens_per_s_before_switch'), 0)}"
+         f"{fmt(res.get('dense_tokens_per_s_before_switch'), 0)} | "
+         f"{fmt(res.get('dsv_tokens_per_s_before_switch'), 0)}"
          + (f" ({100 * res['stage1_overhead']:+.1f}% step time) |" if res.get("stage1_overhead") is not None else " |"),
-         f"| throughput after the switch (tokens/s) | {_fmt(res['dense_tokens_per_s_after_switch'], 0)} "
-         f"| {_fmt(res['dsv_tokens_per_s_after_switch'], 0)} |",
+         f"| throughput after the switch (tokens/s) | {fmt(res['dense_tokens_per_s_after_switch'], 0)} "
+         f"| {fmt(res['dsv_tokens_per_s_after_switch'], 0)} |",
          f"| speed-up after the switch | 1.00x | "
          + (f"{res['dsv_tokens_per_s_after_switch'] / res['dense_tokens_per_s_after_switch']:.2f}x |"
             if res["dsv_tokens_per_s_after_switch"] and res["dense_tokens_per_s_after_switch"] else "- |"),
-         f"| training time (s) | {_fmt(d['train_time_s'], 1)} | {_fmt(s['train_time_s'], 1)} |",
+         f"| training time (s) | {fmt(d['train_time_s'], 1)} | {fmt(s['train_time_s'], 1)} |",
          f"| training time to full attention's final validation loss (s) | "
          + " | ".join(_reach(res, a) for a in ("dense", "dsv")) + " |",
-         f"| validation loss standard error (over videos) | {_fmt(d.get('final_val_loss_se'))} "
-         f"| {_fmt(s.get('final_val_loss_se'))} |",
-         f"| mean sparsity (EMA, theta=0.9) | - | {_fmt(_scalar(s.get('dsv_sparsity')), 3)} |",
-         f"| predictor recall | - | {_fmt(_scalar(s.get('dsv_recall')), 3)} |",
+         f"| validation loss standard error (over videos) | {fmt(d.get('final_val_loss_se'))} "
+         f"| {fmt(s.get('final_val_loss_se'))} |",
+         f"| mean sparsity (EMA, theta=0.9) | - | {fmt(scalar(s.get('dsv_sparsity')), 3)} |",
+         f"| predictor recall | - | {fmt(scalar(s.get('dsv_recall')), 3)} |",
          ""]
     equal = res.get("val_at_equal_steps") or []
     if equal:
@@ -366,7 +415,7 @@ def write_table(res: Dict[str, Any], path: str) -> None:
               "|---|---|---|---|"]
         for e in equal:
             gap = e.get("rel_gap")
-            L.append(f"| {e['step']} | {_fmt(e['dense'])} | {_fmt(e['dsv'])} | "
+            L.append(f"| {e['step']} | {fmt(e['dense'])} | {fmt(e['dsv'])} | "
                      f"{'-' if gap is None else f'{100 * gap:+.2f}%'} |")
         L.append("")
     blocks = res.get("blocks") or []
@@ -375,20 +424,20 @@ def write_table(res: Dict[str, Any], path: str) -> None:
               "| block | sparsity | predictor loss | recall | runs sparse | mean K / S |",
               "|---|---|---|---|---|---|"]
         for i, b in enumerate(blocks):
-            L.append(f"| {i} (`{b.get('name', '')}`) | {_fmt(b.get('sparsity'), 3)} | "
-                     f"{_fmt(b.get('pred_loss'), 4)} | {_fmt(b.get('recall'), 3)} | "
-                     f"{_fmt(b.get('sparse'))} | {_k_frac(b, res.get('tokens_per_sample'))} |")
+            L.append(f"| {i} (`{b.get('name', '')}`) | {fmt(b.get('sparsity'), 3)} | "
+                     f"{fmt(b.get('pred_loss'), 4)} | {fmt(b.get('recall'), 3)} | "
+                     f"{fmt(b.get('sparse'))} | {_k_frac(b, res.get('tokens_per_sample'))} |")
         L.append("")
     disp = res.get("dispatch") or {}
     if disp.get("use_calibration") is not False:
         L += ["Dispatcher: it chose per block (calibrated dense vs sparse time on this "
               "device where a table exists, else the sparsity threshold "
-              f"{_fmt(disp.get('dispatch_threshold') if disp.get('dispatch_threshold') is not None else 0.8, 2)}); "
+              f"{fmt(disp.get('dispatch_threshold') if disp.get('dispatch_threshold') is not None else 0.8, 2)}); "
               "blocks it kept dense run full attention in stage 2.", ""]
     if disp.get("use_calibration") is False:
         thr = disp.get("dispatch_threshold")
         L += [f"Dispatch: this config turns the calibrated speed model off and runs a block sparse "
-              f"whenever its measured sparsity is at least {_fmt(thr if thr is not None else 0.8, 2)}, "
+              f"whenever its measured sparsity is at least {fmt(thr if thr is not None else 0.8, 2)}, "
               "so the speed-up above shows that rule (chosen to test quality), not what the "
               "dispatcher would pick for speed.", ""]
     smp = res.get("samples")
@@ -417,14 +466,7 @@ def _reach(res: Dict[str, Any], att: str) -> str:
     r = (res.get("time_to_dense_final_val") or {}).get(att)
     if not r:
         return "not reached"
-    return f"{_fmt(r['time_s'], 1)} (step {r['step']})"
-
-
-def _scalar(v):
-    if isinstance(v, list):
-        xs = [x for x in v if x is not None]
-        return sum(xs) / len(xs) if xs else None
-    return v
+    return f"{fmt(r['time_s'], 1)} (step {r['step']})"
 
 
 def write_plot(res: Dict[str, Any], path: str) -> None:
@@ -468,7 +510,7 @@ def write_plot(res: Dict[str, Any], path: str) -> None:
         if pts:
             a2.plot(*zip(*pts), label=f"block {i}")
     if nblk == 0:
-        pts = [(r["step"], _scalar(r.get("sparsity"))) for r in h if _scalar(r.get("sparsity")) is not None]
+        pts = [(r["step"], scalar(r.get("sparsity"))) for r in h if scalar(r.get("sparsity")) is not None]
         if pts:
             a2.plot(*zip(*pts), label="mean")
     a2.set_xlabel("step")
@@ -493,7 +535,7 @@ def write_plot(res: Dict[str, Any], path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dsv_ext.compare",
+    p = argparse.ArgumentParser(prog="python -m dsv_ext.app.compare",
                                 description="Train with full attention and with DSV; compare.")
     p.add_argument("--config", required=True)
     p.add_argument("--out", default=None, help="output folder (default runs/compare-<name>)")
@@ -528,9 +570,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ov.append(f"train.val_videos={a.val_videos}")
         cfg = load_config(a.config, ov)
         out = a.out or os.path.join("runs", f"compare-{cfg.get('name', 'run')}")
-        if a.seeds > 1:  # dsv_ext/seeds.py: the pair per seed, then the statistics over seeds
-            from .seeds import compare_seeds
-
+        if a.seeds > 1:  # the pair per seed, then the statistics over seeds (dsv_ext/app/seeds.py)
             r = compare_seeds(cfg, out, a.seeds, steps=a.steps, device=a.device,
                               progress=not a.no_progress, keep_checkpoints=a.keep_checkpoints,
                               resume=a.resume, time_limit_s=a.time_limit, samples=a.samples,

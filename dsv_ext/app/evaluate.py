@@ -1,7 +1,7 @@
 """Paired quality measurement: the validation-loss increase that DSV's sparse attention itself
 causes in one trained model.
 
-    python -m dsv_ext.evaluate --checkpoint runs/small-dsv/ckpt_last.pt [--out DIR]
+    python -m dsv_ext.app.evaluate --checkpoint runs/small-dsv/ckpt_last.pt [--out DIR]
         [--targets 0.85,0.9,0.95,0.98] [--val-videos N] [--val-timesteps 0.1,0.3,...]
         [--calib-batches 4] [--no-per-block] [--device cuda] [--set SEC.KEY=VALUE ...]
 
@@ -37,22 +37,22 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from ..modules.attention import SparseAttention
 from .checkpoint import load_checkpoint
 from .cli import run_command
-from .grouping import cube_permutation
-from .modules.attention import SparseAttention
-from .recall import density_for_recall, recall_curve
-from .train import (TrainConfig, _autocast, _resolve_device, _Stream, _ValSet, build_model,
-                    flow_matching_loss, inference_state_dict, load_config, validation_losses)
+from ..grouping import cube_permutation
+from ..recall import density_for_recall, recall_curve
+from .common import (BatchStream, TrainConfig, ValidationSet, autocast, build_model, flow_matching_loss,
+                     inference_state_dict, load_config, resolve_device, validation_losses)
 
 __all__ = ["per_sample_losses", "paired_stats", "measure_recall_curves", "evaluate", "main"]
 
 DEFAULT_TARGETS = (0.85, 0.9, 0.95, 0.98)
 
 
-def per_sample_losses(model, valset: _ValSet, device, precision: str, batch_size: int = 8) -> torch.Tensor:
+def per_sample_losses(model, valset: ValidationSet, device, precision: str, batch_size: int = 8) -> torch.Tensor:
     """float64 [n_videos * n_timesteps]: the flow-matching loss of every validation sample (video
-    j at timestep t is sample j * n_timesteps + t), in eval mode (dsv_ext.train.validation_losses)."""
+    j at timestep t is sample j * n_timesteps + t), in eval mode (dsv_ext.app.common.validation_losses)."""
     return validation_losses(model, valset, device, precision, batch_size)
 
 
@@ -138,7 +138,7 @@ def measure_recall_curves(model, batches, device, precision: str) -> List[Option
         for m in cores:
             m.use_sparse = False
         for x0, noise, t in batches:
-            with _autocast(device, precision):
+            with autocast(device, precision):
                 flow_matching_loss(model, x0.to(device), noise.to(device), t.to(device))
             calls[0] += 1
     finally:
@@ -167,7 +167,7 @@ def evaluate(cfg: Dict[str, Any], ckpt: Dict[str, Any], out_dir: Optional[str] =
     """Run the paired evaluation (see the module docstring); ``cfg`` is the checkpoint's config
     (with any overrides), ``ckpt`` the loaded checkpoint dict. Returns the result dict (also
     written to ``out_dir`` when given)."""
-    from .control.controller import DSVController
+    from ..control.controller import DSVController
 
     if not targets:
         raise ValueError("targets: expected at least one recall target")
@@ -180,7 +180,7 @@ def evaluate(cfg: Dict[str, Any], ckpt: Dict[str, Any], out_dir: Optional[str] =
         raise ValueError("checkpoint: trained with attention="
                          f"{ckpt.get('attention')!r}; the paired evaluation needs a dsv run (its predictors)")
     log = (lambda s: print(s, file=sys.stderr)) if progress else (lambda s: None)
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     tcfg = TrainConfig.from_dict(cfg["train"])
     torch.manual_seed(tcfg.seed)
     model, dsv_cfg = build_model(cfg, "dsv", dev)
@@ -189,7 +189,7 @@ def evaluate(cfg: Dict[str, Any], ckpt: Dict[str, Any], out_dir: Optional[str] =
     if not cores:
         raise ValueError("checkpoint: the model has no SparseAttention blocks")
     eligible = [i for i, m in enumerate(cores) if m.sparse_supported()]
-    valset = _ValSet(cfg, tcfg)
+    valset = ValidationSet(cfg, tcfg)
     n_t = len(tcfg.val_timesteps)
     bs = tcfg.val_batch_size
     t0 = time.perf_counter()
@@ -226,7 +226,7 @@ def evaluate(cfg: Dict[str, Any], ckpt: Dict[str, Any], out_dir: Optional[str] =
     from .data import make_dataset
 
     ds = make_dataset(dict(cfg["data"]), "train", seed=tcfg.seed)
-    stream = _Stream(ds, tcfg.batch_size, tcfg.seed)
+    stream = BatchStream(ds, tcfg.batch_size, tcfg.seed)
     curves = measure_recall_curves(model, (stream.batch(s, tcfg.timestep_sampling) for s in range(calib_batches)),
                                    dev, tcfg.precision)
     S = model.cfg.num_tokens
@@ -349,7 +349,7 @@ def _floats(s: str, name: str) -> List[float]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dsv_ext.evaluate", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m dsv_ext.app.evaluate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="ckpt_*.pt of an attention=dsv training run")
     p.add_argument("--out", default=None, help="output folder (default <checkpoint dir>/evaluate)")

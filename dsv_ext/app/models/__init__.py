@@ -1,4 +1,4 @@
-"""Reference models built on dsv-ext (see dsv_ext/models/dit.py)."""
+"""Reference models built on dsv-ext (see dsv_ext/app/models/dit.py)."""
 
 from .dit import DiTConfig, VideoDiT, DiTBlock, SelfAttention, dsv_attention_available
 

@@ -667,7 +667,7 @@ class VideoClips(torch.utils.data.Dataset):
                  crop_scale: Sequence[float] = (0.5, 1.0), flip: bool = True,
                  max_side: Optional[int] = None, cache_dir: Optional[str] = None,
                  disk_cache: bool = True, patch: int = 8, encoder_seed: int = 1234):
-        from .config import check_bool, check_int, check_number
+        from ..config import check_bool, check_int, check_number
 
         for n, v in (("frames", frames), ("height", height), ("width", width),
                      ("channels", channels), ("frame_stride", frame_stride), ("patch", patch)):

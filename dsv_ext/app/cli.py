@@ -1,4 +1,4 @@
-"""Shared behaviour of the package's commands (python -m dsv_ext.train / compare / sample /
+"""Shared behaviour of the package's commands (python -m dsv_ext.app.train / compare / sample /
 dispatch): a bad argument, config value or missing file ends the command with one line,
 ``<prog>: error: <message naming the argument>``, and exit status 2, as argparse does for its
 own arguments. Set ``DSV_TRACEBACK=1`` to get the full traceback instead."""

@@ -1,13 +1,13 @@
-"""Sample videos from a trained reference DiT (a ``dsv_ext.train`` checkpoint), with DSV or full
+"""Sample videos from a trained reference DiT (a ``dsv_ext.app.train`` checkpoint), with DSV or full
 attention.
 
-    python -m dsv_ext.sample --checkpoint runs/tiny-dsv/ckpt_last.pt --steps 30 --out samples/
+    python -m dsv_ext.app.sample --checkpoint runs/tiny-dsv/ckpt_last.pt --steps 30 --out samples/
         [--num-samples 4] [--seed 0] [--full-attention] [--device cpu|cuda] [--solver euler|heun]
         [--batch-size 4] [--shift 1.0] [--precision auto|bf16|fp32] [--fps 8] [--scale N]
         [--view first3|pca] [--normalize auto|channel|joint] [--show-data N]
         [--set dsv.KEY=VALUE ...] [--index-refresh N] [--threads N] [--no-progress]
 
-Flow matching, the convention of ``dsv_ext.train``: ``x_t = (1 - t) x0 + t e`` and the model
+Flow matching, the convention of ``dsv_ext.app.train``: ``x_t = (1 - t) x0 + t e`` and the model
 predicts the velocity ``v = e - x0``. Sampling integrates ``dx/dt = v(x, t)`` from pure noise at
 ``t = 1`` down to ``t = 0`` over ``--steps`` steps on the grid ``t_i = 1 - i / N`` (optionally
 warped by ``--shift`` s: ``t -> s t / (1 + (s - 1) t)``, SD3's resolution shift, which spends more
@@ -45,7 +45,7 @@ Outputs in ``--out`` (per sample i, 3-digit index):
 
 Latents to pictures (:func:`latents_to_frames`): ``--view first3`` (default) shows channels 0, 1,
 2 as R, G, B (fewer channels are repeated). For ``data.mode: pixels``, folder and video data, channels
-0-2 are the patch means of R, G, B (``dsv_ext.data.PatchEncoder``), so this is the true colour
+0-2 are the patch means of R, G, B (``dsv_ext.app.data.PatchEncoder``), so this is the true colour
 picture at latent resolution; for ``mode: latent`` they are random mixtures of the scene's
 texture fields (false colour). ``--view pca`` projects the C channels on their three principal
 components over the clip (false colour that uses every channel; sign fixed so that the largest
@@ -76,7 +76,7 @@ import numpy as np
 import torch
 
 from .cli import check_numeric_args, run_command
-from .train import _autocast, _resolve_device, build_model, inference_state_dict, load_config
+from .common import autocast, build_model, inference_state_dict, load_config, resolve_device
 
 __all__ = ["SamplingModel", "load_for_sampling", "timestep_grid", "sample_latents",
            "latents_to_frames", "save_gif", "save_grid", "sample", "main"]
@@ -122,14 +122,14 @@ def _torch_load(path: str, device) -> Dict[str, Any]:
 
 def load_for_sampling(checkpoint: str, device: Optional[str] = None, full_attention: bool = False,
                       dsv_overrides: Optional[Dict[str, Any]] = None) -> SamplingModel:
-    """Rebuild the model of a ``dsv_ext.train`` checkpoint and, for a DSV checkpoint, its
+    """Rebuild the model of a ``dsv_ext.app.train`` checkpoint and, for a DSV checkpoint, its
     controller state (stage, per-head K, predictors, per-block sparse/dense choice).
 
     ``full_attention``: every block runs dense SDPA (the DSV predictors are loaded but unused).
     ``dsv_overrides``: DSVConfig fields replaced for sampling (e.g. ``{"k_margin": 0.1}``).
     The model is returned in eval mode; the controller must not be stepped while sampling.
     """
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     ck = _torch_load(checkpoint, dev)
     cfg = copy.deepcopy(ck["config"])
     attention = ck.get("attention") or cfg.get("model", {}).get("attention", "dsv")
@@ -145,7 +145,7 @@ def load_for_sampling(checkpoint: str, device: Optional[str] = None, full_attent
     if attention == "dsv":
         if ck.get("controller") is None:
             raise ValueError(f"checkpoint: {checkpoint} says attention=dsv but has no controller state")
-        from .control.controller import DSVController
+        from ..control.controller import DSVController
 
         controller = DSVController(model, dsv_cfg)
         controller.load_state_dict(ck["controller"])
@@ -205,7 +205,7 @@ def sample_latents(model: torch.nn.Module, noise: torch.Tensor, steps: int, solv
 
     def velocity(x, t):
         tt = torch.full((b,), float(t), dtype=torch.float32, device=x.device)
-        with _autocast(x.device, precision):
+        with autocast(x.device, precision):
             return model(x, tt).float()
 
     for i in range(steps):
@@ -322,7 +322,7 @@ def save_grid(frames: np.ndarray, path: str, cols: Optional[int] = None, gap: in
 # ---------------------------------------------------------------------------------------------
 
 def _parse_overrides(items: Sequence[str]) -> Dict[str, Any]:
-    from .config import yaml_load
+    from ..config import yaml_load
 
     out: Dict[str, Any] = {}
     for ov in items:
@@ -369,7 +369,7 @@ def sample(checkpoint: str, out_dir: str, steps: int = 30, num_samples: int = 4,
 
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("context_parallel: torch.distributed is not initialised (launch with "
-                               "torchrun and python -m dsv_ext.sample --context-parallel)")
+                               "torchrun and python -m dsv_ext.app.sample --context-parallel)")
         if index_refresh != 1:
             raise ValueError(f"index_refresh: must be 1 with context parallelism, got {index_refresh!r}")
         writer = dist.get_rank() == 0
@@ -393,7 +393,7 @@ def sample(checkpoint: str, out_dir: str, steps: int = 30, num_samples: int = 4,
         if sm.attention != "dsv":
             raise ValueError(f"checkpoint: context parallelism needs a DSV checkpoint (attention=dsv), "
                              f"{checkpoint} was trained with attention={sm.attention!r}")
-        from . import parallel as _cp
+        from .. import parallel as _cp
 
         _cp.enable(sm.model)
         sm.model.set_context_parallel(True, cube=_cp_cube(sm))
@@ -415,7 +415,7 @@ def sample(checkpoint: str, out_dir: str, steps: int = 30, num_samples: int = 4,
 
 
 def _cp_cube(sm) -> Tuple[int, int, int]:
-    from .config import DSVConfig
+    from ..config import DSVConfig
 
     return tuple(DSVConfig.from_dict(dict(sm.config.get("dsv") or {})).cube)
 
@@ -423,7 +423,7 @@ def _cp_cube(sm) -> Tuple[int, int, int]:
 def _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch_size, shift,
             precision, fps, scale, view, normalize, show_data, dsv_overrides, progress,
             checkpoint, index_refresh=1, writer=True) -> Dict[str, Any]:
-    from .modules.attention import set_index_refresh
+    from ..modules.attention import set_index_refresh
 
     model, dev, cfg = sm.model, sm.device, sm.config
     mcfg = model.cfg
@@ -526,12 +526,12 @@ def _sample(sm, out_dir, steps, num_samples, seed, full_attention, solver, batch
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dsv_ext.sample",
-                                description="Sample videos from a dsv_ext.train checkpoint "
+    p = argparse.ArgumentParser(prog="python -m dsv_ext.app.sample",
+                                description="Sample videos from a dsv_ext.app.train checkpoint "
                                             "(flow matching; DSV sparse or full attention).",
                                 epilog="Outputs per sample: sample_NNN.gif, sample_NNN.png (frame "
                                        "grid), sample_NNN.npy (latents [C, T, H, W]); sampling.json.")
-    p.add_argument("--checkpoint", required=True, help="a dsv_ext.train checkpoint (OUT/ckpt_last.pt)")
+    p.add_argument("--checkpoint", required=True, help="a dsv_ext.app.train checkpoint (OUT/ckpt_last.pt)")
     p.add_argument("--steps", type=int, default=30, help="sampling steps (default 30)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--num-samples", type=int, default=4, help="how many clips (default 4)")
@@ -563,7 +563,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--context-parallel", action="store_true",
                    help="split each clip over the ranks started by torchrun (long videos on several GPUs), e.g. "
-                        "torchrun --nproc_per_node=2 -m dsv_ext.sample --checkpoint C --out D --context-parallel")
+                        "torchrun --nproc_per_node=2 -m dsv_ext.app.sample --checkpoint C --out D --context-parallel")
     a = p.parse_args(argv)
 
     def body() -> int:
@@ -571,15 +571,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                     "scale": 1, "show_data": 0, "index_refresh": 1, "threads": 1},
                            numbers={"shift": 0.0, "fps": 0.0})
         if a.context_parallel:
-            from .train import _init_context_parallel
+            from .common import init_context_parallel
 
-            a.device = _init_context_parallel(a.device)
+            a.device = init_context_parallel(a.device)
             try:
                 return run()
             finally:
                 import torch.distributed as dist
 
-                from .parallel import clear_group_cache
+                from ..parallel import clear_group_cache
 
                 clear_group_cache()
                 dist.destroy_process_group()
