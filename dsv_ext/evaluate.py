@@ -42,7 +42,7 @@ from .checkpoint import load_checkpoint
 from .cli import run_command
 from .recall import density_for_recall, recall_curve
 from .train import (TrainConfig, _autocast, _resolve_device, _Stream, _ValSet, build_model,
-                    flow_matching_loss, load_config, validation_losses)
+                    flow_matching_loss, inference_state_dict, load_config, validation_losses)
 
 __all__ = ["per_sample_losses", "paired_stats", "measure_recall_curves", "evaluate", "main"]
 
@@ -184,7 +184,7 @@ def evaluate(cfg: Dict[str, Any], ckpt: Dict[str, Any], out_dir: Optional[str] =
     tcfg = TrainConfig.from_dict(cfg["train"])
     torch.manual_seed(tcfg.seed)
     model, dsv_cfg = build_model(cfg, "dsv", dev)
-    model.load_state_dict(ckpt["model"])
+    model.load_state_dict(inference_state_dict(ckpt))
     cores = _cores(model)
     if not cores:
         raise ValueError("checkpoint: the model has no SparseAttention blocks")

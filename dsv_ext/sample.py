@@ -76,7 +76,7 @@ import numpy as np
 import torch
 
 from .cli import check_numeric_args, run_command
-from .train import _autocast, _resolve_device, build_model, load_config
+from .train import _autocast, _resolve_device, build_model, inference_state_dict, load_config
 
 __all__ = ["SamplingModel", "load_for_sampling", "timestep_grid", "sample_latents",
            "latents_to_frames", "save_gif", "save_grid", "sample", "main"]
@@ -140,7 +140,7 @@ def load_for_sampling(checkpoint: str, device: Optional[str] = None, full_attent
     with torch.random.fork_rng(devices=[]):  # the predictors' init draws (overwritten below)
         torch.manual_seed(int(cfg["train"].get("seed", 0)))  # must not move the caller's RNG
         model, dsv_cfg = build_model(cfg, attention, dev)
-    model.load_state_dict(ck["model"], strict=True)
+    model.load_state_dict(inference_state_dict(ck), strict=True)
     controller = None
     if attention == "dsv":
         if ck.get("controller") is None:

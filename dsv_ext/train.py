@@ -45,7 +45,8 @@ from .config import yaml_load
 from .data import ProceduralVideos, _generator, make_dataset
 from .models.dit import DiTConfig, VideoDiT
 
-__all__ = ["TrainConfig", "load_config", "train", "build_model", "validation_loss", "main"]
+__all__ = ["TrainConfig", "load_config", "train", "build_model", "validation_loss", "WeightEMA",
+           "inference_state_dict", "main"]
 
 
 @dataclass
@@ -58,7 +59,16 @@ class TrainConfig:
     betas: Sequence[float] = (0.9, 0.999)
     weight_decay: float = 0.0
     warmup_steps: int = 50
-    """Linear learning-rate warm-up, then constant."""
+    """Linear learning-rate warm-up, then ``lr_schedule``."""
+    lr_schedule: str = "constant"
+    """After the warm-up: ``constant`` or ``cosine`` (from ``lr`` down to ``lr * lr_min_ratio``
+    at the last step)."""
+    lr_min_ratio: float = 0.1
+    """Final learning rate of the cosine schedule, as a fraction of ``lr``."""
+    ema_decay: float = 0.0
+    """Exponential moving average of the model weights (0 = off; e.g. 0.995). When on,
+    validation, sampling and the paired evaluation use the averaged weights: they do not move
+    with the step-to-step jitter of the live weights (docs/QUALITY.md)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
     seed: int = 0
@@ -93,9 +103,16 @@ class TrainConfig:
             check_int("train", n, getattr(self, n), lo)
         for n in ("lr", "weight_decay", "grad_clip"):
             check_number("train", n, getattr(self, n))
+        for n in ("lr_min_ratio", "ema_decay"):
+            v = getattr(self, n)
+            check_number("train", n, v)
+            if not 0.0 <= v <= 1.0 or (n == "ema_decay" and v == 1.0):
+                raise ValueError(f"train.{n}: expected a number in [0, 1{']' if n == 'lr_min_ratio' else ')'}, "
+                                 f"got {v!r}")
         for n in ("grad_checkpointing", "compile"):
             check_bool("train", n, getattr(self, n))
         check_choice("train", "precision", self.precision, ("auto", "bf16", "fp32"))
+        check_choice("train", "lr_schedule", self.lr_schedule, ("constant", "cosine"))
         check_choice("train", "timestep_sampling", self.timestep_sampling, ("logit_normal", "uniform"))
         for n, count in (("betas", 2), ("val_timesteps", None)):
             v = getattr(self, n)
@@ -447,16 +464,84 @@ def _summary_table(summary: Dict[str, Any], vals: List[Dict[str, Any]], st: Dict
 def _lr_at(step: int, tcfg: TrainConfig) -> float:
     if tcfg.warmup_steps > 0 and step < tcfg.warmup_steps:
         return tcfg.lr * (step + 1) / tcfg.warmup_steps
+    if tcfg.lr_schedule == "cosine":
+        span = max(tcfg.steps - tcfg.warmup_steps - 1, 1)
+        p = min(max(step - tcfg.warmup_steps, 0) / span, 1.0)
+        r = tcfg.lr_min_ratio
+        return tcfg.lr * (r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * p)))
     return tcfg.lr
 
 
+class WeightEMA:
+    """Exponential moving average of a model's trainable weights, kept in float32.
+
+    ``update()`` after each optimizer step (decay ramps up as min(decay, (1 + n) / (10 + n)) over
+    the first updates, so early averages are not dominated by the initial weights);
+    ``with ema.applied():`` swaps the averages into the model and restores the live weights after.
+    ``state_dict()`` maps parameter names to averages (loadable into the model with
+    ``load_state_dict(..., strict=False)``) plus the update count.
+    """
+
+    def __init__(self, model: torch.nn.Module, params: Sequence[torch.nn.Parameter], decay: float):
+        ids = {id(p) for p in params}
+        self.names = [n for n, p in model.named_parameters() if id(p) in ids]
+        byname = dict(model.named_parameters())
+        self.params = [byname[n] for n in self.names]
+        self.decay = float(decay)
+        self.count = 0
+        self.shadow = [p.detach().float().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        d = min(self.decay, (1.0 + self.count) / (10.0 + self.count))
+        live = [p.detach().float() for p in self.params]
+        torch._foreach_lerp_(self.shadow, live, 1.0 - d)
+        self.count += 1
+
+    @contextlib.contextmanager
+    def applied(self):
+        backup = [p.detach().clone() for p in self.params]
+        try:
+            with torch.no_grad():
+                for p, s in zip(self.params, self.shadow):
+                    p.copy_(s)
+            yield
+        finally:
+            with torch.no_grad():
+                for p, b in zip(self.params, backup):
+                    p.copy_(b)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"decay": self.decay, "count": self.count,
+                "params": {n: s.clone() for n, s in zip(self.names, self.shadow)}}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        if sorted(sd["params"]) != sorted(self.names):
+            raise KeyError("ema: the averaged parameters do not match the model's")
+        self.count = int(sd["count"])
+        for i, n in enumerate(self.names):
+            self.shadow[i].copy_(sd["params"][n])
+
+
+def inference_state_dict(ck: Dict[str, Any]) -> Dict[str, Any]:
+    """The weights a checkpoint is evaluated and sampled with: the moving average of the
+    weights where the run kept one (``train.ema_decay`` > 0), else the live weights."""
+    sd = dict(ck["model"])
+    ema = ck.get("ema")
+    if ema:
+        for n, t in ema["params"].items():
+            sd[n] = t.to(dtype=sd[n].dtype) if n in sd else t
+    return sd
+
+
 def _save_checkpoint(path, step, model, opt, controller, cfg, attention, history_tail,
-                     log_window=None):
+                     log_window=None, ema=None):
     state = {
         "step": step,
         "model": model.state_dict(),
         "optimizer": opt.state_dict(),
         "controller": controller.state_dict() if controller is not None else None,
+        "ema": ema.state_dict() if ema is not None else None,
         "config": cfg,
         "attention": attention,
         "torch_rng": torch.get_rng_state(),
@@ -471,7 +556,7 @@ def _save_checkpoint(path, step, model, opt, controller, cfg, attention, history
     save_checkpoint(state, path)  # atomic, with a checksum (dsv_ext/checkpoint.py)
 
 
-def _resume_from(path, dev, cfg, attention, model, opt, controller, log) -> Dict[str, Any]:
+def _resume_from(path, dev, cfg, attention, model, opt, controller, log, ema=None) -> Dict[str, Any]:
     """Load a checkpoint into model / optimizer / controller and the RNGs; warn about config
     values that differ from the checkpoint's (refuse only where the weights cannot load)."""
     from .checkpoint import CheckpointError, config_diff, format_diff, load_checkpoint
@@ -491,6 +576,8 @@ def _resume_from(path, dev, cfg, attention, model, opt, controller, log) -> Dict
         opt.load_state_dict(ck["optimizer"])
         if controller is not None:
             controller.load_state_dict(ck["controller"])
+        if ema is not None and ck.get("ema"):
+            ema.load_state_dict(ck["ema"])
     except (RuntimeError, KeyError, ValueError, TypeError) as e:
         first = str(e).strip().splitlines()
         why = f"the config differs ({format_diff(diff)})" if diff else \
@@ -498,6 +585,9 @@ def _resume_from(path, dev, cfg, attention, model, opt, controller, log) -> Dict
         raise CheckpointError(f"resume: {path} does not fit this model: {why}") from None
     if diff:
         log(f"warning: resuming {path} with a different config: {format_diff(diff)}")
+    if ema is not None and not ck.get("ema"):
+        log(f"warning: {path} holds no weight average: it starts from the resumed weights")
+        ema.shadow = [p.detach().float().clone() for p in ema.params]
     # RNG states are CPU ByteTensors; a checkpoint loaded with map_location="cuda" moved them
     torch.set_rng_state(ck["torch_rng"].cpu())
     if ck.get("cuda_rng") is not None and torch.cuda.is_available():
@@ -594,6 +684,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     opt = torch.optim.AdamW(params, lr=tcfg.lr, betas=tuple(tcfg.betas),
                             weight_decay=tcfg.weight_decay,
                             fused=(dev.type == "cuda") or None)
+    ema = WeightEMA(model, params, tcfg.ema_decay) if tcfg.ema_decay > 0 else None
     controller = None
     if attention == "dsv":
         from .controller import DSVController
@@ -627,7 +718,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     vals: List[Dict[str, Any]] = []
     log_window = None
     if resume:
-        ck = _resume_from(resume, dev, cfg, attention, model, opt, controller, log)
+        ck = _resume_from(resume, dev, cfg, attention, model, opt, controller, log, ema)
         start = int(ck["step"])
         log_window = ck.get("log_window")
         # Drop metric lines past the checkpoint (a crashed run may have logged further).
@@ -665,16 +756,18 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     def save(path, step_):
         if writer:
             _save_checkpoint(path, step_, model, opt, controller, cfg, attention, history[-3:],
-                             (win_tokens, win_time, win_loss, win_n))
+                             (win_tokens, win_time, win_loss, win_n), ema)
 
     val_se = [None]
 
     def run_val(step):
         t0 = time.perf_counter()
-        per = validation_losses(fwd_model, valset, dev, tcfg.precision, tcfg.val_batch_size)
+        with ema.applied() if ema is not None else contextlib.nullcontext():
+            per = validation_losses(fwd_model, valset, dev, tcfg.precision, tcfg.val_batch_size)
         v = float(per.mean()) if per.numel() else 0.0
         val_se[0] = validation_se(per, len(tcfg.val_timesteps))
         rec = {"kind": "val", "step": step, "val_loss": v, "val_loss_se": val_se[0],
+               "val_weights": "ema" if ema is not None else "live",
                "val_time_s": time.perf_counter() - t0, **_controller_stats(controller)}
         vals.append(rec)
         write(rec)
@@ -738,6 +831,8 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
                 gnorm = torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update()
             if controller is not None:
                 controller.step()
                 if stage_before == 1 and controller.stage == 2:
@@ -836,6 +931,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         "tokens_per_sample": tokens_per_sample, "batch_size": tcfg.batch_size,
         "final_val_loss": last_val,
         "final_val_loss_se": val_se[0],
+        "val_weights": "ema" if ema is not None else "live",
         "final_train_loss": history[-1]["loss"] if history else None,
         "train_time_s": train_time, "wall_time_s": time.perf_counter() - wall0,
         "tokens_per_s": (n_trained * tcfg.batch_size * tokens_per_sample / train_time
