@@ -136,7 +136,10 @@ def summary_table(link_prefix):
     rows = summary_rows()
     body = _table(["what (one H200; two for the two-GPU row)", "measured", "target", "met"],
                   [(f"[{w}]({link_prefix}{a})", m, t, "yes" if ok else "no") for w, m, t, ok, a in rows])
-    return body
+    missed = [w.split(",")[0] for w, _, _, ok, _ in rows if not ok]
+    status = f"Targets met: {len(rows) - len(missed)} of {len(rows)}" + (
+        f" (not met: {'; '.join(missed)})." if missed else ".")
+    return body + "\n\n" + status
 
 
 # ---------------------------------------------------------------------------- sections
