@@ -1,0 +1,365 @@
+"""Speed at equal quality: the density each selection granularity needs for an attention recall,
+then the attention time of each at that density.
+
+    python benchmarks/bench_equal_recall.py --checkpoint runs/x/dsv/ckpt_last.pt [--out DIR]
+    python benchmarks/bench_equal_recall.py --train-steps 800        # trains configs/small-video.yaml first
+
+1. **Capture.** The reference DiT of a checkpoint (a DSV run on real video, so its predictors are
+   trained) runs on held-out clips at a few timesteps; a hook keeps the q and k that each
+   attention block sees (raster order, with the token grid).
+2. **Recall curves** per block and head, from the exact softmax of every query row (float32):
+   - `token`: each query its own top keys (the per-query oracle);
+   - `token G=32`, `token G=64`: one list per group of G queries in cube order (2x4x4 / 4x4x4
+     cubes), the group's top keys by summed probability (oracle) -- DSV's token lists;
+   - `predictor G=32/64`: the lists the checkpoint's trained low-rank predictors produce
+     (`dsv_ext.recall.recall_curve` on sampled rows) -- what DSV actually runs;
+   - `block b=16/64`: groups of 64 queries choosing whole key blocks of b keys in cube order
+     (1x4x4 patches / 4x4x4 cubes), oracle;
+   - `flex 128x128`: FlexAttention's block-sparse tiles, 128 queries x 128 keys in raster order,
+     oracle tiles from the same scores.
+   Recall of a row: the fraction of its softmax mass inside the keys its list covers. Every method
+   uses one list length per head (as DSV's K per head); the density a head needs for a target is
+   the smallest length whose mean recall over the rows reaches it, in keys / S.
+3. **Time** at the long shape (S = 64k, H = 24, D = 128, bf16, CUDA): each method's estimate +
+   forward + backward at its mean density (DSV token lists through benchmarks/bench_kernels.py's
+   `run_shape` with spatially smooth lists; FlexAttention block-sparse at its density;
+   cuDNN dense), all in the same run. Key-block kernels are timed once they exist.
+
+Writes `equal_recall.json` / `.md` / `.png` to --out. The curve code runs on the CPU too (tests).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+TARGETS = (0.8, 0.9, 0.95)
+
+
+# ---------------------------------------------------------------------------------------------
+# recall curves of one head (the exact softmax of every row)
+# ---------------------------------------------------------------------------------------------
+
+def _group_curve(p: torch.Tensor, rows_per_list: int, key_block: int = 1) -> torch.Tensor:
+    """Sum over the lists of a chunk of the covered mass (float64 [n_items]): p [R, S] row
+    probabilities; consecutive ``rows_per_list`` rows share a list of whole key blocks of
+    ``key_block`` consecutive keys, chosen by summed probability. Item i of the result is the
+    total mass of all rows covered by each list's top i+1 blocks."""
+    R, S = p.shape
+    col = p.view(R // rows_per_list, rows_per_list, S).sum(1, dtype=torch.float64)
+    if key_block > 1:
+        col = col.view(col.shape[0], S // key_block, key_block).sum(-1)
+    return col.sort(dim=-1, descending=True).values.cumsum(-1).sum(0)
+
+
+@torch.no_grad()
+def head_curves(q: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, scale: float,
+                groups: Sequence[int] = (32, 64), blocks: Sequence[int] = (16, 64),
+                block_group: int = 64, tile: int = 128, per_query: bool = True,
+                chunk: int = 1024) -> Dict[str, Tuple[int, torch.Tensor]]:
+    """Mean recall curves of one head: name -> (keys per item, float64 [n_items] curve), where
+    curve[i] is the mean over all S rows of the mass covered by i+1 items.
+
+    q, k: [S, D] in raster order; perm: int64 [S], raster position of each cube-order position
+    (``dsv_ext.grouping.cube_permutation(grid)[0]``); S must be a multiple of every group size,
+    block size, ``block_group`` and ``tile``."""
+    S, D = q.shape
+    for n, v in [("groups", g) for g in groups] + [("blocks", b) for b in blocks] + \
+                [("block_group", block_group), ("tile", tile)]:
+        if v < 1 or S % v:
+            raise ValueError(f"{n}: {v} does not divide the sequence length {S}")
+    step = max(tile, block_group, *groups)
+    chunk = max(step, chunk // step * step)
+    f32 = torch.float32
+    qr, kr = q.to(f32), k.to(f32)
+    qc, kc = qr.index_select(0, perm), kr.index_select(0, perm)
+    acc: Dict[str, Tuple[int, torch.Tensor]] = {}
+
+    def add(name, keys_per_item, part):
+        if name in acc:
+            acc[name][1].add_(part)
+        else:
+            acc[name] = (keys_per_item, part.clone())
+
+    for i in range(0, S, chunk):
+        # cube order: per-query oracle, token groups, key blocks
+        p = torch.softmax(scale * (qc[i:i + chunk] @ kc.T), dim=-1)
+        if per_query:
+            add("token", 1, p.sort(dim=-1, descending=True).values.cumsum(-1, dtype=torch.float64).sum(0))
+        for g in groups:
+            add(f"token G={g}", 1, _group_curve(p, g))
+        for b in blocks:
+            add(f"block b={b}", b, _group_curve(p, block_group, b))
+        del p
+        # raster order: FlexAttention's tiles
+        p = torch.softmax(scale * (qr[i:i + chunk] @ kr.T), dim=-1)
+        add(f"flex {tile}x{tile}", tile, _group_curve(p, tile, tile))
+        del p
+    return {n: (kpi, c / S) for n, (kpi, c) in acc.items()}
+
+
+def density_for(curve: torch.Tensor, keys_per_item: int, seq_len: int, target: float) -> float:
+    """Smallest list length (in keys / S) whose mean recall reaches ``target`` (1.0 if none)."""
+    hit = (curve >= target - 1e-12).nonzero()
+    if hit.numel() == 0:
+        return 1.0
+    return min(1.0, (int(hit[0]) + 1) * keys_per_item / seq_len)
+
+
+def predictor_curves(q: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, wq: torch.Tensor,
+                     wk: torch.Tensor, scale: float, groups: Sequence[int] = (32, 64),
+                     rows: int = 2048, k_multiple: int = 16) -> Dict[str, Tuple[int, torch.Tensor]]:
+    """The trained predictors' lists (dsv_ext.recall.recall_curve): name -> (k_multiple, float64
+    [H, n_bins]) for q, k [S, H, D] in raster order on ``rows`` evenly spaced rows."""
+    from dsv_ext.recall import recall_curve
+
+    S = q.shape[0]
+    qc, kc = q.index_select(0, perm)[None], k.index_select(0, perm)[None]
+    r = torch.arange(0, S, max(1, S // rows), device=q.device)
+    out = {}
+    for g in groups:
+        c = recall_curve(qc, kc, wq, wk, r, group_size=g, k_multiple=k_multiple, scale=scale)
+        out[f"predictor G={g}"] = (k_multiple, c[0].double())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# capture
+# ---------------------------------------------------------------------------------------------
+
+def capture_qk(model, x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor):
+    """[(block name, q [B, S, H, D], k, grid, SparseAttention or None)] that the attention cores
+    of ``model`` see in one forward of the noised clips (flow matching: x_t = (1-t) x + t e)."""
+    from dsv_ext.attention import DenseAttention, SparseAttention
+
+    got: List = []
+    hooks = []
+    for name, m in model.named_modules():
+        if isinstance(m, (SparseAttention, DenseAttention)):
+            def pre(mod, args, kwargs, name=name):
+                q, k = args[0], args[1]
+                grid = kwargs.get("grid", args[3] if len(args) > 3 else None)
+                if grid is None:
+                    grid = getattr(mod, "grid", None)
+                got.append((name, q.detach(), k.detach(), tuple(grid),
+                            mod if isinstance(mod, SparseAttention) else None))
+            hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        tb = t.view(-1, 1, 1, 1, 1).to(x.dtype)
+        with torch.no_grad():
+            model((1 - tb) * x + tb * noise, t)
+    finally:
+        for h in hooks:
+            h.remove()
+    return got
+
+
+def analyse(captures, cube=(2, 4, 4), groups=(32, 64), blocks=(16, 64), targets=TARGETS,
+            per_query=True, predictor_rows=2048, log=print) -> Dict:
+    """Densities per method, block and head for each target, averaged over the captures."""
+    from dsv_ext.grouping import cube_permutation
+
+    curves: Dict[Tuple[str, int, str], Tuple[int, torch.Tensor]] = {}
+    counts: Dict[Tuple[str, int, str], int] = {}
+    S = None
+    t0 = time.perf_counter()
+    for ci, (name, q, k, grid, mod) in enumerate(captures):
+        B, S, H, D = q.shape
+        perm = cube_permutation(grid, cube, S, q.device)[0]
+        scale = 1.0 / math.sqrt(D)
+        for b in range(B):
+            for h in range(H):
+                for m, (kpi, c) in head_curves(q[b, :, h], k[b, :, h], perm, scale, groups, blocks,
+                                               per_query=per_query).items():
+                    key = (name, h, m)
+                    curves[key] = (kpi, curves[key][1] + c) if key in curves else (kpi, c)
+                    counts[key] = counts.get(key, 0) + 1
+            if mod is not None and predictor_rows:
+                for m, (kpi, c) in predictor_curves(q[b], k[b], perm, mod.predictor.wq.float(),
+                                                    mod.predictor.wk.float(), scale, groups,
+                                                    predictor_rows).items():
+                    for h in range(H):
+                        key = (name, h, m)
+                        curves[key] = (kpi, curves[key][1] + c[h]) if key in curves else (kpi, c[h].clone())
+                        counts[key] = counts.get(key, 0) + 1
+        log(f"  capture {ci + 1}/{len(captures)} ({name}, S={S}): {time.perf_counter() - t0:.0f} s")
+    methods = sorted({m for (_, _, m) in curves})
+    res = {"seq_len": S, "targets": list(targets), "methods": {}}
+    for m in methods:
+        per_t = {}
+        for tg in targets:
+            dens = [density_for(c / counts[key], kpi, S, tg) for key, (kpi, c) in curves.items()
+                    if key[2] == m]
+            per_t[str(tg)] = {"mean_density": sum(dens) / len(dens), "heads": len(dens),
+                              "min": min(dens), "max": max(dens)}
+        res["methods"][m] = per_t
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# timing at the long shape
+# ---------------------------------------------------------------------------------------------
+
+def time_methods(analysis: Dict, S: int, H: int, D: int, reps: int, log=print) -> List[Dict]:
+    import bench_kernels as BK
+
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    est_name, est = BK.estimate_fn()
+    dense = BK.dense_times(1, S, H, D, dtype, reps, which=("cudnn",))
+    rows = []
+    cache: Dict = {}
+    for m, per_t in analysis["methods"].items():
+        for tg, st in per_t.items():
+            d = st["mean_density"]
+            rec = {"method": m, "target": float(tg), "density": d, "cudnn_fwdbwd_ms": dense["cudnn_fwdbwd_ms"]}
+            if m.startswith("flex"):
+                r = BK.flex_times(1, S, H, D, dtype, d, reps, gen)
+                rec.update(total_ms=r["flex_fwdbwd_ms"], fwd_ms=r["flex_fwd_ms"])
+            elif m.startswith(("token G=", "predictor G=")):
+                G = int(m.split("G=")[1])
+                r = BK.run_shape(1, S, H, D, G, 1.0 - d, "smooth", dtype, reps, gen, est_name, est, cache)
+                rec.update(total_ms=r["total_ms"], fwd_ms=r["fwd_ms"], bwd_ms=r["bwd_ms"],
+                           est_ms=r["est_ms"], K=r["K"])
+            else:  # the per-query oracle has no kernel; key-block kernels are not built yet
+                rec.update(total_ms=None, note="no kernel")
+            if rec.get("total_ms"):
+                rec["vs_cudnn"] = dense["cudnn_fwdbwd_ms"] / rec["total_ms"]
+            rows.append(rec)
+            log(f"  {m:>16} recall {tg}: density {d:.3f} -> "
+                + (f"{rec['total_ms']:.1f} ms ({rec['vs_cudnn']:.2f}x cuDNN)" if rec.get("total_ms") else "-"))
+    return rows
+
+
+def write_outputs(res: Dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "equal_recall.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    a = res["analysis"]
+    prov = res.get("provenance", {})
+    L = ["# Speed at equal recall", "",
+         f"Measured {prov.get('date', '?')}, commit {prov.get('commit', '?')}, {prov.get('card', '?')}. "
+         f"Recall from {res.get('captures', '?')} captures of `{res.get('source', '?')}` "
+         f"(S = {a['seq_len']}, every block and head); times at S = {res.get('time_shape', {}).get('S', '-')}, "
+         f"H = {res.get('time_shape', {}).get('H', '-')}, D = {res.get('time_shape', {}).get('D', '-')}, bf16 "
+         "(estimate + forward + backward).", "",
+         "Density each method needs (mean over blocks and heads of the smallest list reaching the target):", "",
+         "| method | " + " | ".join(f"recall {t}" for t in a["targets"]) + " |",
+         "|---|" + "---|" * len(a["targets"])]
+    for m, per_t in a["methods"].items():
+        L.append(f"| {m} | " + " | ".join(f"{per_t[str(t)]['mean_density']:.3f}" for t in a["targets"]) + " |")
+    if res.get("timing"):
+        L += ["", "Time at that density:", "", "| method | recall | density | ms | vs cuDNN |", "|---|---|---|---|---|"]
+        for r in res["timing"]:
+            L.append(f"| {r['method']} | {r['target']} | {r['density']:.3f} | "
+                     + (f"{r['total_ms']:.1f} | {r['vs_cudnn']:.2f}x |" if r.get("total_ms") else "- | - |"))
+        best = {}
+        for r in res["timing"]:
+            if r.get("total_ms"):
+                k = (r["target"], "flex" if r["method"].startswith("flex") else "dsv")
+                if k not in best or r["total_ms"] < best[k][1]:
+                    best[k] = (r["method"], r["total_ms"])
+        L += [""]
+        for t in a["targets"]:
+            if (t, "flex") in best and (t, "dsv") in best:
+                L.append(f"Recall {t}: best DSV ({best[(t, 'dsv')][0]}) {best[(t, 'flex')][1] / best[(t, 'dsv')][1]:.2f}x "
+                         "the speed of FlexAttention block-sparse.")
+    with open(os.path.join(out, "equal_recall.md"), "w") as f:
+        f.write("\n".join(L) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(1, 2 if res.get("timing") else 1, figsize=(11 if res.get("timing") else 6, 4),
+                           squeeze=False)
+    for m, per_t in a["methods"].items():
+        ax[0][0].plot([per_t[str(t)]["mean_density"] for t in a["targets"]], a["targets"], "o-", label=m)
+    ax[0][0].set_xlabel("density (keys / S)")
+    ax[0][0].set_ylabel("attention recall")
+    ax[0][0].legend(fontsize=7)
+    if res.get("timing"):
+        for m in a["methods"]:
+            pts = [(r["total_ms"], r["target"]) for r in res["timing"] if r["method"] == m and r.get("total_ms")]
+            if pts:
+                ax[0][1].plot(*zip(*pts), "o-", label=m)
+        ax[0][1].set_xlabel("estimate + forward + backward (ms)")
+        ax[0][1].set_ylabel("attention recall")
+        ax[0][1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "equal_recall.png"), dpi=110)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", help="a DSV training checkpoint (ckpt_last.pt)")
+    ap.add_argument("--config", default=os.path.join(os.path.dirname(HERE), "configs", "small-video.yaml"))
+    ap.add_argument("--train-steps", type=int, default=0, help="train --config this long first (DSV)")
+    ap.add_argument("--videos", type=int, default=2, help="held-out clips to capture")
+    ap.add_argument("--timesteps", type=float, nargs="+", default=[0.3, 0.6, 0.9])
+    ap.add_argument("--no-per-query", action="store_true", help="skip the per-query oracle (one sort per row)")
+    ap.add_argument("--time", action="store_true", help="time every method at --S/--H/--D (CUDA)")
+    ap.add_argument("--S", type=int, default=65536)
+    ap.add_argument("--H", type=int, default=24)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "equal_recall"))
+    a = ap.parse_args(argv)
+    from dsv_ext.train import _ValSet, TrainConfig, build_model, inference_state_dict, load_config, train
+
+    dev = torch.device(a.device)
+    ckpt = a.checkpoint
+    if ckpt is None:
+        if a.train_steps < 1:
+            ap.error("--checkpoint or --train-steps is required")
+        cfg = load_config(a.config)
+        run = os.path.join(a.out, "run")
+        train(cfg, out_dir=run, steps=a.train_steps, attention="dsv", device=a.device, progress=False)
+        ckpt = os.path.join(run, "ckpt_last.pt")
+    ck = torch.load(ckpt, map_location=dev, weights_only=False)
+    cfg = load_config(base=ck["config"])
+    cfg["train"]["val_videos"] = a.videos
+    cfg["train"]["val_timesteps"] = list(a.timesteps)
+    torch.manual_seed(0)
+    model, dsv_cfg = build_model(cfg, "dsv", dev)
+    model.load_state_dict(inference_state_dict(ck))
+    if ck.get("controller") is not None:  # the trained predictors
+        from dsv_ext.controller import DSVController
+
+        DSVController(model, dsv_cfg).load_state_dict(ck["controller"])
+    model.eval()
+    vs = _ValSet(cfg, TrainConfig.from_dict(cfg["train"]))
+    captures = []
+    for i in range(vs.x.shape[0]):
+        sl = slice(i, i + 1)
+        captures += capture_qk(model, vs.x[sl].to(dev), vs.t[sl].to(dev), vs.noise[sl].to(dev))
+    print(f"captured {len(captures)} attention inputs; recall curves ...", flush=True)
+    analysis = analyse(captures, cube=tuple(dsv_cfg.cube), per_query=not a.no_per_query)
+    del captures
+    res = {"source": f"{cfg.get('name')} step {ck.get('step')}", "captures": vs.x.shape[0], "analysis": analysis}
+    if a.time:
+        res["time_shape"] = {"S": a.S, "H": a.H, "D": a.D}
+        res["timing"] = time_methods(analysis, a.S, a.H, a.D, a.reps)
+    from bench_common import provenance
+
+    p = provenance()
+    res["provenance"] = {"date": p.get("date"), "commit": os.environ.get("DSV_COMMIT") or p.get("commit"),
+                         "card": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+    write_outputs(res, a.out)
+    print(open(os.path.join(a.out, "equal_recall.md")).read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""benchmarks/bench_equal_recall.py: the recall curves of each granularity against a brute-force
+float64 count, their ordering, the density rule, and a CPU run end to end."""
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+_spec = importlib.util.spec_from_file_location("bench_equal_recall",
+                                               os.path.join(ROOT, "benchmarks", "bench_equal_recall.py"))
+ER = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ER)
+
+from dsv_ext.grouping import cube_permutation  # noqa: E402
+
+
+def _inputs(grid=(4, 8, 8), D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    S = grid[0] * grid[1] * grid[2]
+    q = torch.randn(S, D, generator=g) * 1.5
+    k = torch.randn(S, D, generator=g) * 1.5
+    return q, k, cube_permutation(grid, (2, 4, 4))[0], 1.0 / math.sqrt(D)
+
+
+def _brute(p, rows_per_list, key_block, n_items):
+    """float64 mean over rows of the mass covered by each list's top n_items key blocks."""
+    R, S = p.shape
+    tot = 0.0
+    for g0 in range(0, R, rows_per_list):
+        rows = p[g0:g0 + rows_per_list]
+        blk = rows.sum(0).view(S // key_block, key_block).sum(-1)
+        keep = blk.argsort(descending=True)[:n_items]
+        mask = torch.zeros(S // key_block, dtype=torch.bool)
+        mask[keep] = True
+        tot += float(rows[:, mask.repeat_interleave(key_block)].sum())
+    return tot / R
+
+
+def test_curves_match_a_brute_force_count():
+    q, k, perm, scale = _inputs()
+    S = q.shape[0]
+    cur = ER.head_curves(q, k, perm, scale, groups=(32, 64), blocks=(16, 64), chunk=128)
+    qd, kd = q.double(), k.double()
+    pc = torch.softmax(scale * qd[perm] @ kd[perm].T, -1)   # cube order
+    pr = torch.softmax(scale * qd @ kd.T, -1)               # raster order
+    for name, p, rows, blk in (("token G=32", pc, 32, 1), ("token G=64", pc, 64, 1),
+                               ("block b=16", pc, 64, 16), ("block b=64", pc, 64, 64),
+                               ("flex 128x128", pr, 128, 128)):
+        kpi, c = cur[name]
+        assert kpi == blk and c.numel() == S // blk
+        for n in (1, 2, max(1, c.numel() // 3), c.numel()):
+            assert c[n - 1].item() == pytest.approx(_brute(p, rows, blk, n), abs=2e-5), (name, n)
+    kpi, c = cur["token"]  # per-query oracle: each row its own top keys
+    for n in (1, 7, S // 2):
+        want = float(pc.sort(-1, descending=True).values[:, :n].sum(1).mean())
+        assert c[n - 1].item() == pytest.approx(want, abs=2e-5)
+
+
+def test_curves_are_ordered_and_reach_one():
+    q, k, perm, scale = _inputs(seed=1)
+    S = q.shape[0]
+    cur = ER.head_curves(q, k, perm, scale, chunk=256)
+    for name, (kpi, c) in cur.items():
+        assert torch.all(c[1:] >= c[:-1] - 1e-9), name
+        assert c[-1].item() == pytest.approx(1.0, abs=1e-5), name
+    # at equal keys: the per-query oracle >= one list per 32 queries >= per 64 >= 64-key blocks
+    tok, g32, g64 = cur["token"][1], cur["token G=32"][1], cur["token G=64"][1]
+    b64 = cur["block b=64"][1]
+    assert torch.all(tok >= g32 - 1e-7) and torch.all(g32 >= g64 - 1e-7)
+    keys = torch.arange(1, b64.numel() + 1) * 64
+    assert torch.all(g64[keys - 1] >= b64 - 1e-7)
+
+
+def test_density_rule():
+    c = torch.tensor([0.5, 0.8, 0.9, 0.97, 1.0], dtype=torch.float64)
+    assert ER.density_for(c, 16, 80, 0.9) == pytest.approx(3 * 16 / 80)
+    assert ER.density_for(c, 16, 80, 0.95) == pytest.approx(4 * 16 / 80)
+    assert ER.density_for(c, 16, 80, 0.4) == pytest.approx(16 / 80)
+    assert ER.density_for(c[:3], 16, 80, 0.99) == 1.0
+
+
+def test_sizes_that_do_not_divide_are_refused():
+    q, k, perm, scale = _inputs(grid=(2, 4, 12))  # S = 96: no 64-query groups, no 128 tiles
+    with pytest.raises(ValueError, match="does not divide"):
+        ER.head_curves(q, k, perm, scale)
+
+
+def test_end_to_end_on_the_cpu(tmp_path):
+    from dsv_ext.train import load_config, train
+    from test_train import micro_dict
+
+    d = micro_dict(steps=4, val_videos=1)
+    d["data"].update(frames=4, height=16, width=16)  # 4 x 8 x 8 = 256 tokens
+    ck_dir = tmp_path / "run"
+    train(load_config(base=d), out_dir=str(ck_dir), attention="dsv", device="cpu", progress=False)
+    out = tmp_path / "er"
+    assert ER.main(["--checkpoint", str(ck_dir / "ckpt_last.pt"), "--videos", "1", "--timesteps", "0.5",
+                    "--device", "cpu", "--out", str(out)]) == 0
+    import json
+
+    res = json.load(open(out / "equal_recall.json"))
+    m = res["analysis"]["methods"]
+    assert {"token", "token G=32", "token G=64", "block b=16", "block b=64", "flex 128x128",
+            "predictor G=32", "predictor G=64"} <= set(m)
+    for name, per_t in m.items():
+        dens = [per_t[str(t)]["mean_density"] for t in res["analysis"]["targets"]]
+        assert all(0 < x <= 1 for x in dens) and dens == sorted(dens), name
+        assert per_t["0.9"]["heads"] == 2 * 2  # 2 blocks x 2 heads, one capture
+    assert (out / "equal_recall.md").exists()
