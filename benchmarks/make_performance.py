@@ -115,17 +115,17 @@ def summary_rows():
     t_speed = tdense["median_ms"] / t9["median_ms"]
     i_speed = ifull["median_step_ms"] / i9["median_step_ms"]
     rows = [
-        ("sparse attention (estimate + forward + backward) vs cuDNN, 64k tokens, 24 heads x 128, G = 64, sparsity 0.9",
+        ("sparse attention vs cuDNN (estimate + forward + backward), 64k tokens, D = 128, G = 64, sparsity 0.9",
          f"**{k9['speedup_vs_cudnn_fwdbwd']:.2f}x** (0.95: {k95['speedup_vs_cudnn_fwdbwd']:.2f}x)",
          f"{TARGETS['kernels']:g}x", k9["speedup_vs_cudnn_fwdbwd"] >= TARGETS["kernels"], "#kernels"),
-        (f"training step, {tr['layers']} blocks of the 2.7B shape, 64k tokens, sparsity 0.9, vs dense",
+        (f"training step vs dense, {tr['layers']} blocks of the 2.7B shape, 64k tokens, sparsity 0.9",
          f"**{t_speed:.2f}x** ({t9['median_ms']:.0f} vs {tdense['median_ms']:.0f} ms)",
          f"{TARGETS['train']:g}x", t_speed >= TARGETS["train"], "#training-step"),
-        (f"sampling step, {inf['layers']} blocks of the 2.7B shape, 64k tokens, sparsity 0.9, vs full attention",
+        (f"sampling step vs full attention, {inf['layers']} blocks of the 2.7B shape, 64k tokens, sparsity 0.9",
          f"**{i_speed:.2f}x**", f"{TARGETS['sampling']:g}x", i_speed >= TARGETS["sampling"], "#sampling"),
-        ("two GPUs, one attention layer at 128k tokens: the solver's plan vs dense Ulysses",
+        ("two GPUs: the solver's plan vs dense Ulysses, one attention layer, 128k tokens",
          f"**{lo:.2f}-{hi:.2f}x**", f"{TARGETS['cp']:g}x", lo >= TARGETS["cp"], "#two-gpus"),
-        (f"quality: validation loss, every block sparse vs full attention (real video, paired, recall target 0.95)",
+        ("quality: validation loss change with every block sparse, real video, paired, recall target 0.95",
          f"**{_pct(q['rel'])} +- {100 * q['rel_se']:.2f}%**", f"within {TARGETS['quality_pct']:g}%",
          abs(q["rel"]) + 2 * q["rel_se"] <= TARGETS["quality_pct"] / 100, "#quality"),
     ]
