@@ -9,8 +9,8 @@ K/V rows sequence-wise) and the head assignment inside a head group, minimising
 
 subject to a per-rank memory limit. Times come from :class:`CostModel`, a small parametric model
 (kernel throughput by length and sparsity, all-to-all bandwidth and latency) with defaults
-measured on an H200 (SPEC section 3) and a :meth:`CostModel.calibrate` that re-measures it on
-the current device. Heads are assigned by longest-processing-time first (LPT) on their modelled
+measured on an H200 for this project (see docs/PERFORMANCE.md) and a
+:meth:`CostModel.calibrate` that re-measures it on the current device. Heads are assigned by longest-processing-time first (LPT) on their modelled
 cost, which is proportional to ``1 - s_h`` for sparse heads (a dense head costs 1).
 
 :class:`Planner` caches one plan per block and re-solves only when the profiled sparsity moved
@@ -116,8 +116,9 @@ class CostModel:
     ``union x S`` when that exceeds L); the padded rows hold memory (q, out and their
     gradients) but no compute (their lists are empty and the kernels trim them).
 
-    Defaults: H200 numbers from SPEC section 3 (cuDNN dense 560 TFLOP/s fwd+bwd; sparse kernels
-    at about 350 TFLOP/s of useful work; NVLink all-to-all about 150 GB/s per rank and direction).
+    Defaults: H200 numbers measured for this project, see docs/PERFORMANCE.md (cuDNN dense
+    560 TFLOP/s fwd+bwd; sparse kernels at about 350 TFLOP/s of useful work; NVLink all-to-all
+    about 150 GB/s per rank and direction).
     """
 
     dense_flops: float = 560e12
