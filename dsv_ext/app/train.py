@@ -25,6 +25,7 @@ as ``ckpt_<step>.pt``) and ``summary.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
