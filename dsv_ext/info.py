@@ -118,6 +118,8 @@ def _report(env: Dict[str, object]) -> str:
         lines.append("kernel tuning: none (no CUDA kernels built)")
     if not env["gpus"]:
         lines.append("GPUs: none visible (the C kernels run on the CPU)")
+        if b["cuda_kernels"]:
+            lines.append("kernel tuning: filled per GPU from its properties when one is visible")
     for g in env["gpus"]:
         lines.append(f"GPU {g['index']}: {g['name']} (compute capability {g['capability']})")
         lines.append(f"  attention forward: {g['attention_forward']}")

@@ -27,33 +27,21 @@ PKG = os.path.join(ROOT, "dsv_ext")
 APP = "dsv_ext.app"
 
 # The layers of docs/DEVELOPING.md, bottom up; a module is in the layer of the longest prefix of its
-# name listed here. Imports point down or within a layer. (Names of the library's modules before
-# and after their move into functional/ modules/ control/ adopt/ are both listed.)
+# name listed here. Imports point down or within a layer.
 LAYERS = [
-    ("ops", ["dsv_ext", "dsv_ext.__main__", "dsv_ext._compat", "dsv_ext.ops", "dsv_ext.reference",
-             "dsv_ext._buildcheck", "dsv_ext.info", "dsv_ext.config", "dsv_ext.grouping", "dsv_ext.recall"]),
+    ("ops", ["dsv_ext", "dsv_ext._compat", "dsv_ext.ops", "dsv_ext.reference", "dsv_ext._buildcheck",
+             "dsv_ext.config", "dsv_ext.grouping", "dsv_ext.recall"]),
     ("functional cores", ["dsv_ext.functional"]),
-    ("modules", ["dsv_ext.modules", "dsv_ext.attention", "dsv_ext.predictor"]),
-    ("drivers", ["dsv_ext.control", "dsv_ext.adopt", "dsv_ext.parallel", "dsv_ext.controller",
-                 "dsv_ext.dispatch", "dsv_ext.convert", "dsv_ext.generic", "dsv_ext.diffusers_models",
-                 "dsv_ext.pretrained", "dsv_ext.saved_state"]),
+    ("modules", ["dsv_ext.modules"]),
+    # the installation report (python -m dsv_ext.info) reads the dispatcher's calibration tables
+    ("drivers", ["dsv_ext.control", "dsv_ext.adopt", "dsv_ext.parallel", "dsv_ext.info", "dsv_ext.__main__"]),
     ("application", [APP]),
 ]
 
-# Upward imports that the library's own re-cut removes or the layout has to settle; an entry whose
-# edge no longer exists fails the test, so the list is emptied as they go.
-KNOWN_UPWARD_EDGES = {
-    ("dsv_ext.attention", "dsv_ext.parallel.module"): "SparseAttention imports the context-parallel runner",
-    ("dsv_ext.info", "dsv_ext.dispatch"): "the installation report shows the dispatcher's calibration table",
-}
-
-# Edges of circles that the library's own re-cut removes (context parallelism handed to the module
-# as a runner instead of imported by it). Listed edges are left out of the cycle search; an entry
-# whose edge no longer exists fails the test, so the list is emptied as the circles go.
-KNOWN_CIRCLE_EDGES = {
-    ("dsv_ext.attention", "dsv_ext.parallel.module"): "SparseAttention imports the context-parallel runner",
-    ("dsv_ext.parallel.module", "dsv_ext.parallel"): "the runner imports cp_attention from its package",
-}
+# Known exceptions to the rules, each with its reason (none today: keep it that way). An entry
+# whose edge no longer exists fails the test.
+KNOWN_UPWARD_EDGES = {}
+KNOWN_CIRCLE_EDGES = {}
 
 
 def _module_name(path: str) -> str:
