@@ -79,6 +79,7 @@ typedef struct dsv_attn_shape {
   double scale;
   dsv_dtype dtype;
   int flags; /* DSV_FLAG_* bits (0: the default, fastest paths) */
+  int64_t kv_block; /* keys per list entry: 1 = token lists (the entries are key positions) */
 } dsv_attn_shape;
 
 /* Deterministic backward: dq, dk, dv are bit-identical from run to run for the same inputs.

@@ -163,6 +163,7 @@ dsv_attn_shape check_sparse_attention(const Tensor& q, const Tensor& k, const Te
   p.scale = scale;
   p.dtype = dsv_dtype_of(q.scalar_type());
   p.flags = deterministic ? DSV_FLAG_DETERMINISTIC : 0;
+  p.kv_block = 1;
   return p;
 }
 

@@ -58,7 +58,8 @@ class _AttnShape(ctypes.Structure):
                 ("head_dim", ctypes.c_int64), ("group_size", ctypes.c_int64),
                 ("num_groups", ctypes.c_int64), ("kmax", ctypes.c_int64),
                 ("scale", ctypes.c_double), ("dtype", ctypes.c_int),
-                ("flags", ctypes.c_int)]  # dsv_attn_shape.flags (DSV_FLAG_DETERMINISTIC = 1)
+                ("flags", ctypes.c_int),  # dsv_attn_shape.flags (DSV_FLAG_DETERMINISTIC = 1)
+                ("kv_block", ctypes.c_int64)]
 
 
 _DT = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
@@ -112,7 +113,7 @@ def _bshd(t):
 
 def _shape(q, kv_index, G, scale):
     B, S, H, D = q.shape
-    return _AttnShape(B, S, H, D, G, kv_index.shape[2], kv_index.shape[3], scale, _DT[q.dtype])
+    return _AttnShape(B, S, H, D, G, kv_index.shape[2], kv_index.shape[3], scale, _DT[q.dtype], 0, 1)
 
 
 def _nan_like_fill(shape, dtype, device):
