@@ -4,8 +4,8 @@
 # rows}.cu, run their GPU tests through it, time the top-K estimation, optionally run
 # compute-sanitizer on their small-shape section, and (in the background) try the full
 # extension build to run the tests through torch.ops.dsv as well. Logs under $OUT.
-# Usage: [VARIANT=1] benchmarks/device_run_ops.sh "<steps>"   steps: any of tests bench sanitizer ext
-# Carry .dsvops (prebuilt ctypes libraries: libdsvops.so, libdsvops_fast.so) to skip the builds.
+# Usage: benchmarks/device_run_ops.sh "<steps>"   steps: any of tests bench sanitizer ext
+# Carry .dsvops (a prebuilt ctypes library, libdsvops.so) to skip the builds.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -45,23 +45,6 @@ case "$STEPS" in *bench*)
   timeout 150 python3 benchmarks/bench_topk.py --shapes 65536:0.1,131072:0.2,32768:0.1,65536:0.05 \
     --heads 24 --group 64 --other-ops 65536:4096:128 --json "$OUT/bench_topk.json" ;;
 esac
-# VARIANT=1: also the -DDSV_TOPK_TWO_PHASE build of the top-K kernel (.dsvops/libdsvops_fast.so,
-# built here if not carried): its tests and timings
-if [ -n "${VARIANT:-}" ]; then
-  if ! python3 -c "import ctypes; ctypes.CDLL('.dsvops/libdsvops_fast.so')" 2>/dev/null; then
-    B=/tmp/dsvops_fast; mkdir -p $B
-    for f in predictor_loss profile_attention rows; do
-      nvcc -std=c++17 -O3 $ARCH -Xcompiler -fPIC -Icsrc -c csrc/cuda/$f.cu -o $B/$f.o &
-    done
-    nvcc -std=c++17 -O3 $ARCH -Xcompiler -fPIC -Icsrc -c csrc/cuda/topk_estimate.cu -o $B/topk_estimate.o &
-    wait; mkdir -p .dsvops; nvcc -shared $B/*.o -o .dsvops/libdsvops_fast.so -lcudart
-  fi
-  export DSV_OPS_LIB=$(readlink -f .dsvops/libdsvops_fast.so)
-  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_topk_estimate_cuda.py > "$OUT/t_topk_fast.log" 2>&1
-  echo "two-phase variant: test_topk_estimate_cuda rc=$? $(tail -1 $OUT/t_topk_fast.log)"
-  timeout 60 python3 benchmarks/bench_topk.py --shapes 65536:0.1,131072:0.2 --heads 24 --group 64
-  export DSV_OPS_LIB=$(readlink -f $LIB)
-fi
 case "$STEPS" in *sanitizer*)
   for tool in memcheck racecheck; do
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 100 compute-sanitizer --tool $tool --kernel-name kns=dsv_ --error-exitcode 99 \
