@@ -3,8 +3,8 @@
 Each op runs once or twice on tiny inputs (partial last groups, per-head counts, entries to
 skip) so that memcheck and racecheck see every kernel. Ops are reached through torch.ops.dsv
 when the extension is built with CUDA; the sparse attention kernels also through DSV_ATTN_LIB
-(see tests/test_sparse_attention_cuda.py). Each section is independent: helpers that own
-other ops add theirs below as functions named run_<op>(). run_fuzz() runs the whole bad-input
+(see tests/test_sparse_attention_cuda.py). Each section is independent; a new op adds its
+own below as a function named run_<op>(). run_fuzz() runs the whole bad-input
 matrix of tests/fuzz_worker.py on CUDA tensors (DSV_SANITIZER_SECTIONS=fuzz: only that one;
 DSV_SANITIZER_SKIP=fuzz: all but that one).
 Exit code 0 when every section ran (errors are reported by the sanitizer itself); 3 when a GPU
@@ -55,7 +55,7 @@ def run_sparse_attention():
     print("sparse_attention: ok")
 
 
-# ---- BEGIN ops kernels: topk / predictor loss / profile / rows (owner: ops helper) ----------
+# ---- BEGIN ops kernels: topk / predictor loss / profile / rows ------------------------------
 def run_ops_kernels():
     """Small shapes of topk_estimate, predictor_loss fwd/bwd, profile_attention, gather /
     scatter-add (via torch.ops.dsv, or ctypes when DSV_OPS_LIB is set)."""
