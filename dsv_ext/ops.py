@@ -450,9 +450,9 @@ def _check_index(kv_index: torch.Tensor, kv_count: torch.Tensor, B: int, S: int,
     bad = used & ((kv_index < 0) | (kv_index >= top))
     if bool(bad.any()):
         where = bad.nonzero()[0].tolist()
-        what = f"S={S}" if kv_block == 1 else f"ceil(S/kv_block)={top} (block ids, S={S}, kv_block={kv_block})"
+        what = f"S={S})" if kv_block == 1 else f"ceil(S/kv_block)={top}) (block ids; S={S}, kv_block={kv_block})"
         raise ValueError(
-            f"kv_index: entry {tuple(where)} = {int(kv_index[tuple(where)])} is outside [0, {what}) "
+            f"kv_index: entry {tuple(where)} = {int(kv_index[tuple(where)])} is outside [0, {what} "
             f"(only the first kv_count[b, h] entries of each list are used and checked)")
 
 
