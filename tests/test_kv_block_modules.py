@@ -248,7 +248,7 @@ def _synthetic(clustered: bool, B=1, S=256, H=2, D=16, c=6.0):
 
 @pytest.mark.parametrize("clustered,want", [(True, 64), (False, 1)])
 def test_auto_controller_chooses(clustered, want):
-    Sx, Hx, Dx = 256, 2, 16
+    Hx, Dx = 2, 16  # S = 256 (_synthetic)
     cfg = DSVConfig(kv_block="auto", rank=Dx, group_size=32, k_multiple=64, use_calibration=False,
                     row_sample_stride=4, recall_max_density=0.5, measure_recall=False)
     attn = SparseAttention(Hx, Dx, config=cfg)
