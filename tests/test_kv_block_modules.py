@@ -233,6 +233,14 @@ def test_decide_weighs_block_heads():
     assert not d.decide([0.7, 0.7], 4096, 2, 128, "cpu", density=[0.3, 0.3], kv_block=[16, 1])
 
 
+def test_memory_counts_cube_ordered_keys_of_block_heads():
+    d = Dispatcher(DSVConfig(use_calibration=False))
+    base = d.sparse_extra_bytes(1, 4096, 4, 128, 512)
+    assert d.sparse_extra_bytes(1, 4096, 4, 128, 512, kv_block=[1, 1, 1, 1]) == base
+    # two block heads keep their cube-ordered k and v (bf16) for the backward
+    assert d.sparse_extra_bytes(1, 4096, 4, 128, 512, kv_block=[16, 64, 1, 1]) == base + 2 * 4096 * 2 * 128 * 2
+
+
 def _synthetic(clustered: bool, B=1, S=256, H=2, D=16, c=6.0):
     """Queries of group g attend (almost all their mass) to the 64 keys of cluster g % 4: with
     ``clustered`` those are the contiguous positions 64 a .. 64 a + 63 (blocks reach the target
@@ -379,3 +387,25 @@ def test_context_parallel_blocks_match_single_process(name):
 def test_context_parallel_bad_kv_block():
     for res in _cp_results():
         assert "kv_block: expected a positive int" in res["bad"]
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.compile
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["one", "per_head"])
+def test_blocks_compile_without_graph_breaks(per_head):
+    """The block path (cube-ordered keys, block top-K, sparse attention with kv_block) is one
+    graph, and a compiled forward + backward equals the eager one."""
+    torch._dynamo.reset()
+    m = _module("auto" if per_head else 16).float()
+    if per_head:
+        m.plan_step(StepPlan(stage=2, mode="sparse", density=m.plan.density, kv_block=(16, 64, 1)))
+    q, k, v = (t.detach().float().requires_grad_(True) for t in _qkv(seed=9))
+    ex = torch._dynamo.explain(m)(q, k, v)
+    assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons
+    torch._dynamo.reset()
+    mc = torch.compile(m, backend="aot_eager", fullgraph=True)
+    o, oe = mc(q, k, v), m(q, k, v)
+    torch.testing.assert_close(o, oe, rtol=1e-5, atol=1e-6)
+    for a, b in zip(_grads(o, (q, k, v)), _grads(oe, (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -227,15 +227,20 @@ class Dispatcher:
         return out
 
     def sparse_extra_bytes(self, batch: int, seq_len: int, heads: int, head_dim: int, kmax: int,
-                           dtype: torch.dtype = torch.bfloat16) -> int:
-        """Extra memory of one sparse block held for the backward (index, reordered q, q_lr/k_lr)."""
+                           dtype: torch.dtype = torch.bfloat16, kv_block: Optional[Sequence[int]] = None) -> int:
+        """Extra memory of one sparse block held for the backward (index, reordered q, q_lr/k_lr;
+        with block lists (kv_block: per-head sizes) also the cube-ordered k and v of those heads).
+        The index is counted at kmax keys per list (block lists expanded to token lists, as on
+        CUDA without native block kernels, take that much)."""
         es = torch.empty((), dtype=dtype).element_size()
         G = self.config.group_size
         ng = -(-seq_len // G)
         index = batch * heads * ng * kmax * 4
         qp = batch * seq_len * heads * head_dim * es
         lowrank = 2 * batch * seq_len * heads * self.config.rank * es
-        return index + qp + lowrank
+        block_heads = sum(1 for b in kv_block if b != 1) if kv_block else 0
+        kv = 2 * batch * seq_len * block_heads * head_dim * es
+        return index + qp + lowrank + kv
 
     def decide(self, sparsity: Sequence[float], seq_len: int, heads: int, head_dim: int, device,
                dtype: torch.dtype = torch.bfloat16, batch: int = 1,
@@ -293,7 +298,7 @@ class Dispatcher:
                 if not choice[i]:
                     continue
                 need = self.sparse_extra_bytes(b.get("batch", 1), b["seq_len"], b["heads"], b["head_dim"],
-                                               b["kmax"], b.get("dtype", torch.bfloat16))
+                                               b["kmax"], b.get("dtype", torch.bfloat16), b.get("kv_block"))
                 if used + need > budget:
                     choice[i] = False
                 else:

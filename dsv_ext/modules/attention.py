@@ -118,7 +118,10 @@ class SparseAttention(nn.Module):
     that the controller reads with take_stats(); the model's graph and .grad are untouched)
     and/or profiles the per-head sparsity. Stage 2: cube-ordered query groups, top-K keys per
     group estimated from the low-rank predictors with per-head K from the profiled sparsity,
-    sparse attention; blocks the dispatcher keeps dense stay on SDPA.
+    sparse attention; blocks the dispatcher keeps dense stay on SDPA. With key blocks
+    (DSVConfig.kv_block 16 / 64, or per head under "auto": ``head_kv_block``) k and v are put in
+    the same cube order, the lists hold ceil(K / b) blocks of b consecutive keys, and per-head K
+    stays in keys (joint text+video calls keep token lists).
 
     The driver's side (dsv_ext.modules.contract): ``plan_step(StepPlan)`` hands over a step's
     decisions (stage, train, profile, sampled rows, sparse/dense, per-head density);
