@@ -225,6 +225,26 @@ def test_choose_kv_block_uses_block_entries_of_the_table():
     assert d.predict_ms(1024, 1, 16, 0.5, "cpu", torch.float32)["sparse"] == pytest.approx(8.0)
 
 
+def test_calibration_measures_block_entries(tmp_path, capsys):
+    """python -m dsv_ext.control.dispatch --kv-blocks 1 16 times token and block lists: one entry
+    per granularity (block entries carry kv_block), which the cost lookups then use."""
+    from dsv_ext.control.dispatch import main
+    path = str(tmp_path / "cal.json")
+    args = ["--device", "cpu", "--seq-lens", "128", "--sparsities", "0.5", "0.9", "--heads", "2",
+            "--head-dim", "16", "--repeats", "1", "--group-size", "16", "--out", path]
+    assert main(args + ["--kv-blocks", "1", "16"]) == 0
+    es = json.loads(open(path).read())["entries"]
+    assert sorted(e.get("kv_block", 1) for e in es) == [1, 16]
+    assert "S=128 kv_block=16: dense" in capsys.readouterr().out
+    d = Dispatcher(DSVConfig(group_size=16, calibration_path=path))
+    blk = next(e for e in es if e.get("kv_block") == 16)
+    got = d.predict_ms(128, 2, 16, 0.5, "cpu", torch.float32, kv_block=16)["sparse"]
+    assert got == pytest.approx(blk["sparse_ms"]["0.5"])
+    with pytest.raises(SystemExit):
+        main(args + ["--kv-blocks", "32"])
+    assert "--kv-blocks" in capsys.readouterr().err
+
+
 def test_decide_weighs_block_heads():
     d = Dispatcher(DSVConfig(use_calibration=False, dispatch_threshold=0.8))
     # mean density 0.3: tokens stay dense (sparsity 0.7 < 0.8); as 64-blocks the cost is 0.15

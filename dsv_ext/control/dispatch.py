@@ -403,12 +403,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"), default=None,
                    help="default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kv-blocks", type=int, nargs="+", default=[1],
+                   help="list granularities to time: 1 (token lists), 16, 64 (key blocks)")
     p.add_argument("--out", default=None, help=f"table file (default {default_calibration_path()})")
     a = p.parse_args(argv)
     for name, vals in (("--seq-lens", a.seq_lens), ("--heads", [a.heads]), ("--head-dim", [a.head_dim]),
                        ("--repeats", [a.repeats])):
         if any(v < 1 for v in vals):
             p.error(f"{name}: expected integers >= 1, got {vals}")
+    if any(b not in KV_BLOCKS for b in a.kv_blocks):
+        p.error(f"--kv-blocks: expected values in {list(KV_BLOCKS)}, got {a.kv_blocks}")
     if any(not 0.0 <= s < 1.0 for s in a.sparsities):
         p.error(f"--sparsities: expected values in [0, 1), got {a.sparsities}")
     try:
@@ -423,15 +427,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"calibrating {_device_name(dev)} {str(dtype).replace('torch.', '')}: G={a.group_size}, "
           f"{a.heads} heads x {a.head_dim}, lengths {a.seq_lens} -> {d.path}", flush=True)
     d.calibrate(dev, seq_lens=a.seq_lens, sparsities=a.sparsities, heads=a.heads, head_dim=a.head_dim,
-                dtype=dtype, repeats=a.repeats, verbose=True, save=True)  # a line per length
-    for e in d._entries(dev, dtype, a.head_dim):
-        if e["heads"] != a.heads or e["seq_len"] not in a.seq_lens:
-            continue
-        pays = [float(s) for s, ms in sorted(e["sparse_ms"].items(), key=lambda x: float(x[0]))
-                if ms < e["dense_ms"]]
-        where = f"sparse pays from sparsity {min(pays):.2f}" if pays else "sparse never pays"
-        print(f"  S={e['seq_len']}: dense {e['dense_ms']:.2f} ms; "
-              + ", ".join(f"{s}: {ms:.2f}" for s, ms in e["sparse_ms"].items()) + f" ms; {where}")
+                dtype=dtype, repeats=a.repeats, verbose=True, save=True, kv_blocks=a.kv_blocks)  # a line per length
+    for kb in a.kv_blocks:
+        for e in d._entries(dev, dtype, a.head_dim, kb):
+            if e["heads"] != a.heads or e["seq_len"] not in a.seq_lens:
+                continue
+            pays = [float(s) for s, ms in sorted(e["sparse_ms"].items(), key=lambda x: float(x[0]))
+                    if ms < e["dense_ms"]]
+            where = f"sparse pays from sparsity {min(pays):.2f}" if pays else "sparse never pays"
+            print(f"  S={e['seq_len']}" + (f" kv_block={kb}" if kb != 1 else "") + f": dense {e['dense_ms']:.2f} ms; "
+                  + ", ".join(f"{s}: {ms:.2f}" for s, ms in e["sparse_ms"].items()) + f" ms; {where}")
     return 0
 
 
