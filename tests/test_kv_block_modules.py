@@ -367,6 +367,34 @@ def _cp_worker(rank, world, init_file, out_dir, seed):
                                 for n, a, r in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), ref)}
                 except Exception:  # noqa: BLE001 - reported by the test
                     res[key] = {"exception": traceback.format_exc()}
+        try:  # a SparseAttention with kv_block 16 under dsv_ext.parallel.enable, stage 2
+            import copy
+
+            cfg = DSVConfig(group_size=CP_G, rank=CP_R, k_multiple=CP_G, min_density=0.0, kv_block=16)
+            torch.manual_seed(seed + 5)  # the same predictor weights on every rank
+            ref_m = SparseAttention(CP_H, CP_D, config=cfg, name="blk").double()
+            cpm = copy.deepcopy(ref_m)
+            P.enable(cpm)
+            x = _cp_inputs(world, seed)
+            Sx = world * CP_L
+            sl = slice(rank * CP_L, (rank + 1) * CP_L)
+            for m_ in (ref_m, cpm):
+                m_.stage, m_.use_sparse = 2, True
+                m_.set_density([1.0, 0.5, 0.25], Sx)
+            got = []
+            for m_, part in ((ref_m, slice(None)), (cpm, sl)):
+                q, k, v = (x[n][:, part].clone().requires_grad_(True) for n in "qkv")
+                out = m_(q, k, v)
+                (out * x["w"][:, part]).sum().backward()
+                got.append((out.detach(), q.grad, k.grad, v.grad))
+            res["module16"] = {n: float((c - r[:, sl]).abs().max())
+                               for n, r, c in zip(("out", "dq", "dk", "dv"), got[0], got[1])}
+            # the module result is that of block lists (not token lists of the same K)
+            tok = copy.deepcopy(ref_m)
+            tok.config = DSVConfig(group_size=CP_G, rank=CP_R, k_multiple=CP_G, min_density=0.0)
+            res["module16"]["vs_tokens"] = float((tok(*(x[n] for n in "qkv")) - got[0][0]).abs().max())
+        except Exception:  # noqa: BLE001
+            res["module16"] = {"exception": traceback.format_exc()}
         try:  # a bad kv_block is refused on every rank with a message naming it
             x = _cp_inputs(world, seed)
             sl = slice(rank * CP_L, (rank + 1) * CP_L)
@@ -402,6 +430,15 @@ def test_context_parallel_blocks_match_single_process(name):
         assert "exception" not in e, f"rank {r}:\n{e.get('exception')}"
         for key in ("out", "dq", "dk", "dv"):
             assert e[key] <= 1e-10, f"{name}: rank {r} {key} max error {e[key]:.3e}"
+
+
+def test_context_parallel_module_with_blocks():
+    for r, res in enumerate(_cp_results()):
+        e = res["module16"]
+        assert "exception" not in e, f"rank {r}:\n{e.get('exception')}"
+        for key in ("out", "dq", "dk", "dv"):
+            assert e[key] <= 1e-10, f"module16: rank {r} {key} max error {e[key]:.3e}"
+        assert e["vs_tokens"] > 1e-6
 
 
 def test_context_parallel_bad_kv_block():
