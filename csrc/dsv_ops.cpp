@@ -145,6 +145,11 @@ void check_lists(const Tensor& q, const Tensor& kv_index, const Tensor& kv_count
   check_plain_tensor(kv_count, "kv_count", q, ScalarType::Int, {B, H});
 }
 
+// Whether the CUDA kernels of this build read block lists (dsv_attn_shape.kv_block > 1). Until
+// they do, block lists on CUDA tensors are refused; dsv_ext.sparse_attention expands them to
+// token lists first (dsv_ext/ops.py, _native_kv_block, is the Python side of this switch).
+constexpr bool kCudaKvBlocks = false;
+
 // kv_block: keys per list entry (1: token lists; b > 1: entry e is the block of keys e*b ..
 // min(e*b+b, S)-1, dsv.h). The kernels skip entries outside [0, ceil(S/b)); a block larger than
 // the sequence is one block of S keys (same lists, same result), so b is clamped to max(S, 1).
@@ -160,6 +165,9 @@ dsv_attn_shape check_sparse_attention(const Tensor& q, const Tensor& k, const Te
   STD_TORCH_CHECK(group_size > 0, "group_size: must be positive, got ", group_size);
   STD_TORCH_CHECK(std::isfinite(scale), "scale: must be finite");
   STD_TORCH_CHECK(kv_block >= 1, "kv_block: must be >= 1 (1: token lists), got ", kv_block);
+  STD_TORCH_CHECK(kCudaKvBlocks || kv_block == 1 || !q.device().is_cuda(),
+                  "kv_block: the CUDA kernels of this build take token lists only (kv_block=1), got ", kv_block,
+                  "; dsv_ext.sparse_attention expands block lists to token lists");
   check_lists(q, kv_index, kv_count, group_size);
   dsv_attn_shape p;
   p.batch = B; p.seqlen = S; p.heads = H; p.head_dim = D;
@@ -440,23 +448,11 @@ Tensor workspace_like(const Tensor& t, size_t bytes) {
   return torch::stable::new_empty(t, {n}, ScalarType::Byte);
 }
 
-// Whether the CUDA kernels of this build read block lists (dsv_attn_shape.kv_block > 1). Until
-// they do, block lists on CUDA are refused here; dsv_ext.sparse_attention expands them to token
-// lists first (dsv_ext/ops.py, _native_kv_block).
-constexpr bool kCudaKvBlocks = false;
-
-void check_cuda_kv_block(const dsv_attn_shape& p) {
-  STD_TORCH_CHECK(kCudaKvBlocks || p.kv_block == 1,
-                  "kv_block: the CUDA kernels of this build take token lists only (kv_block=1), got ",
-                  p.kv_block, "; dsv_ext.sparse_attention expands block lists to token lists");
-}
-
 std::tuple<Tensor, Tensor> sparse_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, Tensor kv_index,
                                                      Tensor kv_count, int64_t group_size, double scale,
                                                      bool deterministic, int64_t kv_block) {
   dsv_attn_shape p = check_sparse_attention(q, k, v, kv_index, kv_count, group_size, scale, deterministic,
                                             kv_block);
-  check_cuda_kv_block(p);
   CudaContext ctx(q);
   Tensor out = torch::stable::new_empty(q, {p.batch, p.seqlen, p.heads, p.head_dim});
   Tensor lse = torch::stable::new_empty(q, {p.batch, p.heads, p.seqlen}, acc_type(q.scalar_type()));
@@ -478,7 +474,6 @@ std::tuple<Tensor, Tensor, Tensor> sparse_attention_bwd_cuda(Tensor dout, Tensor
                                                              int64_t kv_block) {
   dsv_attn_shape p = check_sparse_attention_bwd(dout, q, k, v, out, lse, kv_index, kv_count, group_size,
                                                 scale, deterministic, kv_block);
-  check_cuda_kv_block(p);
   CudaContext ctx(q);
   Tensor dq = torch::stable::new_empty(q, {p.batch, p.seqlen, p.heads, p.head_dim});
   Tensor dk = torch::stable::new_empty(q, {p.batch, p.seqlen, p.heads, p.head_dim});
