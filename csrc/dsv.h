@@ -72,14 +72,20 @@ typedef struct dsv_bshd {
 /* Sparse grouped attention.
  *   out[b, s, h, :] = sum_j softmax_j(scale * q[b,s,h,:] . k[b,idx_j,h,:]) v[b,idx_j,h,:]
  * over idx_j = kv_index[b, h, s / group_size, j], j < kv_count[b, h].
- * lse[b, h, s] = log sum_j exp(scale * q . k_j) (natural log), acc type, contiguous [B, H, S]. */
+ * lse[b, h, s] = log sum_j exp(scale * q . k_j) (natural log), acc type, contiguous [B, H, S].
+ *
+ * Key blocks (kv_block = b > 1): an entry e is the id of a block of b consecutive keys and stands
+ * for the keys e*b .. min(e*b + b, S) - 1 (the last block may be partial); kv_count counts
+ * entries (blocks). Entries outside [0, ceil(S / b)) are skipped like token entries outside
+ * [0, S); everything else holds per expanded key as for token lists (an entry given twice counts
+ * its keys twice; the NaN rules above). b = 1: token lists. The CPU functions take any b >= 1. */
 typedef struct dsv_attn_shape {
   int64_t batch, seqlen, heads, head_dim;
   int64_t group_size, num_groups, kmax;
   double scale;
   dsv_dtype dtype;
   int flags; /* DSV_FLAG_* bits (0: the default, fastest paths) */
-  int64_t kv_block; /* keys per list entry: 1 = token lists (the entries are key positions) */
+  int64_t kv_block; /* keys per list entry (>= 1): 1 = token lists (the entries are key positions) */
 } dsv_attn_shape;
 
 /* Deterministic backward: dq, dk, dv are bit-identical from run to run for the same inputs.

@@ -145,9 +145,18 @@ void check_lists(const Tensor& q, const Tensor& kv_index, const Tensor& kv_count
   check_plain_tensor(kv_count, "kv_count", q, ScalarType::Int, {B, H});
 }
 
+// Whether the CUDA kernels of this build read block lists (dsv_attn_shape.kv_block > 1). Until
+// they do, block lists on CUDA tensors are refused; dsv_ext.sparse_attention expands them to
+// token lists first (dsv_ext/ops.py, _native_kv_block, is the Python side of this switch).
+constexpr bool kCudaKvBlocks = false;
+
+// kv_block: keys per list entry (1: token lists; b > 1: entry e is the block of keys e*b ..
+// min(e*b+b, S)-1, dsv.h). The kernels skip entries outside [0, ceil(S/b)); a block larger than
+// the sequence is one block of S keys (same lists, same result), so b is clamped to max(S, 1).
 dsv_attn_shape check_sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                       const Tensor& kv_index, const Tensor& kv_count,
-                                      int64_t group_size, double scale, bool deterministic) {
+                                      int64_t group_size, double scale, bool deterministic,
+                                      int64_t kv_block) {
   STD_TORCH_CHECK(q.dim() == 4, "q: expected a 4-d [B, S, H, D] tensor");
   const int64_t B = q.size(0), S = q.size(1), H = q.size(2), D = q.size(3);
   check_bshd(q, "q", q, B, S, H, D);
@@ -155,6 +164,10 @@ dsv_attn_shape check_sparse_attention(const Tensor& q, const Tensor& k, const Te
   check_bshd(v, "v", q, B, S, H, D);
   STD_TORCH_CHECK(group_size > 0, "group_size: must be positive, got ", group_size);
   STD_TORCH_CHECK(std::isfinite(scale), "scale: must be finite");
+  STD_TORCH_CHECK(kv_block >= 1, "kv_block: must be >= 1 (1: token lists), got ", kv_block);
+  STD_TORCH_CHECK(kCudaKvBlocks || kv_block == 1 || !q.device().is_cuda(),
+                  "kv_block: the CUDA kernels of this build take token lists only (kv_block=1), got ", kv_block,
+                  "; dsv_ext.sparse_attention expands block lists to token lists");
   check_lists(q, kv_index, kv_count, group_size);
   dsv_attn_shape p;
   p.batch = B; p.seqlen = S; p.heads = H; p.head_dim = D;
@@ -163,15 +176,17 @@ dsv_attn_shape check_sparse_attention(const Tensor& q, const Tensor& k, const Te
   p.scale = scale;
   p.dtype = dsv_dtype_of(q.scalar_type());
   p.flags = deterministic ? DSV_FLAG_DETERMINISTIC : 0;
-  p.kv_block = 1;
+  p.kv_block = kv_block < S ? kv_block : (S > 0 ? S : 1);
   return p;
 }
 
 dsv_attn_shape check_sparse_attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
                                           const Tensor& v, const Tensor& out, const Tensor& lse,
                                           const Tensor& kv_index, const Tensor& kv_count,
-                                          int64_t group_size, double scale, bool deterministic) {
-  dsv_attn_shape p = check_sparse_attention(q, k, v, kv_index, kv_count, group_size, scale, deterministic);
+                                          int64_t group_size, double scale, bool deterministic,
+                                          int64_t kv_block) {
+  dsv_attn_shape p = check_sparse_attention(q, k, v, kv_index, kv_count, group_size, scale, deterministic,
+                                            kv_block);
   const int64_t B = p.batch, S = p.seqlen, H = p.heads, D = p.head_dim;
   check_bshd(out, "out", q, B, S, H, D);
   check_bshd(dout, "dout", q, B, S, H, D);
@@ -289,8 +304,9 @@ Tensor cast_back(const Tensor& t, ScalarType want) {
 
 std::tuple<Tensor, Tensor> sparse_attention_fwd_cpu(Tensor q, Tensor k, Tensor v, Tensor kv_index,
                                                     Tensor kv_count, int64_t group_size, double scale,
-                                                    bool deterministic) {
-  dsv_attn_shape p = check_sparse_attention(q, k, v, kv_index, kv_count, group_size, scale, deterministic);
+                                                    bool deterministic, int64_t kv_block) {
+  dsv_attn_shape p = check_sparse_attention(q, k, v, kv_index, kv_count, group_size, scale, deterministic,
+                                            kv_block);
   const ScalarType dt = q.scalar_type();
   p.dtype = cpu_dtype_of(dt);
   Tensor qc = cpu_compute(q), kc = cpu_compute(k), vc = cpu_compute(v);
@@ -306,9 +322,10 @@ std::tuple<Tensor, Tensor> sparse_attention_fwd_cpu(Tensor q, Tensor k, Tensor v
 std::tuple<Tensor, Tensor, Tensor> sparse_attention_bwd_cpu(Tensor dout, Tensor q, Tensor k, Tensor v,
                                                             Tensor out, Tensor lse, Tensor kv_index,
                                                             Tensor kv_count, int64_t group_size,
-                                                            double scale, bool deterministic) {
+                                                            double scale, bool deterministic,
+                                                            int64_t kv_block) {
   dsv_attn_shape p = check_sparse_attention_bwd(dout, q, k, v, out, lse, kv_index, kv_count, group_size,
-                                                scale, deterministic);
+                                                scale, deterministic, kv_block);
   const ScalarType dt = q.scalar_type();
   p.dtype = cpu_dtype_of(dt);
   Tensor qc = cpu_compute(q), kc = cpu_compute(k), vc = cpu_compute(v);
@@ -433,8 +450,9 @@ Tensor workspace_like(const Tensor& t, size_t bytes) {
 
 std::tuple<Tensor, Tensor> sparse_attention_fwd_cuda(Tensor q, Tensor k, Tensor v, Tensor kv_index,
                                                      Tensor kv_count, int64_t group_size, double scale,
-                                                     bool deterministic) {
-  dsv_attn_shape p = check_sparse_attention(q, k, v, kv_index, kv_count, group_size, scale, deterministic);
+                                                     bool deterministic, int64_t kv_block) {
+  dsv_attn_shape p = check_sparse_attention(q, k, v, kv_index, kv_count, group_size, scale, deterministic,
+                                            kv_block);
   CudaContext ctx(q);
   Tensor out = torch::stable::new_empty(q, {p.batch, p.seqlen, p.heads, p.head_dim});
   Tensor lse = torch::stable::new_empty(q, {p.batch, p.heads, p.seqlen}, acc_type(q.scalar_type()));
@@ -452,9 +470,10 @@ std::tuple<Tensor, Tensor> sparse_attention_fwd_cuda(Tensor q, Tensor k, Tensor 
 std::tuple<Tensor, Tensor, Tensor> sparse_attention_bwd_cuda(Tensor dout, Tensor q, Tensor k, Tensor v,
                                                              Tensor out, Tensor lse, Tensor kv_index,
                                                              Tensor kv_count, int64_t group_size,
-                                                             double scale, bool deterministic) {
+                                                             double scale, bool deterministic,
+                                                             int64_t kv_block) {
   dsv_attn_shape p = check_sparse_attention_bwd(dout, q, k, v, out, lse, kv_index, kv_count, group_size,
-                                                scale, deterministic);
+                                                scale, deterministic, kv_block);
   CudaContext ctx(q);
   Tensor dq = torch::stable::new_empty(q, {p.batch, p.seqlen, p.heads, p.head_dim});
   Tensor dk = torch::stable::new_empty(q, {p.batch, p.seqlen, p.heads, p.head_dim});
@@ -595,8 +614,8 @@ Tensor kernel_tuning(int64_t device) {
 // 5. registration: the schemas, then one implementation per dispatch key
 
 STABLE_TORCH_LIBRARY(dsv, m) {
-  m.def("sparse_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor kv_index, Tensor kv_count, int group_size, float scale, bool deterministic=False) -> (Tensor, Tensor)");
-  m.def("sparse_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor kv_index, Tensor kv_count, int group_size, float scale, bool deterministic=False) -> (Tensor, Tensor, Tensor)");
+  m.def("sparse_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor kv_index, Tensor kv_count, int group_size, float scale, bool deterministic=False, int kv_block=1) -> (Tensor, Tensor)");
+  m.def("sparse_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor kv_index, Tensor kv_count, int group_size, float scale, bool deterministic=False, int kv_block=1) -> (Tensor, Tensor, Tensor)");
   m.def("topk_estimate(Tensor q_lr, Tensor k_lr, Tensor kv_count, int group_size, int kmax) -> Tensor");
   m.def("predictor_loss_fwd(Tensor q, Tensor k, Tensor q_lr, Tensor k_lr, Tensor rows, float scale, float cos_weight, float norm_weight) -> (Tensor, Tensor)");
   m.def("predictor_loss_bwd(Tensor dloss, Tensor q, Tensor k, Tensor q_lr, Tensor k_lr, Tensor rows, Tensor row_stats, float scale, float cos_weight, float norm_weight) -> (Tensor, Tensor)");

@@ -10,6 +10,7 @@ from importlib import import_module
 from . import _compat
 from .ops import (
     ProfileResult,
+    expand_block_lists,
     gather_rows,
     has_cuda_kernels,
     predictor_loss,
@@ -45,7 +46,7 @@ _LAZY = {
 _SUBMODULES = {"parallel": "parallel", "models": "app.models"}
 
 __all__ = [
-    "sparse_attention", "topk_estimate", "predictor_loss", "profile_attention", "ProfileResult",
+    "sparse_attention", "topk_estimate", "expand_block_lists", "predictor_loss", "profile_attention", "ProfileResult",
     "gather_rows", "scatter_add_rows", "has_cuda_kernels", *_LAZY,
 ]
 

@@ -14,9 +14,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
-__all__ = ["DSVConfig"]
+__all__ = ["DSVConfig", "KV_BLOCKS"]
+
+# the key-block sizes of the sparse path: 1 = token lists (see DSVConfig.kv_block)
+KV_BLOCKS = (1, 16, 64)
 
 
 def check_int(section: str, name: str, v, lo: int = 0) -> None:
@@ -104,6 +107,14 @@ class DSVConfig:
     grouping (2x4x4 = 32 tokens). Grids not divisible by the cube get partial edge cubes."""
     group_size: int = 32
     """G: consecutive (cube-ordered) queries sharing one critical-KV list."""
+    kv_block: Union[int, str] = 1
+    """Key granularity of the critical-KV lists: 1 (token lists, DSV's rule), 16 or 64 (lists of
+    key blocks: b consecutive keys in the cube order of the queries, e.g. a 1x4x4 patch for b = 16;
+    b consecutive positions without a grid), or "auto": per head, the granularity the
+    dispatcher expects to be fastest among those whose predicted lists reach recall_target
+    (from the recall-versus-K curve of each granularity; needs k_rule "recall"). Block lists
+    need more keys for the same recall but run faster per key. Per-head K stays a number of
+    keys; the lists hold ceil(K / b) blocks."""
     min_density: float = 0.02
     """Per-head K is at least this fraction of S."""
     k_multiple: int = 64
@@ -205,6 +216,12 @@ class DSVConfig:
         frac("recall_tolerance")
         if self.k_rule not in ("recall", "theta"):
             raise ValueError(f"k_rule: expected 'recall' or 'theta', got {self.k_rule!r}")
+        kb = self.kv_block
+        if isinstance(kb, bool) or not (kb == "auto" or (isinstance(kb, int) and kb in KV_BLOCKS)):
+            raise ValueError(f"kv_block: expected one of {list(KV_BLOCKS)} or 'auto', got {kb!r}")
+        if kb == "auto" and self.k_rule != "recall":
+            raise ValueError("kv_block: 'auto' picks each head's granularity from the recall-versus-K "
+                             f"curves and needs k_rule='recall', got k_rule={self.k_rule!r}")
         frac("dispatch_threshold")
         frac("dispatch_margin")
         frac("memory_fraction")

@@ -22,6 +22,7 @@ import torch
 __all__ = [
     "sparse_attention",
     "topk_estimate",
+    "expand_block_lists",
     "predictor_loss",
     "profile_attention",
     "ProfileResult",
@@ -131,14 +132,14 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # fake kernels (shapes and dtypes only; used by torch.compile, meta tensors and opcheck)
 
 @torch.library.register_fake("dsv::sparse_attention_fwd")
-def _sparse_attention_fwd_fake(q, k, v, kv_index, kv_count, group_size, scale, deterministic=False):
+def _sparse_attention_fwd_fake(q, k, v, kv_index, kv_count, group_size, scale, deterministic=False, kv_block=1):
     B, S, H, D = q.shape
     return q.new_empty(B, S, H, D), q.new_empty(B, H, S, dtype=_acc_dtype(q.dtype))
 
 
 @torch.library.register_fake("dsv::sparse_attention_bwd")
 def _sparse_attention_bwd_fake(dout, q, k, v, out, lse, kv_index, kv_count, group_size, scale,
-                               deterministic=False):
+                               deterministic=False, kv_block=1):
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
 
@@ -193,16 +194,17 @@ def _sparse_attention_setup(ctx, inputs, output):
     ctx.group_size = group_size
     ctx.scale = scale
     ctx.deterministic = bool(inputs[7]) if len(inputs) > 7 else False
+    ctx.kv_block = int(inputs[8]) if len(inputs) > 8 else 1
 
 
 def _sparse_attention_backward(ctx, dout, dlse):
     q, k, v, out, lse, kv_index, kv_count = ctx.saved_tensors
     if dout is None:
-        return None, None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None, None
     # the CUDA backward loads dout rows with 16-byte vectors, like q/k/v in the forward
     dq, dk, dv = _ops.sparse_attention_bwd(_kernel_ready(_last_dim_contiguous(dout)), q, k, v, out, lse, kv_index,
-                                           kv_count, ctx.group_size, ctx.scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None
+                                           kv_count, ctx.group_size, ctx.scale, ctx.deterministic, ctx.kv_block)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 torch.library.register_autograd("dsv::sparse_attention_fwd", _sparse_attention_backward,
@@ -327,6 +329,56 @@ def _check_group_size(group_size, seqlen: Optional[int] = None) -> int:
     return group_size
 
 
+def _check_kv_block(kv_block, seqlen: int) -> int:
+    """A positive int. A block larger than the sequence is one block of S keys (the same lists,
+    the same result), so kv_block is clamped to max(S, 1) before it reaches C."""
+    kv_block = _as_int("kv_block", kv_block, "a positive int")
+    if kv_block < 1:
+        raise ValueError(f"kv_block: must be a positive int (1: token lists), got {kv_block}")
+    return min(kv_block, max(int(seqlen), 1))
+
+
+def _native_kv_block(device: torch.device) -> bool:
+    """Whether the sparse-attention kernels of ``device`` read block lists themselves. The CPU
+    reference does; the CUDA kernels of this build take token lists only, so
+    :func:`sparse_attention` expands block lists there first (:func:`expand_block_lists`). This
+    one condition switches CUDA to native block kernels once they exist."""
+    return torch.device(device).type != "cuda"
+
+
+def expand_block_lists(kv_index: torch.Tensor, kv_count: torch.Tensor, kv_block: int,
+                       seqlen: int) -> tuple:
+    """Token lists equivalent to block lists: ``(index, count)`` with index int32
+    ``[B, H, NG, Kmax * kv_block]`` and count int32 ``[B, H]`` = ``clamp(kv_count, 0, Kmax) *
+    kv_block``.
+
+    Entry ``e`` of a block list becomes the keys ``e*b .. e*b+b-1`` in place; keys at or past
+    ``seqlen`` (the partial last block) and every key of an entry outside ``[0, ceil(S/b))``
+    become ``-1``, which the kernels skip, so the token lists give exactly the result of the
+    block lists (duplicated blocks still count twice). Memory is that of a token list of the
+    same number of keys. No host sync (traceable by torch.compile); ``kv_block = 1`` returns the
+    inputs as they are.
+
+    >>> import torch, dsv_ext
+    >>> idx = torch.tensor([[[[1, 0, -1]]]], dtype=torch.int32)
+    >>> cnt = torch.tensor([[2]], dtype=torch.int32)
+    >>> t, c = dsv_ext.expand_block_lists(idx, cnt, 4, seqlen=6)
+    >>> t.tolist(), c.tolist()
+    ([[[[4, 5, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1]]]], [[8]])
+    """
+    b = int(kv_block)
+    if b == 1:
+        return kv_index, kv_count
+    B, H, NG, KM = kv_index.shape
+    nb = -(-int(seqlen) // b)
+    valid = (kv_index >= 0) & (kv_index < nb)
+    base = torch.where(valid, kv_index, torch.zeros_like(kv_index)).to(torch.int32) * b  # < S + b
+    keys = base.unsqueeze(-1) + torch.arange(b, dtype=torch.int32, device=kv_index.device)
+    keys = torch.where(valid.unsqueeze(-1) & (keys < seqlen), keys, torch.full_like(keys, -1))
+    count = (kv_count.clamp(0, KM) * b).to(torch.int32)
+    return keys.view(B, H, NG, KM * b), count.contiguous()
+
+
 def _finite_float(name: str, x, expected: str = "a float") -> float:
     """x as a finite Python float; TypeError / ValueError naming the argument otherwise."""
     if isinstance(x, (bool, str, bytes)):
@@ -378,7 +430,7 @@ def _check_counts(kv_count: torch.Tensor, B: int, H: int) -> None:
 
 
 def _check_index(kv_index: torch.Tensor, kv_count: torch.Tensor, B: int, S: int, H: int,
-                 group_size: int, check_values: bool) -> None:
+                 group_size: int, check_values: bool, kv_block: int = 1) -> None:
     ng = -(-S // group_size)
     if kv_index.dim() != 4 or tuple(kv_index.shape[:3]) != (B, H, ng):
         raise ValueError(
@@ -394,11 +446,13 @@ def _check_index(kv_index: torch.Tensor, kv_count: torch.Tensor, B: int, S: int,
     if kv_index.numel() == 0:
         return
     used = torch.arange(kmax, device=kv_index.device) < kv_count[:, :, None, None]
-    bad = used & ((kv_index < 0) | (kv_index >= S))
+    top = S if kv_block == 1 else -(-S // kv_block)
+    bad = used & ((kv_index < 0) | (kv_index >= top))
     if bool(bad.any()):
         where = bad.nonzero()[0].tolist()
+        what = f"S={S})" if kv_block == 1 else f"ceil(S/kv_block)={top}) (block ids; S={S}, kv_block={kv_block})"
         raise ValueError(
-            f"kv_index: entry {tuple(where)} = {int(kv_index[tuple(where)])} is outside [0, S={S}) "
+            f"kv_index: entry {tuple(where)} = {int(kv_index[tuple(where)])} is outside [0, {what} "
             f"(only the first kv_count[b, h] entries of each list are used and checked)")
 
 
@@ -470,8 +524,9 @@ def _sorted_lists(kv_index: torch.Tensor, kv_count: torch.Tensor, S: int) -> tor
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
                      kv_count: torch.Tensor, group_size: int, scale: Optional[float] = None,
-                     check_index: bool = True, deterministic: Optional[bool] = None) -> torch.Tensor:
-    """Grouped sparse attention over per-group key lists.
+                     check_index: bool = True, deterministic: Optional[bool] = None,
+                     kv_block: int = 1) -> torch.Tensor:
+    """Grouped sparse attention over per-group key lists (of keys, or of key blocks).
 
     Args:
         q, k, v: ``[B, S, H, D]`` (last dim contiguous; other strides are used without copies).
@@ -490,6 +545,12 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
             deterministic; on CUDA it needs head_dim <= 128, distinct entries in ascending order
             (as topk_estimate writes them; with check_index=True other lists are sorted here)
             and costs some backward speed.
+        kv_block: keys per list entry ``b`` (default 1: the entries are key positions). With
+            ``b > 1`` an entry ``e`` is a block id in ``[0, ceil(S/b))`` and stands for the keys
+            ``e*b .. min(e*b+b, S)-1`` (the last block may be partial), ``kv_count`` counts
+            blocks and Kmax is in blocks; -1 padding, skipping and duplicates work per key as for
+            token lists (docs/API.md, "Key blocks"). The CPU kernels read block lists natively;
+            on CUDA they are expanded to token lists first (:func:`expand_block_lists`).
 
     Returns:
         ``[B, S, H, D]``, the same dtype as q; differentiable in q, k and v. A query row whose
@@ -513,9 +574,13 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
     group_size = _check_group_size(group_size, S)
     kv_index = _as_int32("kv_index", kv_index, q.device)
     kv_count = _as_int32("kv_count", kv_count, q.device)
-    _check_index(kv_index, kv_count, B, S, H, group_size, check_index)
+    kv_block = _check_kv_block(kv_block, S)
+    _check_index(kv_index, kv_count, B, S, H, group_size, check_index, kv_block)
     scale = _scale_of(scale, D)
     deterministic = _deterministic_of(deterministic)
+    if kv_block > 1 and not _native_kv_block(q.device):
+        kv_index, kv_count = expand_block_lists(kv_index, kv_count, kv_block, S)
+        kv_block = 1
     if deterministic and q.is_cuda:
         if D > 128:
             raise ValueError(f"deterministic: the deterministic CUDA backward needs head_dim <= 128, got {D}")
@@ -526,13 +591,47 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
             used = torch.arange(1, kv_index.shape[3], device=q.device) < kv_count[:, :, None, None]
             if bool((used & (kv_index[..., 1:] <= kv_index[..., :-1])).any()):
                 kv_index = _sorted_lists(kv_index, kv_count, S)
-    out, _ = _ops.sparse_attention_fwd(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), kv_index,
-                                       kv_count, group_size, scale, deterministic)
+    if kv_block == 1:  # the schema's default: the token-list call exactly as before
+        out, _ = _ops.sparse_attention_fwd(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), kv_index,
+                                           kv_count, group_size, scale, deterministic)
+    else:
+        out, _ = _ops.sparse_attention_fwd(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), kv_index,
+                                           kv_count, group_size, scale, deterministic, kv_block)
     return out
 
 
+def _pool(x: torch.Tensor, n: int, size: int, acc: torch.dtype) -> torch.Tensor:
+    """[B, S, H, r] -> [B, H, n, r]: the mean of x over each run of ``size`` consecutive positions
+    (the last run may be partial: its mean is over its members)."""
+    B, S, H, r = x.shape
+    x = x.to(acc)
+    if n * size != S:
+        x = torch.cat([x, x.new_zeros(B, n * size - S, H, r)], 1)
+    sizes = torch.full((n,), float(size), dtype=acc, device=x.device)
+    sizes[-1] = S - (n - 1) * size
+    return (x.view(B, n, size, H, r).sum(2) / sizes.view(1, n, 1, 1)).transpose(1, 2)
+
+
+def _topk_blocks(q_lr: torch.Tensor, k_lr: torch.Tensor, kv_count: torch.Tensor, group_size: int,
+                 kv_block: int, kmax: int) -> torch.Tensor:
+    """topk_estimate for kv_block > 1 with torch ops: group-mean queries against block-mean keys
+    ([B, H, groups, blocks] scores), a stable descending sort (ties: lower id first; NaN ranked
+    last, tied with -inf), the first kv_count ids of each list sorted ascending, -1 after."""
+    B, S, H, _ = q_lr.shape
+    ng, nb = -(-S // group_size), -(-S // kv_block)
+    acc = torch.float64 if q_lr.dtype == torch.float64 else torch.float32
+    rep = _pool(q_lr, ng, group_size, acc)
+    keys = _pool(k_lr, nb, kv_block, acc)
+    scores = rep @ keys.transpose(-1, -2)  # [B, H, ng, nb]
+    scores = scores.masked_fill(torch.isnan(scores), float("-inf"))
+    ids = scores.sort(dim=-1, descending=True, stable=True).indices[..., :kmax]
+    used = torch.arange(kmax, device=q_lr.device) < kv_count.clamp(0, kmax)[:, :, None, None]
+    ids = torch.where(used, ids, torch.full_like(ids, nb)).sort(dim=-1).values
+    return torch.where(ids >= nb, torch.full_like(ids, -1), ids).to(torch.int32).contiguous()
+
+
 def topk_estimate(q_lr: torch.Tensor, k_lr: torch.Tensor, kv_count: torch.Tensor, group_size: int,
-                  kmax: Optional[int] = None) -> torch.Tensor:
+                  kmax: Optional[int] = None, kv_block: int = 1) -> torch.Tensor:
     """Critical-key lists from low-rank projections: exact top-K of each group's scores.
 
     The representative of group ``g`` is the mean of ``q_lr`` over its members; its scores are
@@ -552,33 +651,47 @@ def topk_estimate(q_lr: torch.Tensor, k_lr: torch.Tensor, kv_count: torch.Tensor
     NaN scores rank below every number (a key whose score is NaN is chosen last), so the lists
     stay valid positions whatever the input.
 
+    Key blocks (``kv_block = b > 1``): the keys are pooled per block of ``b`` consecutive
+    positions (the mean of ``k_lr`` over the block's members; the last block may be partial) and
+    each list holds the ids (in ``[0, ceil(S/b))``) of the ``kv_count[b, h]`` best blocks, sorted
+    ascending, then -1; ties go to the lower id, NaN scores rank last. ``kv_count`` and ``kmax``
+    count blocks (``kmax <= ceil(S/b)``). This path runs torch ops (matmul + sort) on any device
+    and forms the ``[B, H, ceil(S/G), ceil(S/b)]`` score matrix: memory O(S/G * S/b) per
+    (batch, head), e.g. 64 MiB of float32 per head for S = 64Ki, G = 32, b = 16.
+
     Returns:
-        int32 ``[B, H, ceil(S/G), kmax]``, ready for :func:`sparse_attention`.
+        int32 ``[B, H, ceil(S/G), kmax]``, ready for :func:`sparse_attention` (with the same
+        ``kv_block``).
     """
     _check_activation("q_lr", q_lr)
     _check_activation("k_lr", k_lr, q_lr, "q_lr")
     _check_cuda_dtype("q_lr", q_lr)
     B, S, H, _ = q_lr.shape
     group_size = _check_group_size(group_size, S)
+    kv_block = _check_kv_block(kv_block, S)
     kv_count = _as_int32("kv_count", kv_count, q_lr.device, "q_lr")
     _check_counts(kv_count, B, H)
+    n_keys = S if kv_block == 1 else -(-S // kv_block)  # list entries: keys or blocks
+    S_name = f"S={S}" if kv_block == 1 else f"ceil(S/kv_block)={n_keys}"
     if kmax is not None:
         kmax = _as_int("kmax", kmax, "an int or None")
-        if kmax < 0 or kmax > S:
-            raise ValueError(f"kmax: must be in [0, S={S}], got {kmax}")
+        if kmax < 0 or kmax > n_keys:
+            raise ValueError(f"kmax: must be in [0, {S_name}], got {kmax}")
     # with kmax given, CPU counts are checked too (no device sync), except while torch.compile
     # traces (a host read would break the graph; the kernels clamp counts to [0, kmax])
     check = kmax is None or not (kv_count.is_cuda or torch.compiler.is_compiling())
     if check and kv_count.numel():
         lo, hi = (int(x) for x in torch.aminmax(kv_count))
-        top = S if kmax is None else kmax
+        top = n_keys if kmax is None else kmax
         if lo < 0 or hi > top:
-            what = f"S={S}" if kmax is None else f"kmax={kmax}"
+            what = S_name if kmax is None else f"kmax={kmax}"
             raise ValueError(f"kv_count: values must be in [0, {what}], got min {lo}, max {hi}")
         if kmax is None:
             kmax = hi
     if kmax is None:
         kmax = 0
+    if kv_block > 1:
+        return _topk_blocks(q_lr, k_lr, kv_count, group_size, kv_block, int(kmax))
     return _ops.topk_estimate(_kernel_ready(q_lr), _kernel_ready(k_lr), kv_count, group_size, int(kmax))
 
 
@@ -624,8 +737,13 @@ class ProfileResult(NamedTuple):
 
 def profile_attention(q: torch.Tensor, k: torch.Tensor, rows, theta: float = 0.9,
                       kv_index: Optional[torch.Tensor] = None, kv_count: Optional[torch.Tensor] = None,
-                      group_size: Optional[int] = None, scale: Optional[float] = None) -> ProfileResult:
+                      group_size: Optional[int] = None, scale: Optional[float] = None,
+                      kv_block: int = 1) -> ProfileResult:
     """Measure per-head sparsity at mass ``theta`` (and the recall of an index) on sampled rows.
+
+    With ``kv_block = b > 1`` the index holds block lists (as for :func:`sparse_attention`) and
+    the recall is the softmax mass of the keys its blocks cover (each key counted once; the
+    lists are expanded to token lists first, :func:`expand_block_lists`).
 
     A sampled row whose scores contain NaN or +inf has an undefined softmax: its (batch, head)
     gets NaN sparsity and recall."""
@@ -643,6 +761,7 @@ def profile_attention(q: torch.Tensor, k: torch.Tensor, rows, theta: float = 0.9
     if not 0.0 < theta <= 1.0:
         raise ValueError(f"theta: must be in (0, 1], got {theta}")
     scale = _scale_of(scale, D)
+    kv_block = _check_kv_block(kv_block, S)
     given = [x is not None for x in (kv_index, kv_count, group_size)]
     if any(given) and not all(given):
         raise ValueError("kv_index, kv_count, group_size: give all three to measure recall, or none")
@@ -650,7 +769,8 @@ def profile_attention(q: torch.Tensor, k: torch.Tensor, rows, theta: float = 0.9
         group_size = _check_group_size(group_size, S)
         kv_index = _as_int32("kv_index", kv_index, q.device)
         kv_count = _as_int32("kv_count", kv_count, q.device)
-        _check_index(kv_index, kv_count, B, S, H, group_size, True)
+        _check_index(kv_index, kv_count, B, S, H, group_size, True, kv_block)
+        kv_index, kv_count = expand_block_lists(kv_index, kv_count, kv_block, S)
     sparsity, recall = _ops.profile_attention(_kernel_ready(q.detach()), _kernel_ready(k.detach()), rows, theta,
                                               scale, kv_index, kv_count, group_size or 1)
     return ProfileResult(sparsity, recall if all(given) else None)

@@ -10,6 +10,11 @@ the group's mean projected query (exactly what ``dsv_ext.ops.topk_estimate`` kee
 probabilities are those of the row itself. Bin ``i`` of the result is the mean over the rows of
 the mass covered by the top ``min((i + 1) * k_multiple, S)`` keys, so the last bin is 1.
 
+With ``kv_block = b > 1`` the lists hold key blocks (``b`` consecutive positions of ``k``, the
+order the block lists address): blocks are ranked by the group representative's score against
+the block-mean projected key (what ``topk_estimate(..., kv_block=b)`` keeps), and bin ``i`` is the
+mass of the top ``ceil(K / b)`` blocks for ``K = min((i + 1) * k_multiple, S)`` keys.
+
 Plain PyTorch on the sampled rows (no kernel): per chunk of rows it builds the rows' exact
 probabilities and predicted scores against all S keys (``[H, rows, S]``), sorts the scores and
 sums the probabilities per K bin. Memory is bounded by ``chunk_bytes`` (rows are processed in
@@ -37,14 +42,16 @@ def _check(name: str, t, dims: int) -> None:
 @torch.no_grad()
 def recall_curve(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, rows,
                  group_size: int, k_multiple: int, scale: Optional[float] = None,
-                 max_rows: Optional[int] = None, chunk_bytes: int = 1 << 28) -> torch.Tensor:
+                 max_rows: Optional[int] = None, chunk_bytes: int = 1 << 28,
+                 kv_block: int = 1) -> torch.Tensor:
     """float32 ``[B, H, ceil(S / k_multiple)]``: mean over the sampled rows of the exact attention
     mass covered by the top ``min((i + 1) * k_multiple, S)`` keys of the row's group list.
 
     q, k: ``[B, S, H, D]``, the queries in the order the query groups are formed in (cube order);
     wq, wk: predictor weights ``[H, D, r]``; rows: int tensor of sampled query positions in
     [0, S); group_size: G (queries ``g*G .. g*G+G-1`` share a list); scale: softmax scale
-    (default 1/sqrt(D)); max_rows: use at most this many of the rows (evenly strided)."""
+    (default 1/sqrt(D)); max_rows: use at most this many of the rows (evenly strided);
+    kv_block: list granularity (1: keys; b > 1: blocks of b consecutive keys of ``k``)."""
     _check("q", q, 4)
     _check("k", k, 4)
     if k.shape != q.shape:
@@ -54,7 +61,7 @@ def recall_curve(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.T
         _check(n, w, 3)
         if w.shape[0] != H or w.shape[1] != D:
             raise ValueError(f"{n}: expected [{H}, {D}, r], got shape {tuple(w.shape)}")
-    for n, v in (("group_size", group_size), ("k_multiple", k_multiple)):
+    for n, v in (("group_size", group_size), ("k_multiple", k_multiple), ("kv_block", kv_block)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{n}: expected an integer >= 1, got {v!r}")
     rows = torch.as_tensor(rows, device=q.device).to(torch.int64).reshape(-1)
@@ -68,6 +75,8 @@ def recall_curve(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.T
         if rows.numel() > max_rows:
             rows = rows[::math.ceil(rows.numel() / max_rows)]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if kv_block > 1:
+        return _block_curve(q, k, wq, wk, rows, group_size, k_multiple, scale, min(kv_block, S), chunk_bytes)
     G, km = group_size, k_multiple
     nbins = -(-S // km)
     pad = nbins * km - S
@@ -103,6 +112,51 @@ def recall_curve(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.T
                 mass = torch.cat([mass, mass.new_zeros(H, mass.shape[1], pad)], -1)
             binned = mass.view(H, -1, nbins, km).sum(-1, dtype=torch.float64).cumsum(-1)
             out[b] += binned.sum(1)
+    return (out / R).to(f32)
+
+
+def _block_curve(q, k, wq, wk, rows, G: int, km: int, scale: float, b: int, chunk_bytes: int) -> torch.Tensor:
+    """recall_curve for block lists (kv_block = b > 1), rows already checked and subsampled."""
+    B, S, H, D = q.shape
+    f32 = torch.float32
+    nbins, NG, nb = -(-S // km), -(-S // G), -(-S // b)
+    q_lr = torch.einsum("bshd,hdr->bshr", q, wq.to(q.dtype)).to(f32)
+    k_lr = torch.einsum("bshd,hdr->bshr", k, wk.to(k.dtype)).to(f32)
+    r = q_lr.shape[-1]
+
+    def pool(x, n, size):  # [B, S, H, r] -> [B, n, H, r] means over runs of `size` positions
+        if n * size != S:
+            x = torch.cat([x, x.new_zeros(B, n * size - S, H, r)], 1)
+        sizes = torch.full((n,), float(size), device=q.device)
+        sizes[-1] = S - (n - 1) * size
+        return x.view(B, n, size, H, r).sum(2) / sizes.view(1, n, 1, 1)
+
+    q_grp, k_blk = pool(q_lr, NG, G), pool(k_lr, nb, b)
+    # blocks (ceil(K / b)) kept at each bin's K; the last bin keeps every block
+    kept = (torch.minimum(torch.arange(1, nbins + 1, device=q.device) * km,
+                          torch.tensor(S, device=q.device)) + b - 1) // b - 1
+    groups = rows // G
+    R = rows.numel()
+    per_row = H * (S + nb) * 16
+    step = max(1, min(R, chunk_bytes // max(per_row, 1)))
+    out = torch.zeros(B, H, nbins, dtype=torch.float64, device=q.device)
+    kf = k.to(f32)
+    pad = nb * b - S
+    for bi in range(B):
+        kb = kf[bi].transpose(0, 1)                        # [H, S, D]
+        klb = k_blk[bi].permute(1, 2, 0)                   # [H, r, nb]
+        for i in range(0, R, step):
+            rr, gg = rows[i:i + step], groups[i:i + step]
+            qr = q[bi, rr].to(f32).transpose(0, 1)         # [H, Rc, D]
+            p = torch.softmax(scale * (qr @ kb.transpose(1, 2)), dim=-1)  # [H, Rc, S]
+            if pad:
+                p = torch.cat([p, p.new_zeros(H, p.shape[1], pad)], -1)
+            pblk = p.view(H, -1, nb, b).sum(-1, dtype=torch.float64)     # mass per block
+            pred = q_grp[bi, gg].transpose(0, 1) @ klb     # [H, Rc, nb]
+            order = pred.argsort(dim=-1, descending=True, stable=True)
+            cum = pblk.gather(-1, order).cumsum(-1)
+            del p, pred, order, pblk
+            out[bi] += cum[..., kept].sum(1)
     return (out / R).to(f32)
 
 

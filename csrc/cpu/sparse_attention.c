@@ -13,6 +13,11 @@
  * for few pairs, over groups with one private [S, D] dk/dv buffer per thread that is reduced
  * afterwards (at most 512 MiB of such buffers: fewer threads for very long sequences).
  *
+ * Key blocks (p->kv_block = b > 1): list entry e stands for the keys e*b .. min(e*b+b, S)-1; the
+ * tiles are filled by expanding entries key by key (sa_fill_tile), so every per-key rule (skipped
+ * entries, duplicates counting twice, NaN handling) is the one of token lists. b = 1 walks the
+ * list exactly as before: a tile is DSV_SA_TILE entries, invalid ones dropped.
+ *
  * This file includes itself twice (DSV_T = float, then double) to instantiate both dtypes.
  */
 #ifndef DSV_T
@@ -20,6 +25,42 @@
 #include "cpu_common.h"
 
 #define DSV_SA_TILE 64
+
+/* The next tile of keys of a list of `count` entries, from entry *j (and, for blocks, key *o of
+ * that entry's block) on; both are advanced past what was taken. Writes the key positions to
+ * tidx (at most DSV_SA_TILE) and returns how many; 0 with *j < count happens for b = 1 (a tile
+ * of only invalid entries), and the caller just asks again. Entries outside [0, ceil(S/b)) are
+ * skipped, like token entries outside [0, S); the last block stops at S. */
+static int64_t sa_fill_tile(const int32_t* list, int64_t count, int64_t kb, int64_t S, int64_t* j,
+                            int64_t* o, int64_t* tidx) {
+  int64_t nt = 0;
+  if (kb == 1) {
+    const int64_t jn = DSV_MIN((int64_t)DSV_SA_TILE, count - *j);
+    for (int64_t t = 0; t < jn; ++t) {
+      const int32_t key = list[*j + t];
+      if (key >= 0 && (int64_t)key < S) tidx[nt++] = key;
+    }
+    *j += jn;
+    return nt;
+  }
+  const int64_t nblocks = (S - 1) / kb + 1; /* S >= 1 here */
+  while (*j < count && nt < DSV_SA_TILE) {
+    const int32_t e = list[*j];
+    if (e < 0 || (int64_t)e >= nblocks) {
+      ++*j;
+      *o = 0;
+      continue;
+    }
+    const int64_t k0 = (int64_t)e * kb; /* <= S - 1: no overflow below */
+    const int64_t kn = S - k0 < kb ? S - k0 : kb;
+    while (*o < kn && nt < DSV_SA_TILE) tidx[nt++] = k0 + (*o)++;
+    if (*o >= kn) {
+      ++*j;
+      *o = 0;
+    }
+  }
+  return nt;
+}
 
 #define DSV_T float
 #define DSV_SUF f32
@@ -44,7 +85,7 @@
 static int dsv_sa_check(const dsv_attn_shape* p) {
   if (!p) return DSV_ERR_INVALID;
   if (p->batch < 0 || p->seqlen < 0 || p->heads < 0 || p->head_dim <= 0 || p->group_size <= 0 ||
-      p->kmax < 0 || p->num_groups < 0)
+      p->kmax < 0 || p->num_groups < 0 || p->kv_block < 1)
     return DSV_ERR_INVALID;
   /* ceil(S / G) without the overflow of S + G - 1 */
   if (p->num_groups != (p->seqlen == 0 ? 0 : (p->seqlen - 1) / p->group_size + 1))
@@ -123,13 +164,9 @@ static void DSV_FN(sa_fwd_group)(const dsv_attn_shape* p, const dsv_bshd* q, con
     nv[i] = 0;
     memset(acc + i * D, 0, (size_t)D * sizeof(DSV_T));
   }
-  for (int64_t j0 = 0; j0 < count; j0 += DSV_SA_TILE) {
-    const int64_t jn = DSV_MIN((int64_t)DSV_SA_TILE, count - j0);
-    int64_t nt = 0; /* valid keys of this tile */
-    for (int64_t j = 0; j < jn; ++j) {
-      const int32_t key = list[j0 + j];
-      if (key >= 0 && (int64_t)key < S) tidx[nt++] = key;
-    }
+  int64_t jc = 0, oc = 0; /* list cursor: entry, key within the entry's block */
+  while (jc < count) {
+    const int64_t nt = sa_fill_tile(list, count, p->kv_block, S, &jc, &oc, tidx); /* valid keys */
     if (nt == 0) continue;
     for (int64_t i = 0; i < nq; ++i) {
       const DSV_T* qi = qd + dsv_off(q, b, s0 + i, h);
@@ -243,13 +280,9 @@ static void DSV_FN(sa_bwd_group)(const dsv_attn_shape* p, const dsv_bshd* q, con
     memset(dqa + i * D, 0, (size_t)D * sizeof(DSV_T));
     Di[i] = DSV_FN(sa_dot)(dod + dsv_off(dout, b, s0 + i, h), od + dsv_off(out, b, s0 + i, h), D);
   }
-  for (int64_t j0 = 0; j0 < count; j0 += DSV_SA_TILE) {
-    const int64_t jn = DSV_MIN((int64_t)DSV_SA_TILE, count - j0);
-    int64_t nt = 0;
-    for (int64_t j = 0; j < jn; ++j) {
-      const int32_t key = list[j0 + j];
-      if (key >= 0 && (int64_t)key < S) tidx[nt++] = key;
-    }
+  int64_t jc = 0, oc = 0; /* list cursor: entry, key within the entry's block */
+  while (jc < count) {
+    const int64_t nt = sa_fill_tile(list, count, p->kv_block, S, &jc, &oc, tidx); /* valid keys */
     if (nt == 0) continue;
     for (int64_t i = 0; i < nq; ++i) {
       const DSV_T li = lse_bh[s0 + i];

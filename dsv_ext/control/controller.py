@@ -26,6 +26,7 @@ class DSVController:
     head_density(i) -> list[float] | None   # block i's per-head K / S (k_rule "recall": from the
                                     #  recall-versus-K measurement; heads at 1.0 attend to all keys)
     recall_density: list            # per block per head: K / S needed for config.recall_target
+    kv_block_choice: list           # per block: per-head list granularity (config.kv_block "auto")
     mean_loss(sync=True) / mean_sparsity() / mean_recall() -> float | None
     state_dict() -> dict; load_state_dict(sd) -> None
         round-trip step, stage, EMAs, predictors and optimizer (a resumed run continues in the
@@ -42,7 +43,7 @@ import torch
 from torch import nn
 
 from ..modules.attention import SparseAttention
-from ..config import DSVConfig
+from ..config import KV_BLOCKS, DSVConfig
 from .dispatch import Dispatcher
 
 __all__ = ["DSVController"]
@@ -113,6 +114,10 @@ class DSVController:
         # k_rule "recall": per block per head, the (smoothed) fraction of keys the predicted lists
         # need to reach recall_target, before the recall_max_density cap (host)
         self.recall_density: List[Optional[List[float]]] = [None] * nb
+        # kv_block "auto": per block, per granularity of KV_BLOCKS, per head the (smoothed) density
+        # needed for recall_target, and the per-head granularity the dispatcher chose (host)
+        self.block_density: List[Optional[List[List[float]]]] = [None] * nb
+        self.kv_block_choice: List[Optional[Tuple[int, ...]]] = [None] * nb
         self._loss_ema: List[Optional[torch.Tensor]] = [None] * nb      # device [H], no sync
         self._last_loss_host: Optional[float] = None
         self._trained_this_step = False
@@ -182,6 +187,7 @@ class DSVController:
                     self.recall[i] = list(r)
                     measured[i] = list(r)
             self._update_recall_density([st.recall_curve for st in stats], measured)
+            self._update_block_choice([st.block_curves for st in stats], measured)
 
         s = self.step_count  # the step that just finished
         # stage switch
@@ -278,6 +284,51 @@ class DSVController:
                            for n, o, r in zip(new, old, rec)]
             self.recall_density[i] = new
 
+    @staticmethod
+    def _kernel_dtype(m: SparseAttention) -> torch.dtype:
+        dt = m.workload.dtype
+        if m.kv_count.is_cuda and dt not in (torch.bfloat16, torch.float16):
+            dt = torch.bfloat16  # the CUDA kernels run in bf16 (see functional.attention.kernel_dtype)
+        return dt
+
+    def _update_block_choice(self, curves: List[Optional[torch.Tensor]], measured: Dict[int, List[float]]) -> None:
+        """kv_block "auto": from the recall-versus-K curves of every granularity (ModuleStats.
+        block_curves, one host transfer for all blocks), per head the density each granularity
+        needs for recall_target (rising at once, falling with the EMA; a measured miss of the
+        chosen granularity doubles its density, as in _update_recall_density), then the
+        dispatcher's choice of granularity; the chosen densities become recall_density."""
+        cfg = self.config
+        idx = [i for i, c in enumerate(curves) if c is not None]
+        if cfg.kv_block != "auto" or cfg.k_rule != "recall" or not idx:
+            return
+        from ..recall import density_for_recall
+
+        host = self._split(self._sync_stats(torch.cat([curves[i].reshape(-1) for i in idx])),
+                           [curves[i].numel() for i in idx])
+        a, ng = cfg.ema_alpha, len(KV_BLOCKS)
+        for i, flat in zip(idx, host):
+            m = self.modules[i][1]
+            H, S = m.num_heads, m.workload.seq_len
+            nbins = len(flat) // (H * ng)
+            if S <= 0 or nbins != -(-S // cfg.k_multiple):
+                continue
+            new = [[density_for_recall(flat[(g * H + h) * nbins:(g * H + h + 1) * nbins], cfg.recall_target, S,
+                                       cfg.k_multiple) for h in range(H)] for g in range(ng)]
+            old, prev = self.block_density[i], self.kv_block_choice[i]
+            if old is not None:
+                new = [[n if n >= o else a * o + (1 - a) * n for o, n in zip(og, nw)] for og, nw in zip(old, new)]
+                rec = measured.get(i)
+                if rec is not None and prev is not None:
+                    for h, (r, b) in enumerate(zip(rec, prev)):
+                        g = KV_BLOCKS.index(b)
+                        if r < cfg.recall_target - cfg.recall_tolerance:
+                            new[g][h] = min(1.0, max(new[g][h], 2.0 * old[g][h]))
+            self.block_density[i] = new
+            choice = tuple(self.dispatcher.choose_kv_block(new, S, H, m.head_dim, m.kv_count.device,
+                                                           self._kernel_dtype(m), m.workload.batch))
+            self.kv_block_choice[i] = choice
+            self.recall_density[i] = [new[KV_BLOCKS.index(b)][h] for h, b in enumerate(choice)]
+
     def head_density(self, i: int) -> Optional[List[float]]:
         """Per-head density (K / S) block ``i`` runs with: from the recall rule where it has a
         measurement (heads over recall_max_density at 1.0, all keys), else 1 - sparsity EMA."""
@@ -311,6 +362,8 @@ class DSVController:
             new.append(s)
         self.sparsity_ema = new
         self.recall_density = [None] * len(self.modules)  # the given sparsity sets K (theta rule)
+        self.block_density = [None] * len(self.modules)
+        self.kv_block_choice = [None] * len(self.modules)
         self._update_dispatch()
         if force_sparse is not None and self.stage == 2:
             for _, m in self.modules:
@@ -343,17 +396,17 @@ class DSVController:
             if by_recall:
                 # K = head_k(1 - d) adds k_margin (a theta-rule knob): take it off the recall rule's
                 dens = [d - cfg.k_margin for d in dens]
-            self._plan(m, density=tuple(dens))
+            self._plan(m, density=tuple(dens), kv_block=self.kv_block_choice[i] if by_recall else None)
             ema = self.sparsity_ema[i] if self.sparsity_ema[i] is not None else [1.0 - d for d in dens]
             w = m.workload
             S = w.seq_len if w.seq_len > 0 else 0
             # the recall rule: the dispatcher weighs the K's the block runs with
             kd = [k / S for k in m.head_k] if by_recall and S > 0 and m.head_k else None
-            dt = w.dtype
-            if m.kv_count.is_cuda and dt not in (torch.bfloat16, torch.float16):
-                dt = torch.bfloat16  # the CUDA kernels run in bf16 (see functional.attention.kernel_dtype)
+            dt = self._kernel_dtype(m)
+            kb = m.head_kv_block
             blocks.append(dict(sparsity=ema, seq_len=S, heads=m.num_heads, head_dim=m.head_dim, kmax=m.kmax,
-                               dtype=dt, batch=w.batch, device=m.kv_count.device, density=kd))
+                               dtype=dt, batch=w.batch, device=m.kv_count.device, density=kd,
+                               kv_block=None if all(b == 1 for b in kb) else list(kb)))
         if self.stage == 1:
             for _, m in self.modules:
                 self._plan(m, mode="dense")
@@ -420,6 +473,7 @@ class DSVController:
                 "use_sparse": bool(self.stage == 2 and m.use_sparse),
                 "head_k": m.head_k,
                 "head_density": self.head_density(i),
+                "kv_block": list(m.head_kv_block),
             })
         return out
 
@@ -452,6 +506,8 @@ class DSVController:
             "sparsity_ema": [None if e is None else list(e) for e in self.sparsity_ema],
             "recall": [None if r is None else list(r) for r in self.recall],
             "recall_density": [None if r is None else list(r) for r in self.recall_density],
+            "block_density": [None if r is None else [list(x) for x in r] for r in self.block_density],
+            "kv_block_choice": [None if c is None else list(c) for c in self.kv_block_choice],
             "loss_ema": [None if l is None else l.detach().cpu().clone() for l in self._loss_ema],
             "blocks": [{"seq_len": m.workload.seq_len, "dtype": str(m.workload.dtype).replace("torch.", ""),
                         "batch": m.workload.batch, "use_sparse": m.use_sparse} for _, m in self.modules],
@@ -476,6 +532,10 @@ class DSVController:
         self.recall = [None if r is None else [float(x) for x in r] for r in sd.get("recall", [None] * len(names))]
         self.recall_density = [None if r is None else [float(x) for x in r]
                                for r in sd.get("recall_density", [None] * len(names))]
+        self.block_density = [None if r is None else [[float(x) for x in g] for g in r]
+                              for r in sd.get("block_density", [None] * len(names))]
+        self.kv_block_choice = [None if c is None else tuple(int(x) for x in c)
+                                for c in sd.get("kv_block_choice", [None] * len(names))]
         self._loss_ema = [None if l is None else l.to(m.kv_count.device) for l, (_, m) in zip(sd["loss_ema"], self.modules)]
         for b, (_, m) in zip(sd.get("blocks", []), self.modules):
             m.set_workload(int(b["seq_len"]), int(b["batch"]), getattr(torch, b["dtype"]))

@@ -21,7 +21,14 @@ dsv_ext/calibration/ are used (an H200's). The format:
       "sparse_ms": {"0.5": .., "0.8": .., "0.9": .., "0.95": ..}}, ...]}
 
 Times are per block forward+backward at batch 1; lookups scale linearly with batch x heads and
-interpolate linearly in log(seq_len) and in density (1 - sparsity).
+interpolate linearly in log(seq_len) and in density (1 - sparsity). An entry with "kv_block": b
+(16 or 64) times block lists of that size (K = density x S keys as ceil(K / b) blocks); entries
+without the key are token lists.
+
+Key granularity (DSVConfig.kv_block "auto", `choose_kv_block`): per head, among the granularities
+whose density for the recall target is within recall_max_density, the one with the lowest
+predicted time; where the table has no entries for a block size, its time is the token lists'
+time at its density times BLOCK_COST_RATIO.
 """
 from __future__ import annotations
 
@@ -33,9 +40,14 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..config import DSVConfig
+from ..config import KV_BLOCKS, DSVConfig
 
-__all__ = ["Dispatcher", "default_calibration_path", "calibrate"]
+__all__ = ["Dispatcher", "default_calibration_path", "calibrate", "BLOCK_COST_RATIO"]
+
+# Assumed cost per key of block lists relative to token lists (contiguous key tiles), used where
+# the calibration table has no entries for a block size: provisional values until the block
+# kernels are measured (calibrate(kv_blocks=...) adds measured entries, which then take over).
+BLOCK_COST_RATIO = {1: 1.0, 16: 0.75, 64: 0.5}
 
 
 def default_calibration_path() -> str:
@@ -116,11 +128,12 @@ class Dispatcher:
         return path
 
     # ---------------------------------------------------------------- cost model
-    def _entries(self, device, dtype: torch.dtype, head_dim: int) -> List[dict]:
+    def _entries(self, device, dtype: torch.dtype, head_dim: int, kv_block: int = 1) -> List[dict]:
         name, dt = _device_name(device), str(dtype).replace("torch.", "")
         es = []
         for t in (self.table, self.builtin):  # the user's measurements first
-            es = [e for e in (t or {}).get("entries", []) if e.get("device") == name and e.get("dtype") == dt]
+            es = [e for e in (t or {}).get("entries", []) if e.get("device") == name and e.get("dtype") == dt
+                  and e.get("kv_block", 1) == kv_block]
             if es:
                 break
         if not es:
@@ -141,13 +154,15 @@ class Dispatcher:
         G = self.config.group_size
         return any(e.get("device") == name and e.get("dtype") == dt and e.get("heads") == heads
                    and e.get("head_dim") == head_dim and e.get("seq_len") == seq_len
-                   and e.get("group_size", G) == G
+                   and e.get("group_size", G) == G and e.get("kv_block", 1) == 1
                    for e in (self.table or {}).get("entries", []))
 
     def predict_ms(self, seq_len: int, heads: int, head_dim: int, density: float, device,
-                   dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> Optional[Dict[str, float]]:
-        """{"dense": ms, "sparse": ms} for one block from the table, or None without a table."""
-        es = self._entries(device, dtype, head_dim)
+                   dtype: torch.dtype = torch.bfloat16, batch: int = 1,
+                   kv_block: int = 1) -> Optional[Dict[str, float]]:
+        """{"dense": ms, "sparse": ms} for one block from the table (entries of lists of kv_block
+        keys per entry), or None without a table."""
+        es = self._entries(device, dtype, head_dim, kv_block)
         if not es:
             return None
         dens, spar = [], []
@@ -173,25 +188,73 @@ class Dispatcher:
         f = batch * heads
         return {"dense": d_ms * f, "sparse": s_ms * f}
 
+    def head_cost(self, density: float, kv_block: int, seq_len: int, head_dim: int, device,
+                  dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> float:
+        """Relative time of one head's sparse attention with lists of ``kv_block`` keys per entry
+        at ``density`` (K / S): the table's time for this block size where it has entries, else
+        BLOCK_COST_RATIO[kv_block] x the token lists' time (x the density without a table). The
+        values compare granularities; the unit is ms where a table exists."""
+        if self.config.use_calibration:
+            p = self.predict_ms(seq_len, 1, head_dim, density, device, dtype, batch, kv_block)
+            if p is not None:
+                return p["sparse"]
+            p = self.predict_ms(seq_len, 1, head_dim, density, device, dtype, batch)
+            if p is not None:
+                return BLOCK_COST_RATIO[kv_block] * p["sparse"]
+        return BLOCK_COST_RATIO[kv_block] * density
+
+    def choose_kv_block(self, densities: Sequence[Sequence[float]], seq_len: int, heads: int, head_dim: int,
+                        device, dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> List[int]:
+        """Per head, the list granularity of KV_BLOCKS to run: ``densities[g][h]`` is the density
+        (K / S) head h needs with granularity KV_BLOCKS[g] to reach the recall target. Among the
+        granularities that reach it within config.recall_max_density, the one of the lowest
+        head_cost (ties: the smaller block); 1 when none does (the head then attends to all
+        keys)."""
+        if len(densities) != len(KV_BLOCKS) or any(len(d) != heads for d in densities):
+            raise ValueError(f"densities: expected {len(KV_BLOCKS)} lists of {heads} values (one per granularity "
+                             f"{list(KV_BLOCKS)})")
+        out = []
+        for h in range(heads):
+            best = None
+            for b, dens in zip(KV_BLOCKS, densities):
+                d = float(dens[h])
+                if d > self.config.recall_max_density:
+                    continue
+                c = self.head_cost(d, b, seq_len, head_dim, device, dtype, batch)
+                if best is None or c < best[0]:
+                    best = (c, b)
+            out.append(1 if best is None else best[1])
+        return out
+
     def sparse_extra_bytes(self, batch: int, seq_len: int, heads: int, head_dim: int, kmax: int,
-                           dtype: torch.dtype = torch.bfloat16) -> int:
-        """Extra memory of one sparse block held for the backward (index, reordered q, q_lr/k_lr)."""
+                           dtype: torch.dtype = torch.bfloat16, kv_block: Optional[Sequence[int]] = None) -> int:
+        """Extra memory of one sparse block held for the backward (index, reordered q, q_lr/k_lr;
+        with block lists (kv_block: per-head sizes) also the cube-ordered k and v of those heads).
+        The index is counted at kmax keys per list (block lists expanded to token lists, as on
+        CUDA without native block kernels, take that much)."""
         es = torch.empty((), dtype=dtype).element_size()
         G = self.config.group_size
         ng = -(-seq_len // G)
         index = batch * heads * ng * kmax * 4
         qp = batch * seq_len * heads * head_dim * es
         lowrank = 2 * batch * seq_len * heads * self.config.rank * es
-        return index + qp + lowrank
+        block_heads = sum(1 for b in kv_block if b != 1) if kv_block else 0
+        kv = 2 * batch * seq_len * block_heads * head_dim * es
+        return index + qp + lowrank + kv
 
     def decide(self, sparsity: Sequence[float], seq_len: int, heads: int, head_dim: int, device,
                dtype: torch.dtype = torch.bfloat16, batch: int = 1,
-               density: Optional[Sequence[float]] = None) -> bool:
+               density: Optional[Sequence[float]] = None, kv_block: Optional[Sequence[int]] = None) -> bool:
         """True = run this block sparse (cost model only; memory is checked by `plan`).
         density: the per-head K / S the block would run with, when K does not follow from the
-        sparsity by config.head_k (the recall K rule); the threshold rule then reads 1 - density."""
+        sparsity by config.head_k (the recall K rule); the threshold rule then reads 1 - density.
+        kv_block: per-head list granularity (None: token lists); block heads are costed by
+        head_cost, and the threshold rule reads their density times BLOCK_COST_RATIO."""
         if not sparsity:
             return False
+        if kv_block is not None and any(b != 1 for b in kv_block):
+            return self._decide_blocks(sparsity, seq_len, heads, head_dim, device, dtype, batch, density,
+                                       kv_block)
         s_mean = float(sum(sparsity)) / len(sparsity)
         if density:
             s_mean = 1.0 - float(sum(density)) / len(density)
@@ -203,12 +266,25 @@ class Dispatcher:
                 return p["sparse"] < (1.0 - self.config.dispatch_margin) * p["dense"]
         return s_mean >= self.config.dispatch_threshold
 
+    def _decide_blocks(self, sparsity, seq_len, heads, head_dim, device, dtype, batch, density, kv_block) -> bool:
+        dens = [float(d) for d in density] if density else \
+            [self.config.head_k(s, seq_len) / seq_len for s in sparsity]
+        if self.config.use_calibration:
+            p = self.predict_ms(seq_len, heads, head_dim, sum(dens) / len(dens), device, dtype, batch)
+            if p is not None:
+                sparse = sum(self.head_cost(d, b, seq_len, head_dim, device, dtype, batch)
+                             for d, b in zip(dens, kv_block))
+                return sparse < (1.0 - self.config.dispatch_margin) * p["dense"]
+        eff = sum(BLOCK_COST_RATIO[b] * d for d, b in zip(dens, kv_block)) / len(dens)
+        return 1.0 - eff >= self.config.dispatch_threshold
+
     def plan(self, blocks: Sequence[dict], device) -> List[bool]:
         """Decide every block. blocks: dicts with sparsity (list), seq_len, heads, head_dim, kmax,
         (optional) density (per-head K / S, see decide),
         dtype, batch. Blocks the cost model picks are kept in order while the memory lasts."""
         choice = [self.decide(b["sparsity"], b["seq_len"], b["heads"], b["head_dim"], device,
-                              b.get("dtype", torch.bfloat16), b.get("batch", 1), b.get("density"))
+                              b.get("dtype", torch.bfloat16), b.get("batch", 1), b.get("density"),
+                              b.get("kv_block"))
                   for b in blocks]
         dev = torch.device(device)
         if dev.type == "cuda" and any(choice):
@@ -222,7 +298,7 @@ class Dispatcher:
                 if not choice[i]:
                     continue
                 need = self.sparse_extra_bytes(b.get("batch", 1), b["seq_len"], b["heads"], b["head_dim"],
-                                               b["kmax"], b.get("dtype", torch.bfloat16))
+                                               b["kmax"], b.get("dtype", torch.bfloat16), b.get("kv_block"))
                 if used + need > budget:
                     choice[i] = False
                 else:
@@ -233,10 +309,14 @@ class Dispatcher:
     def calibrate(self, device="cuda", seq_lens: Sequence[int] = (4096, 16384, 32768, 65536),
                   sparsities: Sequence[float] = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98), heads: int = 16,
                   head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, repeats: int = 3,
-                  save: bool = True, verbose: bool = False) -> dict:
+                  save: bool = True, verbose: bool = False, kv_blocks: Sequence[int] = (1,)) -> dict:
         """Measure dense (SDPA) vs sparse (estimation + sparse attention) forward+backward time per
         (seq_len, sparsity) on `device`, store them in the table (replacing entries of the same
-        device/dtype/heads/head_dim/seq_len) and save it as JSON."""
+        device/dtype/heads/head_dim/seq_len/kv_block) and save it as JSON. kv_blocks: the list
+        granularities to time (entries of block sizes > 1 carry "kv_block")."""
+        bad = [b for b in kv_blocks if b not in KV_BLOCKS]
+        if bad or not kv_blocks:
+            raise ValueError(f"kv_blocks: expected values in {list(KV_BLOCKS)}, got {list(kv_blocks)}")
         from ..functional.attention import dense_core, sparse_core
         from ..grouping import cube_permutation
 
@@ -274,24 +354,27 @@ class Dispatcher:
                 torch.autograd.grad(o, (q, k, v), do)
 
             dense_ms = timed(dense)
-            sp: Dict[str, float] = {}
-            for s in sparsities:
-                K = self.config.head_k(s, S)
-                cnt = torch.full((heads,), K, dtype=torch.int32, device=dev)
+            for kb in kv_blocks:
+                sp: Dict[str, float] = {}
+                for s in sparsities:
+                    K = self.config.head_k(s, S)
+                    cnt = torch.full((heads,), K, dtype=torch.int32, device=dev)
 
-                def sparse():
-                    o = sparse_core(q, k, v, wq, wk, perm, inv, cnt, K, G, None)
-                    torch.autograd.grad(o, (q, k, v), do)
+                    def sparse():
+                        o = sparse_core(q, k, v, wq, wk, perm, inv, cnt, K, G, None, kv_block=kb)
+                        torch.autograd.grad(o, (q, k, v), do)
 
-                sp[str(s)] = timed(sparse)
-            entry = {"device": name, "dtype": dt, "heads": heads, "head_dim": head_dim, "group_size": G,
-                     "seq_len": S, "dense_ms": dense_ms, "sparse_ms": sp}
-            if verbose:
-                print(json.dumps(entry))
-            table["entries"] = [e for e in table["entries"] if not (
-                e.get("device") == name and e.get("dtype") == dt and e.get("heads") == heads
-                and e.get("head_dim") == head_dim and e.get("seq_len") == S
-                and e.get("group_size", G) == G)] + [entry]
+                    sp[str(s)] = timed(sparse)
+                entry = {"device": name, "dtype": dt, "heads": heads, "head_dim": head_dim, "group_size": G,
+                         "seq_len": S, "dense_ms": dense_ms, "sparse_ms": sp}
+                if kb != 1:
+                    entry["kv_block"] = kb
+                if verbose:
+                    print(json.dumps(entry))
+                table["entries"] = [e for e in table["entries"] if not (
+                    e.get("device") == name and e.get("dtype") == dt and e.get("heads") == heads
+                    and e.get("head_dim") == head_dim and e.get("seq_len") == S
+                    and e.get("group_size", G) == G and e.get("kv_block", 1) == kb)] + [entry]
             del q, k, v, do
         self.table = table
         if save:
@@ -320,12 +403,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"), default=None,
                    help="default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kv-blocks", type=int, nargs="+", default=[1],
+                   help="list granularities to time: 1 (token lists), 16, 64 (key blocks)")
     p.add_argument("--out", default=None, help=f"table file (default {default_calibration_path()})")
     a = p.parse_args(argv)
     for name, vals in (("--seq-lens", a.seq_lens), ("--heads", [a.heads]), ("--head-dim", [a.head_dim]),
                        ("--repeats", [a.repeats])):
         if any(v < 1 for v in vals):
             p.error(f"{name}: expected integers >= 1, got {vals}")
+    if any(b not in KV_BLOCKS for b in a.kv_blocks):
+        p.error(f"--kv-blocks: expected values in {list(KV_BLOCKS)}, got {a.kv_blocks}")
     if any(not 0.0 <= s < 1.0 for s in a.sparsities):
         p.error(f"--sparsities: expected values in [0, 1), got {a.sparsities}")
     try:
@@ -340,15 +427,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"calibrating {_device_name(dev)} {str(dtype).replace('torch.', '')}: G={a.group_size}, "
           f"{a.heads} heads x {a.head_dim}, lengths {a.seq_lens} -> {d.path}", flush=True)
     d.calibrate(dev, seq_lens=a.seq_lens, sparsities=a.sparsities, heads=a.heads, head_dim=a.head_dim,
-                dtype=dtype, repeats=a.repeats, verbose=True, save=True)  # a line per length
-    for e in d._entries(dev, dtype, a.head_dim):
-        if e["heads"] != a.heads or e["seq_len"] not in a.seq_lens:
-            continue
-        pays = [float(s) for s, ms in sorted(e["sparse_ms"].items(), key=lambda x: float(x[0]))
-                if ms < e["dense_ms"]]
-        where = f"sparse pays from sparsity {min(pays):.2f}" if pays else "sparse never pays"
-        print(f"  S={e['seq_len']}: dense {e['dense_ms']:.2f} ms; "
-              + ", ".join(f"{s}: {ms:.2f}" for s, ms in e["sparse_ms"].items()) + f" ms; {where}")
+                dtype=dtype, repeats=a.repeats, verbose=True, save=True, kv_blocks=a.kv_blocks)  # a line per length
+    for kb in a.kv_blocks:
+        for e in d._entries(dev, dtype, a.head_dim, kb):
+            if e["heads"] != a.heads or e["seq_len"] not in a.seq_lens:
+                continue
+            pays = [float(s) for s, ms in sorted(e["sparse_ms"].items(), key=lambda x: float(x[0]))
+                    if ms < e["dense_ms"]]
+            where = f"sparse pays from sparsity {min(pays):.2f}" if pays else "sparse never pays"
+            print(f"  S={e['seq_len']}" + (f" kv_block={kb}" if kb != 1 else "") + f": dense {e['dense_ms']:.2f} ms; "
+                  + ", ".join(f"{s}: {ms:.2f}" for s, ms in e["sparse_ms"].items()) + f" ms; {where}")
     return 0
 
 

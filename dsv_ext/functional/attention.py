@@ -4,10 +4,13 @@ PUBLIC API
 ------------------------------------------------------
 dense_core(q, k, v, scale=None, backend="auto", attn_mask=None) -> out      # SDPA, cuDNN first on CUDA
 sparse_core(q, k, v, wq, wk, perm, inv, kv_count, kmax, group_size, scale=None, *, index=None,
-            return_index=False, deterministic=None) -> out | (out, index)   # stage-2 DSV attention
+            return_index=False, deterministic=None, kv_block=1) -> out | (out, index)   # stage 2
 joint_sparse_core(q, k, v, wq, wk, perm, inv, kv_count, kmax, group_size, scale, n_text,
                   text_first=False, attn_mask=None, backend="auto", ...)    # text + video tokens
-estimate_index(qp, k, wq, wk, counts, group_size, kmax) -> kv_index         # top-K keys, no grad
+estimate_index(qp, k, wq, wk, counts, group_size, kmax, kv_block=1) -> kv_index  # top-K, no grad
+head_groups_core(q, k, v, wq, wk, perm, inv, kv_count, groups, group_size, scale=None, *,
+                 index=None, return_index=False, deterministic=None)   # per-head kv_block
+block_counts(kv_count, kv_block) -> counts; block_kmax(kmax, kv_block, S) -> int   # keys -> blocks
 kernel_dtype(t) -> dtype; kernels_available(device, head_dim, rank) -> bool;
 sparse_supported(device, head_dim, rank) -> bool; autocast_inputs(q, k, v) -> (q, k, v)
 
@@ -28,7 +31,8 @@ except Exception as e:  # pragma: no cover - only before the extension is built
     _OPS_ERROR = e
 
 __all__ = ["dense_core", "sparse_core", "joint_sparse_core", "estimate_index", "kernel_dtype",
-           "kernels_available", "sparse_supported", "autocast_inputs", "need_ops"]
+           "kernels_available", "sparse_supported", "autocast_inputs", "need_ops", "block_counts", "block_kmax",
+           "head_groups_core"]
 
 
 def need_ops():
@@ -101,25 +105,45 @@ def sparse_supported(device: torch.device, head_dim: int, rank: int) -> bool:
     return torch.device(device).type != "cuda" or head_dim in _CUDA_SPARSE_HEAD_DIMS
 
 
+def block_counts(kv_count: torch.Tensor, kv_block: int) -> torch.Tensor:
+    """Per-head K in keys -> list entries: ceil(K / kv_block) blocks (the same tensor for 1)."""
+    if kv_block == 1:
+        return kv_count
+    return torch.div(kv_count + (kv_block - 1), kv_block, rounding_mode="floor").to(torch.int32)
+
+
+def block_kmax(kmax: int, kv_block: int, seq_len: int) -> int:
+    """The list length in entries for a K of kmax keys: ceil(kmax / b), at most ceil(S / b)."""
+    if kv_block == 1:
+        return kmax
+    return min(-(-int(kmax) // kv_block), -(-int(seq_len) // kv_block))
+
+
 def estimate_index(qp: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
-                    counts: torch.Tensor, group_size: int, kmax: int) -> torch.Tensor:
-    """Each query group's top-K keys from the low-rank projections of (cube-ordered) queries qp and
-    keys k ([B, S, H, D]) by the predictor weights wq, wk ([H, D, r]); no gradient."""
+                   counts: torch.Tensor, group_size: int, kmax: int, kv_block: int = 1) -> torch.Tensor:
+    """Each query group's top-K keys (or key blocks, kv_block > 1: counts and kmax in blocks) from
+    the low-rank projections of (cube-ordered) queries qp and keys k ([B, S, H, D]) by the
+    predictor weights wq, wk ([H, D, r]); no gradient."""
     with torch.no_grad():
         q_lr = torch.einsum("bshd,hdr->bshr", qp.detach(), wq.detach().to(qp.dtype)).contiguous()
         k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), wk.detach().to(k.dtype)).contiguous()
-    return need_ops().topk_estimate(q_lr, k_lr, counts, group_size, kmax)
+    if kv_block == 1:
+        return need_ops().topk_estimate(q_lr, k_lr, counts, group_size, kmax)
+    return need_ops().topk_estimate(q_lr, k_lr, counts, group_size, kmax, kv_block=kv_block)
 
 
 def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                 perm: Optional[torch.Tensor], inv: Optional[torch.Tensor], kv_count: torch.Tensor,
                 kmax: int, group_size: int, scale: Optional[float] = None,
                 index: Optional[torch.Tensor] = None, return_index: bool = False,
-                deterministic: Optional[bool] = None):
+                deterministic: Optional[bool] = None, kv_block: int = 1):
     """Stage-2 attention on [B, S, H, D]: cube-reorder the queries, low-rank projections (detached
     from the model graph), top-K estimation of each query group's keys, sparse attention,
-    inverse reorder. Keys/values stay in their original order (kv_index addresses them there),
-    so only q and the output are permuted.
+    inverse reorder. With token lists (kv_block 1) keys/values stay in their original order
+    (kv_index addresses them there), so only q and the output are permuted; with key blocks
+    (kv_block = b > 1) k and v are put into the same cube order as the queries (a block is b
+    consecutive keys of that order; raster order without perm) and kv_count / kmax are in keys,
+    converted here to ceil(K / b) blocks.
 
     wq, wk: predictor weights [H, D, r]; perm/inv: int64 [S] (None = no reordering);
     kv_count: int32 [H] per-head K (<= kmax); kmax: Python int, the index list length.
@@ -133,14 +157,53 @@ def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Ten
     q, k, v = q.to(kdt), k.to(kdt), v.to(kdt)
     B, S, H, D = q.shape
     qp = q.index_select(1, perm) if perm is not None else q
+    if kv_block > 1:
+        if perm is not None:
+            k, v = k.index_select(1, perm), v.index_select(1, perm)
+        kv_count, kmax = block_counts(kv_count, kv_block), block_kmax(kmax, kv_block, S)
     counts = kv_count.view(1, H).expand(B, H).contiguous()
     if index is None:
-        index = estimate_index(qp, k, wq, wk, counts, group_size, kmax)
-    out = ops.sparse_attention(qp, k, v, index, counts, group_size, scale, check_index=False,
-                               deterministic=deterministic)
+        index = estimate_index(qp, k, wq, wk, counts, group_size, kmax, kv_block)
+    if kv_block == 1:
+        out = ops.sparse_attention(qp, k, v, index, counts, group_size, scale, check_index=False,
+                                   deterministic=deterministic)
+    else:
+        out = ops.sparse_attention(qp, k, v, index, counts, group_size, scale, check_index=False,
+                                   deterministic=deterministic, kv_block=kv_block)
     out = out.index_select(1, inv) if inv is not None else out
     out = out.to(out_dtype)
     return (out, index) if return_index else out
+
+
+def head_groups_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                     perm: Optional[torch.Tensor], inv: Optional[torch.Tensor], kv_count: torch.Tensor,
+                     groups, group_size: int, scale: Optional[float] = None, *, index=None,
+                     return_index: bool = False, deterministic: Optional[bool] = None):
+    """sparse_core with a list granularity per head: ``groups`` is a sequence of
+    ``(kv_block, heads, kmax)`` (heads: a list of head indices, together every head once; kmax:
+    the largest K in keys of those heads). Each group runs sparse_core on its heads with its
+    kv_block; the outputs are put back in head order. index / return_index: a tuple with one
+    index per group (inference reuse, as in sparse_core)."""
+    H = q.shape[2]
+    outs, order, idxs = [], [], []
+    for gi, (b, heads, kmax) in enumerate(groups):
+        hs = list(heads)
+        def pick(t, dim=2):
+            return t if len(hs) == H else t.index_select(dim, torch.tensor(hs, device=t.device))
+        o, ix = sparse_core(pick(q), pick(k), pick(v), pick(wq, 0), pick(wk, 0), perm, inv, pick(kv_count, 0),
+                            kmax, group_size, scale, index=None if index is None else index[gi],
+                            return_index=True, deterministic=deterministic, kv_block=b)
+        outs.append(o)
+        idxs.append(ix)
+        order += hs
+    if len(outs) == 1:
+        out = outs[0]
+    else:
+        back = [0] * H
+        for i, h in enumerate(order):
+            back[h] = i
+        out = torch.cat(outs, 2).index_select(2, torch.tensor(back, device=q.device))
+    return (out, tuple(idxs)) if return_index else out
 
 
 def _text_key_mask(attn_mask: Optional[torch.Tensor], B: int, S: int, text: slice) -> Optional[torch.Tensor]:

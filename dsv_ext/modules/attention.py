@@ -21,6 +21,7 @@ class SparseAttention(nn.Module):
     set_grid(grid)                 # (T, H, W) token grid used when forward() gets none
     set_density(density, seq_len=None) / set_head_k(head_k, seq_len)   # per-head K by hand
     set_index_refresh(every)       # inference: reuse the estimated index for `every` calls
+    head_kv_block -> tuple[int]    # per-head list granularity (config.kv_block, or the plan's choice)
     predictor: LowRankPredictor    # per-head [H, D, r] projections for q and k
     # the driver's contract (dsv_ext.modules.contract; DSVController uses it):
     plan_step(plan: StepPlan)      # stage, train, profile, row_offset, mode, density of a step
@@ -52,8 +53,9 @@ import torch
 from torch import nn
 
 from ..config import DSVConfig
-from ..functional.attention import (dense_core, joint_sparse_core, kernel_dtype, kernels_available, need_ops,
-                                    sparse_core, sparse_supported)
+from ..config import KV_BLOCKS
+from ..functional.attention import (block_counts, block_kmax, dense_core, head_groups_core, joint_sparse_core,
+                                    kernel_dtype, kernels_available, need_ops, sparse_core, sparse_supported)
 from ..grouping import check_grid, cube_permutation
 from ..recall import recall_curve
 from .contract import ModuleStats, StepPlan, Workload
@@ -116,7 +118,10 @@ class SparseAttention(nn.Module):
     that the controller reads with take_stats(); the model's graph and .grad are untouched)
     and/or profiles the per-head sparsity. Stage 2: cube-ordered query groups, top-K keys per
     group estimated from the low-rank predictors with per-head K from the profiled sparsity,
-    sparse attention; blocks the dispatcher keeps dense stay on SDPA.
+    sparse attention; blocks the dispatcher keeps dense stay on SDPA. With key blocks
+    (DSVConfig.kv_block 16 / 64, or per head under "auto": ``head_kv_block``) k and v are put in
+    the same cube order, the lists hold ceil(K / b) blocks of b consecutive keys, and per-head K
+    stays in keys (joint text+video calls keep token lists).
 
     The driver's side (dsv_ext.modules.contract): ``plan_step(StepPlan)`` hands over a step's
     decisions (stage, train, profile, sampled rows, sparse/dense, per-head density);
@@ -173,6 +178,8 @@ class SparseAttention(nn.Module):
             raise TypeError(f"plan: expected a StepPlan, got {type(plan).__name__}")
         if plan.density is not None and len(plan.density) != self.num_heads:
             raise ValueError(f"plan: density has {len(plan.density)} values, expected {self.num_heads}")
+        if plan.kv_block is not None and len(plan.kv_block) != self.num_heads:
+            raise ValueError(f"plan: kv_block has {len(plan.kv_block)} values, expected {self.num_heads}")
         old, self._plan = self._plan, plan
         if plan.density is None:
             self.kmax, self._ks, self._k_seq_len = 0, [], -1
@@ -196,6 +203,7 @@ class SparseAttention(nn.Module):
         g = self._grad_acc
         return ModuleStats(grads=None if g is None else (g[0], g[1]), loss=mean("loss"),
                            sparsity=mean("sparsity"), recall=mean("recall"), recall_curve=mean("curve"),
+                           block_curves=mean("bcurve"),
                            trained=self._sums.get("loss", (None, 0))[1],
                            profiled=self._sums.get("sparsity", (None, 0))[1])
 
@@ -232,6 +240,25 @@ class SparseAttention(nn.Module):
     @use_sparse.setter
     def use_sparse(self, value: bool) -> None:
         self._plan = replace(self._plan, mode="sparse" if value else "dense")
+
+    @property
+    def head_kv_block(self) -> Tuple[int, ...]:
+        """Per-head list granularity: the plan's (DSVConfig.kv_block "auto": the dispatcher's
+        choice), else config.kv_block (1 while "auto" has not chosen)."""
+        if self._plan.kv_block is not None:
+            return self._plan.kv_block
+        kb = self.config.kv_block
+        return (kb if isinstance(kb, int) else 1,) * self.num_heads
+
+    def _head_groups(self, S: int) -> Tuple[Tuple[int, Tuple[int, ...], int], ...]:
+        """(kv_block, heads, kmax in keys) per granularity in use (host only)."""
+        kb = self.head_kv_block
+        out = []
+        for b in KV_BLOCKS:
+            hs = tuple(h for h in range(self.num_heads) if kb[h] == b)
+            if hs:
+                out.append((b, hs, max(self._ks[h] for h in hs) if self._ks else self.kmax))
+        return tuple(out)
 
     @property
     def density(self) -> Optional[List[float]]:
@@ -369,12 +396,20 @@ class SparseAttention(nn.Module):
             return dense_core(q, k, v, scale, self.config.dense_backend)
         S = q.shape[1]
         perm, inv = self._perm(grid, S, q.device)
-        args = (q, k, v, self.predictor.wq, self.predictor.wk, perm, inv, self.kv_counts_for(S), self.kmax,
-                self.config.group_size, scale)
+        counts = self.kv_counts_for(S)
+        kb = self.head_kv_block
+        if all(b == kb[0] for b in kb):  # one granularity for every head (kv_block 1: DSV as before)
+            core, args = sparse_core, (q, k, v, self.predictor.wq, self.predictor.wk, perm, inv, counts, self.kmax,
+                                       self.config.group_size, scale)
+            extra = {} if kb[0] == 1 else {"kv_block": kb[0]}
+        else:  # "auto" chose different granularities: one sparse call per granularity
+            core, args = head_groups_core, (q, k, v, self.predictor.wq, self.predictor.wk, perm, inv, counts,
+                                            self._head_groups(S), self.config.group_size, scale)
+            extra = {}
         if self._reuse_index():
-            return self._with_index_reuse((tuple(q.shape), grid, str(q.device)), sparse_core, *args,
-                                          deterministic=self.config.deterministic)
-        return sparse_core(*args, deterministic=self.config.deterministic)
+            return self._with_index_reuse((tuple(q.shape), grid, str(q.device), kb), core, *args,
+                                          deterministic=self.config.deterministic, **extra)
+        return core(*args, deterministic=self.config.deterministic, **extra)
 
     def _joint_forward(self, q, k, v, grid, scale, n_text: int, text_first: bool, attn_mask):
         """forward() with text tokens (n_text > 0) and/or an attention mask (see the class doc)."""
@@ -468,8 +503,11 @@ class SparseAttention(nn.Module):
         # every task samples the same rows of the cube-ordered queries (what the query groups and
         # a context-parallel rank's shard see)
         perm, _ = self._perm(grid, S, q.device)
+        k_cube = k  # keys in the queries' cube order: what block lists address
         if perm is not None:
             q = q.index_select(1, perm)
+            if any(b > 1 for b in self.head_kv_block) or cfg.kv_block == "auto":
+                k_cube = k.index_select(1, perm)
         # identity saved-tensor hooks: the predictor-loss graph must stay invisible to activation
         # checkpointing (whose own hooks would otherwise count these tensors) and to offloading
         with torch.autocast(device_type=q.device.type, enabled=False), \
@@ -489,31 +527,54 @@ class SparseAttention(nn.Module):
                     self._grad_acc[1] += gk
                 self._add("loss", loss.detach().float().mean(0) * weight)
             if self._plan.profile:
-                self._profile(q, k, rows, scale, weight)
+                self._profile(q, k, rows, scale, weight, k_cube)
 
-    def _profile(self, q, k, rows, scale, weight: float) -> None:
+    def _profile(self, q, k, rows, scale, weight: float, k_cube=None) -> None:
         cfg, ops = self.config, need_ops()
         B, S, H, _ = q.shape
+        k_cube = k if k_cube is None else k_cube
         with torch.no_grad():
             recall = None
             if cfg.measure_recall and self._plan.density is not None:
                 counts = self.kv_counts_for(S).view(1, H).expand(B, H).contiguous()
-                q_lr, k_lr = self.predictor(q, k)
-                index = ops.topk_estimate(q_lr, k_lr, counts, cfg.group_size, self.kmax)
-                prof = ops.profile_attention(q, k, rows, cfg.theta, index, counts, cfg.group_size, scale)
-                recall = prof.recall
+                kb = self.head_kv_block
+                if all(b == 1 for b in kb):
+                    q_lr, k_lr = self.predictor(q, k)
+                    index = ops.topk_estimate(q_lr, k_lr, counts, cfg.group_size, self.kmax)
+                    prof = ops.profile_attention(q, k, rows, cfg.theta, index, counts, cfg.group_size, scale)
+                    recall = prof.recall
+                else:  # block lists: the recall of each granularity in use, per head its own
+                    q_lr, k_lr = self.predictor(q, k_cube)
+                    recall = None
+                    for b in sorted(set(kb)):
+                        cb = block_counts(counts, b)
+                        index = ops.topk_estimate(q_lr, k_lr, cb, cfg.group_size, block_kmax(self.kmax, b, S),
+                                                  kv_block=b)
+                        prof = ops.profile_attention(q, k_cube, rows, cfg.theta, index, cb, cfg.group_size,
+                                                     scale, kv_block=b)
+                        mine = torch.tensor([x == b for x in kb], device=q.device)
+                        recall = prof.recall if recall is None else torch.where(mine, prof.recall, recall)
             else:
                 prof = ops.profile_attention(q, k, rows, cfg.theta, scale=scale)
         self._add("sparsity", prof.sparsity.float().mean(0) * weight)
         if recall is not None:
             self._add("recall", recall.float().mean(0) * weight)
         if cfg.k_rule == "recall":
-            curve = recall_curve(q, k, self.predictor.wq, self.predictor.wk, rows, cfg.group_size,
-                                 cfg.k_multiple, scale, max_rows=cfg.recall_rows)
+            # the curve of the configured granularity (fixed kv_block b: K in keys of b-key blocks)
+            b = cfg.kv_block if isinstance(cfg.kv_block, int) else 1
+            curve = recall_curve(q, k if b == 1 else k_cube, self.predictor.wq, self.predictor.wk, rows,
+                                 cfg.group_size, cfg.k_multiple, scale, max_rows=cfg.recall_rows, kv_block=b)
             cur = self._sums.get("curve")
             if cur is not None and cur[0].shape[-1] != curve.shape[-1]:
                 del self._sums["curve"]  # the length changed
+                self._sums.pop("bcurve", None)
             self._add("curve", curve.mean(0) * weight)
+            if cfg.kv_block == "auto":  # recall versus K of every granularity (row 0: the token curve)
+                curves = [curve.mean(0)] + [
+                    recall_curve(q, k_cube, self.predictor.wq, self.predictor.wk, rows, cfg.group_size,
+                                 cfg.k_multiple, scale, max_rows=cfg.recall_rows, kv_block=b).mean(0)
+                    for b in KV_BLOCKS[1:]]
+                self._add("bcurve", torch.stack(curves) * weight)
 
     def sparse_supported(self) -> bool:
         """Whether this block can run the sparse path on its device (dispatcher precondition)."""
@@ -525,7 +586,8 @@ class SparseAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, grid={self.grid}, stage={self.stage}, "
-                f"use_sparse={self.use_sparse}, rank={self.config.rank}, group_size={self.config.group_size}")
+                f"use_sparse={self.use_sparse}, rank={self.config.rank}, group_size={self.config.group_size}"
+                + ("" if self.config.kv_block == 1 else f", kv_block={self.config.kv_block}"))
 
 
 # ------------------------------------------------------------------------------------------------

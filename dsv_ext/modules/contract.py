@@ -19,6 +19,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..config import KV_BLOCKS
+
 __all__ = ["StepPlan", "ModuleStats", "Workload", "MODES"]
 
 MODES = ("dense", "sparse")
@@ -38,6 +40,9 @@ class StepPlan:
     density     per-head K / S (None: no estimate yet; the sparse path then stays off)
     seq_len     the length K is sized for until a forward brings another one (None: the
                 module's own workload length)
+    kv_block    per-head list granularity, each in KV_BLOCKS (1 keys, 16 or 64 key blocks; the
+                dispatcher's choice under DSVConfig.kv_block "auto"); None: the config's
+                kv_block (1 while "auto" has not chosen). K stays in keys (density x S).
     """
 
     stage: int = 1
@@ -47,6 +52,7 @@ class StepPlan:
     mode: str = "dense"
     density: Optional[Tuple[float, ...]] = None
     seq_len: Optional[int] = None
+    kv_block: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):
         if self.stage not in (1, 2):
@@ -59,6 +65,11 @@ class StepPlan:
             object.__setattr__(self, "density", tuple(float(d) for d in self.density))
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise ValueError(f"seq_len: expected a positive int or None, got {self.seq_len!r}")
+        if self.kv_block is not None:
+            kb = tuple(self.kv_block)
+            if not kb or any(isinstance(b, bool) or b not in KV_BLOCKS for b in kb):
+                raise ValueError(f"kv_block: expected per-head values in {list(KV_BLOCKS)}, got {self.kv_block!r}")
+            object.__setattr__(self, "kv_block", tuple(int(b) for b in kb))
 
     @property
     def side_tasks(self) -> bool:
@@ -77,6 +88,8 @@ class ModuleStats:
     sparsity      [H] profiled sparsity (fraction of keys outside config.theta of the mass)
     recall        [H] attention mass the predicted lists cover at the current K
     recall_curve  [H, ceil(S / k_multiple)] recall versus K (k_rule "recall")
+    block_curves  [len(KV_BLOCKS), H, ceil(S / k_multiple)] recall versus K (in keys) of each list
+                  granularity of KV_BLOCKS (DSVConfig.kv_block "auto"; row 0 is recall_curve)
     trained       number of forwards that trained the predictors
     profiled      number of forwards that profiled
     """
@@ -86,6 +99,7 @@ class ModuleStats:
     sparsity: Optional[torch.Tensor] = None
     recall: Optional[torch.Tensor] = None
     recall_curve: Optional[torch.Tensor] = None
+    block_curves: Optional[torch.Tensor] = None
     trained: int = 0
     profiled: int = 0
 

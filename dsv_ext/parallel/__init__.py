@@ -43,9 +43,10 @@ __all__ = [
 
 def cp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, plan: Plan, *, group=None,
                  scale: Optional[float] = None, validate: bool = True, stats: Optional[dict] = None,
-                 estimate: str = "auto", remote_budget: Optional[float] = None):
+                 estimate: str = "auto", remote_budget: Optional[float] = None, kv_block: int = 1):
     """Run ``plan`` (from :func:`solve_plan` / :class:`Planner`) on this rank's shard.
-    ``remote_budget``: see :func:`scp_attention` (SCP and hybrid plans)."""
+    ``remote_budget``: see :func:`scp_attention` (SCP and hybrid plans); ``kv_block``: list
+    granularity (K in keys; see :func:`hybrid_attention`)."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
@@ -53,4 +54,4 @@ def cp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, plan: Plan, *, 
         raise ValueError(f"plan: made for {plan.world_size} ranks, the group has {n}")
     return hybrid_attention(q, k, v, q_lr, k_lr, kv_count, group_size, g_h=plan.g_h,
                             assignment=plan.assignment, group=group, scale=scale, validate=validate,
-                            stats=stats, estimate=estimate, remote_budget=remote_budget)
+                            stats=stats, estimate=estimate, remote_budget=remote_budget, kv_block=kv_block)

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 from .comm import group_size_rank, head_to_seq, seq_to_head
 from .local import local_attention
 from .plan import lpt_assign
-from .validate import prepare
+from .validate import kv_block_error, prepare
 
 __all__ = ["hcp_attention", "default_assignment"]
 
@@ -33,15 +33,18 @@ def default_assignment(kv_count_host, num_keys: int, num_ranks: int):
 
 def hcp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, assignment=None, group=None,
                   scale: Optional[float] = None, validate: bool = True, stats: Optional[dict] = None,
-                  _inner: Optional[Callable] = None, _prepared=None):
+                  kv_block: int = 1, _inner: Optional[Callable] = None, _prepared=None):
     """Head-wise CP attention of this rank's shard. Returns ``[B, S/N, H, D]``.
 
     q, k, v: ``[B, S/N, H, D]``; q_lr, k_lr: ``[B, S/N, H, r]``; kv_count: int ``[B, H]`` (the same
     on every rank; a head whose count is >= S runs dense); ``assignment``: per rank of ``group``
-    the heads it computes (default: LPT on ``kv_count / S``). Differentiable in q, k, v.
+    the heads it computes (default: LPT on ``kv_count / S``); ``kv_block``: list granularity
+    (K stays in keys; lists of ceil(K / kv_block) blocks of consecutive positions of the
+    sequence, see dsv_ext.sparse_attention). Differentiable in q, k, v.
     """
     prep = _prepared or prepare("hcp_attention", q, k, v, q_lr, k_lr, kv_count, group_size, group,
-                                scale, validate, extra={"assignment": repr(assignment)})
+                                scale, validate, extra={"assignment": repr(assignment), "kv_block": kv_block},
+                                local_error=kv_block_error(kv_block))
     n, me = group_size_rank(group)
     cnt_host = prep.kv_count_host
     S = prep.seqlen  # tokens of the sequence (segment) this group covers
@@ -62,7 +65,7 @@ def hcp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, assignment=
     cnt = kv_count[:, mine].contiguous() if mine else kv_count[:, :0].contiguous()
     cnt_mine = [[row[h] for h in mine] for row in cnt_host]
     if _inner is None:
-        oh = local_attention(qh, kh, vh, qlh, klh, cnt, cnt_mine, group_size, scale)
+        oh = local_attention(qh, kh, vh, qlh, klh, cnt, cnt_mine, group_size, scale, kv_block)
     else:
         oh = _inner(qh, kh, vh, qlh, klh, cnt, cnt_mine)
     (out,) = head_to_seq([oh], assignment, group)

@@ -14,25 +14,26 @@ from .comm import group_size_rank, hybrid_groups
 from .hcp import hcp_attention
 from .local import local_attention
 from .scp import _budget_error, scp_attention
-from .validate import prepare
+from .validate import kv_block_error, prepare
 
 __all__ = ["hybrid_attention"]
 
 
 def hybrid_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, g_h: int, assignment=None, group=None,
                      scale: Optional[float] = None, validate: bool = True, stats: Optional[dict] = None,
-                     estimate: str = "auto", remote_budget: Optional[float] = None):
+                     estimate: str = "auto", remote_budget: Optional[float] = None, kv_block: int = 1):
     """Hybrid CP attention of this rank's shard ``[B, S/N, H, D]`` -> ``[B, S/N, H, D]``.
 
     ``g_h`` must divide the group size and be at most H; ``assignment`` (per head-group rank,
     default LPT on ``kv_count / S``) is the same in every head group. ``remote_budget``: see
-    :func:`scp_attention` (used when g_h < N). Differentiable in q, k, v.
+    :func:`scp_attention` (used when g_h < N); ``kv_block``: list granularity (see
+    :func:`hcp_attention` and :func:`scp_attention`). Differentiable in q, k, v.
     """
     n, me = group_size_rank(group)
     prep = prepare("hybrid_attention", q, k, v, q_lr, k_lr, kv_count, group_size, group, scale, validate,
                    extra={"g_h": g_h, "assignment": repr(assignment), "estimate": estimate,
-                          "remote_budget": remote_budget},
-                   local_error=_budget_error(remote_budget))
+                          "remote_budget": remote_budget, "kv_block": kv_block},
+                   local_error=_budget_error(remote_budget) or kv_block_error(kv_block))
     H = q.shape[2]
     if not isinstance(g_h, int) or g_h < 1 or n % g_h or g_h > H:
         raise ValueError(f"g_h: must divide the group size {n} and be in [1, H={H}], got {g_h!r}")
@@ -49,10 +50,10 @@ def hybrid_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, g_h: int
 
     def inner(qh, kh, vh, qlh, klh, cnt, cnt_host):
         if g_h == n:  # g_s == 1: the head group holds the whole sequence
-            return local_attention(qh, kh, vh, qlh, klh, cnt, cnt_host, group_size, scale)
+            return local_attention(qh, kh, vh, qlh, klh, cnt, cnt_host, group_size, scale, kv_block)
         return scp_attention(qh, kh, vh, qlh, klh, cnt, group_size, group=sg, scale=scale, validate=False,
-                             stats=stats, estimate=estimate, remote_budget=remote_budget, _prepared=prep,
-                             _kv_count_host=cnt_host)
+                             stats=stats, estimate=estimate, remote_budget=remote_budget, kv_block=kv_block,
+                             _prepared=prep, _kv_count_host=cnt_host)
 
     if g_h == 1:
         return inner(q, k, v, q_lr, k_lr, kv_count, prep.kv_count_host)

@@ -24,11 +24,13 @@ def _sdpa(q, k, v, scale):
     return dense_core(q, k, v, scale, "auto")
 
 
-def local_attention(q, k, v, q_lr, k_lr, kv_count, kv_count_host, group_size: int, scale: Optional[float]):
+def local_attention(q, k, v, q_lr, k_lr, kv_count, kv_count_host, group_size: int, scale: Optional[float],
+                    kv_block: int = 1):
     """Attention of all queries against all keys of ``q``'s sequence for the heads given:
-    q, k, v [B, S, a, D]; q_lr, k_lr [B, S, a, r]; kv_count int32 [B, a] (a host copy too).
-    Heads whose count covers S run dense (SDPA); the others select keys with
-    dsv_ext.topk_estimate and run dsv_ext.sparse_attention. Returns [B, S, a, D]."""
+    q, k, v [B, S, a, D]; q_lr, k_lr [B, S, a, r]; kv_count int32 [B, a] (a host copy too), K in
+    keys. Heads whose count covers S run dense (SDPA); the others select keys with
+    dsv_ext.topk_estimate and run dsv_ext.sparse_attention, with lists of ceil(K / kv_block)
+    blocks of kv_block consecutive positions when kv_block > 1. Returns [B, S, a, D]."""
     B, S, a, D = q.shape
     if a == 0:
         return q * 0.0  # keeps the (empty) graph connected so every rank runs the backward collectives
@@ -42,10 +44,19 @@ def local_attention(q, k, v, q_lr, k_lr, kv_count, kv_count_host, group_size: in
         cnt = kv_count if len(sp) == a else kv_count[:, sp].contiguous()
         kmax = max(row[h] for row in kv_count_host for h in sp)
         kmax = max(1, min(kmax, S))
-        with torch.no_grad():
-            idx = ops.topk_estimate(pick(q_lr).detach(), pick(k_lr).detach(), cnt, group_size, kmax=kmax)
-        outs.append(ops.sparse_attention(pick(q), pick(k), pick(v), idx, cnt, group_size, scale=scale,
-                                         check_index=False))
+        if kv_block == 1:
+            with torch.no_grad():
+                idx = ops.topk_estimate(pick(q_lr).detach(), pick(k_lr).detach(), cnt, group_size, kmax=kmax)
+            outs.append(ops.sparse_attention(pick(q), pick(k), pick(v), idx, cnt, group_size, scale=scale,
+                                             check_index=False))
+        else:  # K in keys -> ceil(K / b) blocks
+            cnt_b = torch.div(cnt + (kv_block - 1), kv_block, rounding_mode="floor").to(torch.int32)
+            kmax_b = min(-(-kmax // kv_block), -(-S // kv_block))
+            with torch.no_grad():
+                idx = ops.topk_estimate(pick(q_lr).detach(), pick(k_lr).detach(), cnt_b, group_size, kmax=kmax_b,
+                                        kv_block=kv_block)
+            outs.append(ops.sparse_attention(pick(q), pick(k), pick(v), idx, cnt_b, group_size, scale=scale,
+                                             check_index=False, kv_block=kv_block))
         order += sp
     if dn:
         def pickd(t):

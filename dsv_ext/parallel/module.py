@@ -10,7 +10,10 @@ operation over a process group: each rank's forward then receives its contiguous
 * Stage 2 sparse blocks: the block's per-head K (from the profiled sparsity, global S = N x the
   shard length) and its low-rank predictors on the shard, then the plan solver's choice of HCP /
   SCP / hybrid (:class:`Planner`, re-planned when the profile moves) through
-  :func:`dsv_ext.parallel.cp_attention`.
+  :func:`dsv_ext.parallel.cp_attention`. The block's list granularity (``head_kv_block``) is
+  kept when it is the same for every head (the shards are cube-ordered already, so blocks are
+  consecutive positions); a block whose heads were given different granularities
+  (DSVConfig.kv_block "auto") runs token lists with each head's K under CP.
 * Predictor training and profiling steps (armed by DSVController): the keys are all-gathered
   (detached, only on those steps) and each rank trains / profiles on its own sampled query rows
   against all keys; DSVController averages the gradients and statistics over its process group
@@ -196,9 +199,11 @@ def cp_forward(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: O
         plan = st.plan_for(attn, sparsity, S, n)
         if plan.world_size != n:
             raise ValueError(f"plan: made for {plan.world_size} ranks, the group has {n}")
+        kb = attn.head_kv_block
         out = hybrid_attention(q, k, v, q_lr, k_lr, counts, cfg.group_size, g_h=plan.g_h,
                                assignment=plan.assignment, group=st.group, scale=scale, validate=st.validate,
-                               remote_budget=st.remote_budget)
+                               remote_budget=st.remote_budget,
+                               kv_block=kb[0] if all(b == kb[0] for b in kb) else 1)
     else:
         # dense (stage 1, or a block the dispatcher keeps dense): Ulysses through HCP with every
         # head's count >= S (the low-rank inputs travel along; r / D of q's bytes)

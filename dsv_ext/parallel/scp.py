@@ -10,6 +10,9 @@ Rank p holds the queries and keys of its contiguous shard ``[p L, (p+1) L)`` for
    all_to_all_single; received rows and the local keys are placed (dsv_ext.scatter_add_rows)
    into a key table ``[B, S_tab, H, D]`` holding, per head, only the needed keys in global
    order (so the remapped index stays sorted and the kernel sums in the single-process order).
+   Block lists (kv_block > 1): the estimation selects blocks of the full sequence; they are
+   expanded to their keys (dsv_ext.expand_block_lists) and everything from step 2 on works on
+   those token lists (exact: the same keys; the table holds keys, not blocks).
 4. dsv_ext.sparse_attention runs the local queries against the table. The kernel takes one
    length for queries and keys: when a head needs more than L keys, the queries are padded
    to the table length with empty (all -1) lists, which the kernel still iterates over (a
@@ -31,7 +34,7 @@ import dsv_ext
 
 from .comm import all_to_all_rows, group_size_rank, _a2a
 from .local import local_attention
-from .validate import prepare
+from .validate import kv_block_error, prepare
 
 __all__ = ["scp_attention", "estimate_local"]
 
@@ -47,7 +50,8 @@ def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, 1)
 
 
-def estimate_local(q_lr_local, k_lr_full, kv_count, group_size: int, rank: int, kmax: int, mode: str = "auto"):
+def estimate_local(q_lr_local, k_lr_full, kv_count, group_size: int, rank: int, kmax: int, mode: str = "auto",
+                   kv_block: int = 1):
     """Top-K keys (positions in the full sequence) for the query groups of this rank's shard.
 
     topk_estimate takes queries and keys of one length. ``mode="repeat"`` builds a length-S
@@ -56,24 +60,26 @@ def estimate_local(q_lr_local, k_lr_full, kv_count, group_size: int, rank: int, 
     only. ``mode="pad"`` places the local queries at their global positions (zeros
     elsewhere) and keeps the local groups' lists: bit-identical to the single-process index
     but n times the estimation work. ``"auto"``: repeat, falling back to pad if the kernel
-    rejects the larger group size."""
+    rejects the larger group size. ``kv_block > 1``: block lists (ids of blocks of the full
+    sequence; kv_count and kmax in blocks)."""
     B, L, H, r = q_lr_local.shape
     S = k_lr_full.shape[1]
     n = S // L
     G = group_size
+    kb = {} if kv_block == 1 else {"kv_block": kv_block}
     if n == 1:
-        return dsv_ext.topk_estimate(q_lr_local, k_lr_full, kv_count, G, kmax=kmax)
+        return dsv_ext.topk_estimate(q_lr_local, k_lr_full, kv_count, G, kmax=kmax, **kb)
     if mode in ("auto", "repeat"):
         ng = L // G
         rep = q_lr_local.reshape(B, ng, 1, G, H, r).expand(B, ng, n, G, H, r).reshape(B, S, H, r)
         try:
-            return dsv_ext.topk_estimate(rep, k_lr_full, kv_count, n * G, kmax=kmax)
+            return dsv_ext.topk_estimate(rep, k_lr_full, kv_count, n * G, kmax=kmax, **kb)
         except (ValueError, RuntimeError):
             if mode == "repeat":
                 raise
     pad = q_lr_local.new_zeros((B, S, H, r))
     pad[:, rank * L:(rank + 1) * L] = q_lr_local
-    idx = dsv_ext.topk_estimate(pad, k_lr_full, kv_count, G, kmax=kmax)
+    idx = dsv_ext.topk_estimate(pad, k_lr_full, kv_count, G, kmax=kmax, **kb)
     return idx[:, :, rank * L // G:(rank + 1) * L // G].contiguous()
 
 
@@ -127,7 +133,7 @@ def _compact(idx, valid):
 
 def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None, scale: Optional[float] = None,
                   validate: bool = True, stats: Optional[dict] = None, estimate: str = "auto",
-                  remote_budget: Optional[float] = None, _prepared=None, _kv_count_host=None):
+                  remote_budget: Optional[float] = None, kv_block: int = 1, _prepared=None, _kv_count_host=None):
     """Sequence-wise CP attention of this rank's shard. Returns ``[B, S/N, H, D]``.
 
     Arguments as :func:`dsv_ext.parallel.hcp_attention` (kv_count the same on every rank).
@@ -141,11 +147,14 @@ def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None,
     that fraction of the K/V bytes of dense sequence parallelism. The same on every rank.
     ``stats`` receives bytes, the union fraction, the kept fraction and, when it holds
     ``"scp_keep_index": True``, the lists used (``"scp_kv_index"``, global key positions).
+    ``kv_block`` (K still in keys): the groups select ceil(K / kv_block) blocks of kv_block
+    consecutive global positions, run as the token lists of their keys (the same result as block
+    lists; the budget then counts keys).
     """
     if _prepared is None:
         prep = prepare("scp_attention", q, k, v, q_lr, k_lr, kv_count, group_size, group, scale, validate,
-                       extra={"estimate": estimate, "remote_budget": remote_budget},
-                       local_error=_budget_error(remote_budget))
+                       extra={"estimate": estimate, "remote_budget": remote_budget, "kv_block": kv_block},
+                       local_error=_budget_error(remote_budget) or kv_block_error(kv_block))
         cnt_host = prep.kv_count_host
     else:
         prep = _prepared
@@ -155,7 +164,7 @@ def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None,
     S = n * L
     G = group_size
     if n == 1:
-        return local_attention(q, k, v, q_lr, k_lr, kv_count, cnt_host, G, scale)
+        return local_attention(q, k, v, q_lr, k_lr, kv_count, cnt_host, G, scale, kv_block)
     if H == 0:
         # no heads here: nothing to exchange, but keep the graph connected
         _all_gather_seq(k_lr, group)
@@ -168,7 +177,14 @@ def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None,
     # 1. low-rank keys of every rank, then this rank's groups against all keys
     k_lr_full = _all_gather_seq(k_lr, group)
     with torch.no_grad():
-        idx = estimate_local(q_lr.detach(), k_lr_full, cnt, G, p, kmax, estimate)  # [B, H, L/G, kmax], -1 padded
+        if kv_block == 1:
+            idx = estimate_local(q_lr.detach(), k_lr_full, cnt, G, p, kmax, estimate)  # [B, H, L/G, kmax], -1 padded
+        else:  # blocks of the full sequence, then the token lists of their keys
+            cnt_b = torch.div(cnt + (kv_block - 1), kv_block, rounding_mode="floor").to(torch.int32)
+            kmax_b = min(-(-kmax // kv_block), -(-S // kv_block))
+            idx = estimate_local(q_lr.detach(), k_lr_full, cnt_b, G, p, kmax_b, estimate, kv_block)
+            idx, cnt = dsv_ext.expand_block_lists(idx, cnt_b, kv_block, S)
+            idx = _compact(idx, idx >= 0)  # the partial last block's -1 entries to the end
     valid = idx >= 0
     idx64 = _positions(idx, S)
     n_entries = int(valid.sum()) if stats is not None else 0

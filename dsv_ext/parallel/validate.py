@@ -51,6 +51,13 @@ def _local_errors(q, k, v, q_lr, k_lr, kv_count, group_size) -> Optional[str]:
     return None
 
 
+def kv_block_error(kv_block) -> Optional[str]:
+    """The message for a bad list granularity (None when it is a positive int)."""
+    if isinstance(kv_block, bool) or not isinstance(kv_block, int) or kv_block < 1:
+        return f"kv_block: expected a positive int (1: token lists), got {kv_block!r}"
+    return None
+
+
 def prepare(what, q, k, v, q_lr, k_lr, kv_count, group_size, group, scale, validate: bool, extra=None,
             local_error: Optional[str] = None) -> Prepared:
     """Checks this rank's arguments and (with ``validate``) that every rank agrees; a problem on
