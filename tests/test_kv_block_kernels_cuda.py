@@ -363,3 +363,19 @@ def test_block_size_checks():
         with pytest.raises(KernelError) as e:
             blk_bwd(q, q, q, q, q, lse, idx, cnt, G, 0.1, blk)
         assert e.value.status == want, (blk, e.value.status)
+
+
+def test_mma_sync_kernels():
+    """The tests above in a child process with DSV_KERNEL_TUNING=wgmma=0: the mma.sync forward
+    and dQ kernels where wgmma would run (G >= 64, D 64 / 128 on an H100 / H200)."""
+    need_lib()
+    if os.environ.get("DSV_KERNEL_TUNING"):
+        pytest.skip("inside a tuning run")
+    import subprocess
+    import sys
+    env = dict(os.environ, DSV_KERNEL_TUNING="wgmma=0")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__), "-k", "not mma_sync"],
+                       env=env, capture_output=True, text=True, timeout=3000, cwd=ROOT)
+    assert r.returncode == 0, f"wgmma=0:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+    assert " passed" in r.stdout, r.stdout[-2000:]

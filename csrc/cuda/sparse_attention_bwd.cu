@@ -345,7 +345,7 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
     /* sorted lists and the key-major index; dQ query-major in registers; dK / dV key-major in
      * registers: no atomics, no fp32 accumulators */
     int st = bwd_blocks_index_launch<T>(prm, B, stream);
-    if (st == DSV_OK) st = bwd_blocks_dq_launch<T>(sh, prm, stream);
+    if (st == DSV_OK) st = bwd_blocks_dq_launch<T>(sh, prm, tun->wgmma, stream);
     if (st == DSV_OK) st = bwd_kmajor_launch<T>(sh, prm, stream);
     return st;
   }

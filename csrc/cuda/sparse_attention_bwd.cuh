@@ -76,9 +76,11 @@ int bwd_qmajor_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma, cu
 template <typename T>
 int bwd_blocks_index_launch(BwdParams<T>& prm, int B, cudaStream_t stream);
 
-/* dQ of block lists (sparse_attention_bwd_qmajor.cu), head_dim <= 128. */
+/* dQ of block lists (sparse_attention_bwd_qmajor.cu), head_dim <= 128; wgmma as for
+ * bwd_qmajor_launch. */
 template <typename T>
-int bwd_blocks_dq_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream);
+int bwd_blocks_dq_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
+                         cudaStream_t stream);
 
 /* The most entries of a block list the backward sorts (in shared memory: 4 bytes each). */
 constexpr int BLK_SORT_MAX = 16384;

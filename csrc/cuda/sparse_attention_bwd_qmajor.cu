@@ -391,35 +391,43 @@ int bwd_qmajor_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma, cu
 }
 
 /* dQ of block lists (kv_block 16 or 64; head_dim <= 128, as their key-major dK / dV pass): the
- * mma.sync dQ-only kernel with the shipped tiles (32 keys x 2 stages, 32 or 64 queries). */
+ * dQ-only kernels of the token lists with their shipped tiles, wgmma where it applies (as in
+ * qmajor_passes), else mma.sync (32 keys x 2 stages, 32 or 64 queries). */
 template <typename T, int D, int BLK>
-static int blocks_dq_d(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
+static int blocks_dq_d(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
+                       cudaStream_t stream) {
+  if constexpr (D == 64 || D == 128)
+    if (wgmma && bwd_wg_applies<T, D>(prm))
+      return bwd_wg_launch_one<T, D, false, BwdParams<T>, false, BLK>(sh, prm, stream);
   if (prm.G <= 32) return launch_qmajor<T, D, 32, 32, 2, false, false, BLK>(sh, prm, stream);
   return launch_qmajor<T, D, 64, 32, 2, false, false, BLK>(sh, prm, stream);
 }
 
 template <typename T, int BLK>
-static int blocks_dq_blk(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
+static int blocks_dq_blk(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
+                         cudaStream_t stream) {
   switch (sh->head_dim) {
-    case 64: return blocks_dq_d<T, 64, BLK>(sh, prm, stream);
-    case 96: return blocks_dq_d<T, 96, BLK>(sh, prm, stream);
-    case 128: return blocks_dq_d<T, 128, BLK>(sh, prm, stream);
+    case 64: return blocks_dq_d<T, 64, BLK>(sh, prm, wgmma, stream);
+    case 96: return blocks_dq_d<T, 96, BLK>(sh, prm, wgmma, stream);
+    case 128: return blocks_dq_d<T, 128, BLK>(sh, prm, wgmma, stream);
     default: return DSV_ERR_UNSUPPORTED;
   }
 }
 
 template <typename T>
-int bwd_blocks_dq_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
+int bwd_blocks_dq_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
+                         cudaStream_t stream) {
   switch (sh->kv_block) {
-    case 16: return blocks_dq_blk<T, 16>(sh, prm, stream);
-    case 64: return blocks_dq_blk<T, 64>(sh, prm, stream);
+    case 16: return blocks_dq_blk<T, 16>(sh, prm, wgmma, stream);
+    case 64: return blocks_dq_blk<T, 64>(sh, prm, wgmma, stream);
     default: return DSV_ERR_UNSUPPORTED;
   }
 }
 
-template int bwd_blocks_dq_launch<__half>(const dsv_attn_shape*, BwdParams<__half>&, cudaStream_t);
+template int bwd_blocks_dq_launch<__half>(const dsv_attn_shape*, BwdParams<__half>&, int,
+                                          cudaStream_t);
 template int bwd_blocks_dq_launch<__nv_bfloat16>(const dsv_attn_shape*, BwdParams<__nv_bfloat16>&,
-                                                 cudaStream_t);
+                                                 int, cudaStream_t);
 
 template int bwd_qmajor_launch<__half>(const dsv_attn_shape*, BwdParams<__half>&, int, cudaStream_t);
 template int bwd_qmajor_launch<__nv_bfloat16>(const dsv_attn_shape*, BwdParams<__nv_bfloat16>&, int,
