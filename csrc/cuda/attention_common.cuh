@@ -117,9 +117,9 @@ __device__ __forceinline__ void gather_rows_async(T* tile, const T* base, int64_
  * is entry j (a key position, checked by the gathers). BLK > 1 (kv_block 16 or 64): entry e
  * covers the BLK keys e BLK .. e BLK + BLK - 1, key j is key j % BLK of block list[j / BLK]; a
  * negative entry, or one so large that its keys pass INT32_MAX, gives -1; keys at or past S are
- * masked by the gathers' range check like any position outside [0, S). With BLK a power of two
- * and j0 a multiple of the tile, j / BLK and j % BLK are shifts and masks: a tile of one block
- * reads one entry (the same address in every thread) and copies BLK contiguous rows. */
+ * masked by the gathers' range check like any position outside [0, S). BLK is a power of two,
+ * so j / BLK and j % BLK are a shift and a mask; the rows of a tile that share a block read the
+ * same entry (one address: an L1 hit after the first) and are contiguous rows of K and V. */
 template <int BLK>
 __device__ __forceinline__ int list_key(const int* list, int j) {
   if constexpr (BLK == 1) {

@@ -1,7 +1,8 @@
 /*
  * sparse_attention_bwd_index.cu - index building of the sparse attention backward: the key-major
  * (transposed) index at the granularity of 64-key blocks, a counting sort in the workspace
- * (count, scan, fill), and the choice of each head's dK / dV path and key ranges (km_scan_kernel).
+ * (count, scan, fill), and the choice of each head's dK / dV path and key ranges (km_scan_kernel);
+ * for block lists (kv_block 16 / 64) the sorted lists and the same index in group order (below).
  * See sparse_attention_bwd.cu.
  */
 #include "sparse_attention_bwd.cuh"
