@@ -220,11 +220,23 @@ struct KeyGather {
     ks = (uint64_t)kstride * sizeof(T);
     vs = (uint64_t)vstride * sizeof(T);
   }
+  /* keys j0 .. j0 + BN - 1 (j0 a multiple of BN) */
   __device__ __forceinline__ void load(const int* list, int j0, int end) {
+    if constexpr (BLK >= BN) {
+      /* block lists whose blocks hold whole tiles (BN divides BLK): the thread's rows r0 + k RS
+       * are keys of one block, so one entry gives them all, as consecutive positions RS apart
+       * (the tile lies below `end` exactly when its first key does) */
+      static_assert(BLK % BN == 0, "a tile within one block");
+      const int j = j0 + r0;
+      const int p0 = j < end ? list_key<BLK>(list, j) : -1;
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const int j = j0 + r0 + k * RS;
-      v[k] = j < end ? list_key<BLK>(list, j) : -1;
+      for (int k = 0; k < N; ++k) v[k] = p0 < 0 ? -1 : p0 + k * RS;
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const int j = j0 + r0 + k * RS;
+        v[k] = j < end ? list_key<BLK>(list, j) : -1;
+      }
     }
   }
   /* ktile, vtile: shared addresses of the stage's K and V tiles */
