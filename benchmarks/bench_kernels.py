@@ -23,6 +23,10 @@ commit and card) and kernels.png (speedup vs sparsity), or under --out.
 Usage: python benchmarks/bench_kernels.py [--quick] [--flex] [--out DIR]
        python benchmarks/bench_kernels.py --deterministic [--S ...] [--D ...]   (cost of
        sparse_attention(..., deterministic=True) in the backward, and a bit-identity check)
+       python benchmarks/bench_kernels.py --kv-block 16 64 [--flex] [--S ...] [--sparsity ...]
+           (block lists: dsv forward and forward+backward with kv_block b on random block lists
+           of density 1 - sparsity, the same lists expanded to token lists on the token kernels,
+           and with --flex FlexAttention at the same density; kv_block.json under --out)
 The kernels are reached through dsv_ext (built with CUDA) or, with DSV_ATTN_LIB set, through
 the ctypes wrapper of tests/test_sparse_attention_cuda.py. The kernels run with the device's
 kernel tuning; time one forced backward path or key-range count per process with
@@ -420,6 +424,90 @@ def deterministic_cost(Ss, Ds, Gs, sps, dists, reps, outdir):
               f"{r['bwd_deterministic_ms']:.2f} | {r['cost']:.2f}x | {r['bit_identical']}")
 
 
+def _blk_call(lib, M, q, k, v, idx, cnt, G, scale, blk, bufs):
+    """One forward + backward of the C API with preallocated outputs and workspaces (bufs)."""
+    out, lse, dq, dk, dv, do, wf, wb = bufs
+    stream = torch.cuda.current_stream().cuda_stream
+    sh = M._shape(q, idx, G, scale, blk)
+    st = lib.dsv_sparse_attention_fwd_cuda(
+        ctypes.byref(sh), T._bshd(q), T._bshd(k), T._bshd(v), idx.data_ptr(), cnt.data_ptr(),
+        T._bshd(out), lse.data_ptr(), wf.data_ptr(), wf.numel(), stream)
+    if st != 0:
+        raise RuntimeError(f"forward returned {st}")
+    if dq is None:
+        return
+    st = lib.dsv_sparse_attention_bwd_cuda(
+        ctypes.byref(sh), T._bshd(q), T._bshd(k), T._bshd(v), T._bshd(out), T._bshd(do),
+        lse.data_ptr(), idx.data_ptr(), cnt.data_ptr(), T._bshd(dq), T._bshd(dk), T._bshd(dv),
+        wb.data_ptr(), wb.numel(), stream)
+    if st != 0:
+        raise RuntimeError(f"backward returned {st}")
+
+
+def kv_block_times(blocks, Ss, Ds, Gs, sps, reps, flex, outdir):
+    """--kv-block: per shape and block size b, random block lists (each group its own sorted set
+    of round((1 - sparsity) ceil(S / b)) distinct blocks), timed on the block kernels (fwd,
+    fwd+bwd), on the token kernels with the same lists expanded (token_*), and with --flex on
+    FlexAttention's 128 x 128 block-sparse kernels at the same density."""
+    import test_kv_block_kernels_cuda as M
+    lib = M._get_lib()
+    if lib is None:
+        sys.exit("no CUDA kernels: build dsv_ext with CUDA or set DSV_ATTN_LIB")
+    B, H, dtype = 1, 24, torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for S in Ss:
+        for D in Ds:
+            q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=dtype) for _ in range(4))
+            out, dq, dk, dv = (torch.empty_like(q) for _ in range(4))
+            lse = torch.empty(B, H, S, device="cuda")
+            for sp in sps:
+                fx = {}
+                if flex:
+                    try:
+                        fx = flex_times(B, S, H, D, dtype, 1 - sp, reps, gen)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  flex failed: {type(e).__name__}: {str(e)[:200]}")
+                for G in Gs:
+                    NG = -(-S // G)
+                    for blk in blocks:
+                        nblk = -(-S // blk)
+                        K = max(1, round((1 - sp) * nblk))
+                        idx = torch.rand(B, H, NG, nblk, generator=gen).argsort(dim=-1)[..., :K]
+                        idx = idx.sort(dim=-1).values.to(torch.int32).cuda()
+                        cnt = torch.full((B, H), K, dtype=torch.int32, device="cuda")
+                        scale = 1 / math.sqrt(D)
+                        r = dict(S=S, D=D, G=G, sparsity=sp, kv_block=blk, K_blocks=K)
+                        for name, b, ix, cn in (("", blk, idx, cnt), ("token_", 1) + M.expand_blocks(
+                                idx, cnt, S, blk)):
+                            ix, cn = ix.cuda(), cn.cuda()
+                            sh = M._shape(q, ix, G, scale, b)
+                            wf = torch.empty(max(1, lib.dsv_sparse_attention_fwd_workspace_cuda(
+                                ctypes.byref(sh))), dtype=torch.uint8, device="cuda")
+                            wb = torch.empty(max(1, lib.dsv_sparse_attention_bwd_workspace_cuda(
+                                ctypes.byref(sh))), dtype=torch.uint8, device="cuda")
+                            fwd = (out, lse, None, None, None, do, wf, wb)
+                            both = (out, lse, dq, dk, dv, do, wf, wb)
+                            r[name + "fwd_ms"] = bench(lambda: _blk_call(
+                                lib, M, q, k, v, ix, cn, G, scale, b, fwd), reps)
+                            r[name + "fwdbwd_ms"] = bench(lambda: _blk_call(
+                                lib, M, q, k, v, ix, cn, G, scale, b, both), reps)
+                            del wf, wb
+                        r.update(fx)
+                        rows.append(r)
+                        print(json.dumps(r), flush=True)
+            del q, k, v, do, out, dq, dk, dv, lse
+            torch.cuda.empty_cache()
+    os.makedirs(outdir, exist_ok=True)
+    with open(os.path.join(outdir, "kv_block.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print("\nS D G sparsity b | fwd fwd+bwd | token fwd fwd+bwd | flex fwd fwd+bwd (ms)")
+    for r in rows:
+        print(f"{r['S']} {r['D']} {r['G']} {r['sparsity']} {r['kv_block']} | {r['fwd_ms']:.2f} "
+              f"{r['fwdbwd_ms']:.2f} | {r['token_fwd_ms']:.2f} {r['token_fwdbwd_ms']:.2f} | "
+              f"{r.get('flex_fwd_ms')} {r.get('flex_fwdbwd_ms')}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="target shape and a small subset")
@@ -437,7 +525,13 @@ def main():
     ap.add_argument("--dist", nargs="*")
     ap.add_argument("--deterministic", action="store_true",
                     help="only measure the cost of the deterministic backward (deterministic.json)")
+    ap.add_argument("--kv-block", type=int, nargs="+", metavar="B",
+                    help="only time block lists of these kv_block sizes (kv_block.json)")
     args = ap.parse_args()
+    if args.kv_block:
+        kv_block_times(args.kv_block, args.S or [65536], args.D or [128], args.G or [64],
+                       args.sparsity or [0.9], args.reps, args.flex, args.out)
+        return
     if args.deterministic:
         deterministic_cost(args.S or [16384, 65536], args.D or [64, 128], args.G or [64],
                            args.sparsity or [0.9], args.dist or ["random", "smooth"], args.reps, args.out)

@@ -181,7 +181,17 @@ int dsv_scatter_add_rows_cpu(dsv_dtype dtype, int64_t dim, const void* src,
 
 /* ------------------------------------------------------------------------------------------ */
 /* CUDA implementations (csrc/cuda/). Same arguments as the CPU ones, plus a device workspace of
- * at least the size the matching *_workspace_cuda() function returns, and a stream. */
+ * at least the size the matching *_workspace_cuda() function returns, and a stream.
+ *
+ * Sparse attention with kv_block b > 1 (block lists) on CUDA: b = 16 or 64 (other b > 1:
+ * DSV_ERR_UNSUPPORTED, b < 1: DSV_ERR_INVALID; kmax x b must stay below 2^30). Entry e of a list
+ * covers keys e b .. min(e b + b, S) - 1; entries outside [0, ceil(S / b)) are skipped (-1
+ * padding included, anywhere in the list), a block listed twice counts twice, lists need not be
+ * sorted. The forward takes the token lists' head dims (64, 96, 128, 256) and group sizes. The
+ * backward needs head_dim <= 128 and kmax <= 16384 (DSV_ERR_UNSUPPORTED otherwise) and is always
+ * deterministic, DSV_FLAG_DETERMINISTIC or not: dK / dV key-major over an index sorted by group,
+ * dQ query-major, both summed in registers without atomics; its workspace holds a sorted copy of
+ * the lists and that index (about 16 x B x H x num_groups x kmax bytes). */
 size_t dsv_sparse_attention_fwd_workspace_cuda(const dsv_attn_shape* p);
 int dsv_sparse_attention_fwd_cuda(const dsv_attn_shape* p, dsv_bshd q, dsv_bshd k, dsv_bshd v,
                                   const int32_t* kv_index, const int32_t* kv_count,

@@ -55,6 +55,35 @@ def run_sparse_attention():
     print("sparse_attention: ok")
 
 
+def run_kv_blocks():
+    """The block-list kernels (kv_block 16 / 64): forward, backward (sort, key-major index, dQ,
+    dK / dV), with -1 padding, duplicates, entries out of range, counts outside [0, kmax] and a
+    partial last block and group; D 256 forward only (its backward is unsupported)."""
+    import test_kv_block_kernels_cuda as M
+    if M._get_lib() is None:
+        print("kv_blocks: no kernels, skipped")
+        SKIPPED.append("kv_blocks")
+        return
+    gen = torch.Generator().manual_seed(3)
+    for (S, H, D, G, blk, kmax, dtype) in [(150, 2, 64, 32, 16, 9, torch.bfloat16),
+                                           (200, 2, 128, 64, 64, 4, torch.float16),
+                                           (131, 1, 96, 128, 16, 12, torch.bfloat16),
+                                           (90, 1, 256, 64, 64, 2, torch.bfloat16)]:
+        q, k, v = M.ref.make_qkv(1, S, H, D, dtype=dtype, layout="packed", generator=gen,
+                                 device="cuda")
+        nblk = -(-S // blk)
+        idx, cnt = M.random_blocks(1, H, -(-S // G), kmax, nblk, [[kmax + 5] + [3] * (H - 1)],
+                                   gen, bad=True)
+        idx, cnt = idx.cuda(), cnt.cuda()
+        scale = 1.0 / math.sqrt(D)
+        out, lse = M.blk_fwd(q, k, v, idx, cnt, G, scale, blk)
+        if D <= 128:
+            dout = torch.randn(q.shape, generator=gen).to(dtype).cuda()
+            M.blk_bwd(dout, q, k, v, out, lse, idx, cnt, G, scale, blk)
+    torch.cuda.synchronize()
+    print("kv_blocks: ok")
+
+
 # ---- BEGIN ops kernels: topk / predictor loss / profile / rows ------------------------------
 def run_ops_kernels():
     """Small shapes of topk_estimate, predictor_loss fwd/bwd, profile_attention, gather /

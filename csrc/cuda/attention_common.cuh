@@ -113,38 +113,56 @@ __device__ __forceinline__ void gather_rows_async(T* tile, const T* base, int64_
   }
 }
 
+/* Key j of a list (the caller keeps j below the list's key count). BLK = 1: token lists, key j
+ * is entry j (a key position, checked by the gathers). BLK > 1 (kv_block 16 or 64): entry e
+ * covers the BLK keys e BLK .. e BLK + BLK - 1, key j is key j % BLK of block list[j / BLK]; a
+ * negative entry, or one so large that its keys pass INT32_MAX, gives -1; keys at or past S are
+ * masked by the gathers' range check like any position outside [0, S). BLK is a power of two,
+ * so j / BLK and j % BLK are a shift and a mask; the rows of a tile that share a block read the
+ * same entry (one address: an L1 hit after the first) and are contiguous rows of K and V. */
+template <int BLK>
+__device__ __forceinline__ int list_key(const int* list, int j) {
+  if constexpr (BLK == 1) {
+    return __ldg(list + j);
+  } else {
+    static_assert((BLK & (BLK - 1)) == 0, "kv_block is a power of two");
+    const int e = __ldg(list + ((unsigned)j / BLK));
+    return (unsigned)e <= (unsigned)(0x7fffffff / BLK) ? e * BLK + (int)((unsigned)j % BLK) : -1;
+  }
+}
+
 /* List entries of one key tile, held in registers so that they can be loaded one tile ahead:
  * the tile loops load the entries of tile t + NS right after issuing the copies of tile
  * t + NS - 1, so the global load's latency overlaps a tile of compute instead of stalling the
  * copy issue (Nsight Compute showed 39% of the forward's issue stalls waiting on these loads
  * when each gather read its entries just before using them). Thread tid holds the entries of
  * the rows (tid + k NT) / CH, k < N, which are the rows its chunks in gather_keys_pre copy. */
-template <int D, int NT, int BN>
+template <int D, int NT, int BN, int BLK = 1>
 struct KeyTileIdx {
   static constexpr int CH = D / 8;
   static constexpr int N = (BN * CH + NT - 1) / NT;
   int v[N];
-  /* entries j0 .. j0 + BN - 1 of the list; positions at or past `end` become -1 (no load) */
+  /* keys j0 .. j0 + BN - 1 of the list (list_key); keys at or past `end` become -1 (no load) */
   __device__ __forceinline__ void load(const int* list, int j0, int end) {
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       const int i = threadIdx.x + k * NT;
       const int j = j0 + i / CH;
-      v[k] = (i < BN * CH && j < end) ? __ldg(list + j) : -1;
+      v[k] = (i < BN * CH && j < end) ? list_key<BLK>(list, j) : -1;
     }
   }
 };
 
 /* Gather a padded key tile with its list entries already in registers (KeyTileIdx::load);
  * positions outside [lo, hi) become zero rows, kidx[r] records each row's position or -1. */
-template <typename T, int D, int NT, int BN>
+template <typename T, int D, int NT, int BN, int BLK>
 __device__ __forceinline__ void gather_keys_pre(T* ktile, T* vtile, const T* kbase,
                                                 int64_t kstride, const T* vbase, int64_t vstride,
-                                                const KeyTileIdx<D, NT, BN>& ix, int lo, int hi,
-                                                int* kidx) {
+                                                const KeyTileIdx<D, NT, BN, BLK>& ix, int lo,
+                                                int hi, int* kidx) {
   constexpr int CH = D / 8;
 #pragma unroll
-  for (int k = 0; k < KeyTileIdx<D, NT, BN>::N; ++k) {
+  for (int k = 0; k < KeyTileIdx<D, NT, BN, BLK>::N; ++k) {
     const int i = threadIdx.x + k * NT;
     if ((BN * CH) % NT != 0 && i >= BN * CH) break;
     const int r = i / CH, c = i - r * CH;
@@ -169,7 +187,8 @@ __device__ __forceinline__ void gather_keys_pre(T* ktile, T* vtile, const T* kba
  * warp, mostly 64-bit address arithmetic). RS is a multiple of 8 (KeyGatherFits), so row
  * r0 + k RS keeps the swizzle phase of row r0 and lies k RS rows further. A row's address is one
  * 32 x 32 -> 64-bit multiply-add when the row strides are below 4 GB (the caller checks), or
- * two with WIDE. load() reads the list entries of a tile one tile ahead (as KeyTileIdx);
+ * two with WIDE. load() reads the list entries of a tile one tile ahead (as KeyTileIdx; with
+ * BLK > 1 the keys of block lists, list_key);
  * issue() copies the K and V rows (entries outside [lo, hi) give zero rows) and records each
  * row's mask: MaskT float: 0 or -inf (a score bias), int: the position or -1. */
 template <int D, int NT, int BN>
@@ -178,7 +197,8 @@ struct KeyGatherFits {
   static constexpr bool value = NT % CH == 0 && RS % 8 == 0 && BN % RS == 0;
 };
 
-template <typename T, int D, int NT, int BN, bool SWZ, typename MaskT = float, bool WIDE = false>
+template <typename T, int D, int NT, int BN, bool SWZ, typename MaskT = float, bool WIDE = false,
+          int BLK = 1>
 struct KeyGather {
   static constexpr int CH = D / 8, RS = NT / CH, N = BN / RS;
   static constexpr int ROW = SWZ ? 64 : D + 8; /* elements from row r to row r + 1 in a block */
@@ -200,11 +220,23 @@ struct KeyGather {
     ks = (uint64_t)kstride * sizeof(T);
     vs = (uint64_t)vstride * sizeof(T);
   }
+  /* keys j0 .. j0 + BN - 1 (j0 a multiple of BN) */
   __device__ __forceinline__ void load(const int* list, int j0, int end) {
+    if constexpr (BLK >= BN) {
+      /* block lists whose blocks hold whole tiles (BN divides BLK): the thread's rows r0 + k RS
+       * are keys of one block, so one entry gives them all, as consecutive positions RS apart
+       * (the tile lies below `end` exactly when its first key does) */
+      static_assert(BLK % BN == 0, "a tile within one block");
+      const int j = j0 + r0;
+      const int p0 = j < end ? list_key<BLK>(list, j) : -1;
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const int j = j0 + r0 + k * RS;
-      v[k] = j < end ? __ldg(list + j) : -1;
+      for (int k = 0; k < N; ++k) v[k] = p0 < 0 ? -1 : p0 + k * RS;
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const int j = j0 + r0 + k * RS;
+        v[k] = j < end ? list_key<BLK>(list, j) : -1;
+      }
     }
   }
   /* ktile, vtile: shared addresses of the stage's K and V tiles */
@@ -232,9 +264,10 @@ struct KeyGather {
 /* Gather of padded key tiles (ldmatrix kernels) with int masks and any strides: KeyGather where
  * its fixed per-thread plan fits (D 64 or 128 with 128 threads), else KeyTileIdx +
  * gather_keys_pre. Same interface: init once, load one tile ahead, issue. */
-template <typename T, int D, int NT, int BN, bool FIXED = KeyGatherFits<D, NT, BN>::value>
+template <typename T, int D, int NT, int BN, int BLK = 1,
+          bool FIXED = KeyGatherFits<D, NT, BN>::value>
 struct PaddedKeyGather {
-  KeyGather<T, D, NT, BN, false, int, true> g;
+  KeyGather<T, D, NT, BN, false, int, true, BLK> g;
   __device__ __forceinline__ void init(const T* kbase, int64_t ks, const T* vbase, int64_t vs) {
     g.init(kbase, ks, vbase, vs);
   }
@@ -243,9 +276,9 @@ struct PaddedKeyGather {
     g.issue(smem_u32(ktile), smem_u32(vtile), lo, hi, kidx);
   }
 };
-template <typename T, int D, int NT, int BN>
-struct PaddedKeyGather<T, D, NT, BN, false> {
-  KeyTileIdx<D, NT, BN> ix;
+template <typename T, int D, int NT, int BN, int BLK>
+struct PaddedKeyGather<T, D, NT, BN, BLK, false> {
+  KeyTileIdx<D, NT, BN, BLK> ix;
   const T* kb;
   const T* vb;
   int64_t ks, vs;

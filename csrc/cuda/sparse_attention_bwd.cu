@@ -38,6 +38,12 @@
  * Key tiles of the query-major kernels: 32 keys x 2 cp.async stages. On H100 / H200 the dQ-only
  * pass runs on wgmma (sparse_attention_bwd_wg.cuh).
  *
+ * Block lists (dsv_attn_shape.kv_block 16 or 64) always take a deterministic path without
+ * atomics, whatever the flags: the lists are sorted into the workspace, the key-major index is
+ * built from them in ascending group order (sparse_attention_bwd_index.cu), dQ comes from the
+ * query-major dQ-only kernel over the list's blocks (list_key) and dK / dV from the key-major
+ * kernel, both summing in registers. head_dim <= 128 (else DSV_ERR_UNSUPPORTED).
+ *
  * Files: this one is the host dispatch (workspace layout, key ranges, the order of the passes)
  * with the small element-wise kernels (delta, zeroing and converting the accumulators);
  * sparse_attention_bwd_index.cu builds the key-major index and picks each head's path,
@@ -52,6 +58,7 @@ int check_attn_args(const dsv_attn_shape* p); /* sparse_attention_fwd.cu */
 
 struct BwdLayout {
   size_t delta, dkacc, dvacc, dqacc, path, flags, nrh, kbcount, kbcursor, kboff, entg, entmask, total;
+  size_t bsorted, bnsorted; /* block lists only */
   int64_t nkb, cap;
   int km_enabled;
 };
@@ -91,8 +98,49 @@ static RangeCfg bwd_ranges(const dsv_attn_shape* p, const dsv_tuning* t) {
   return c;
 }
 
-static BwdLayout bwd_layout(const dsv_attn_shape* p, const dsv_tuning* t) {
+/* Block lists (kv_block > 1): delta, the sorted lists, and the key-major index with one
+ * (group, mask) entry per valid list entry at most (cap = groups x kmax); no fp32
+ * accumulators. */
+static BwdLayout bwd_layout_blocks(const dsv_attn_shape* p) {
   BwdLayout L;
+  const int64_t BH = p->batch * p->heads;
+  const int64_t S = p->seqlen;
+  L.nkb = (S + KB - 1) / KB;
+  L.km_enabled = 1;
+  L.cap = p->num_groups * p->kmax;
+  size_t o = 0;
+  L.dkacc = L.dvacc = L.dqacc = 0;
+  L.delta = o; o = align_up(o + (size_t)BH * S * sizeof(float));
+  L.entmask = o; o = align_up(o + (size_t)BH * L.cap * sizeof(unsigned long long));
+  L.entg = o; o = align_up(o + (size_t)BH * L.cap * sizeof(int));
+  L.kboff = o; o = align_up(o + (size_t)BH * L.nkb * sizeof(int));
+  L.bsorted = o; o = align_up(o + (size_t)BH * L.cap * sizeof(int));
+  L.bnsorted = o; o = align_up(o + (size_t)BH * p->num_groups * sizeof(int));
+  /* zeroed together: */
+  L.path = o; o = align_up(o + (size_t)BH * sizeof(int));
+  L.flags = o; o = align_up(o + (size_t)BH * sizeof(int));
+  L.nrh = o; o = align_up(o + (size_t)BH * sizeof(int));
+  L.kbcount = o; o = align_up(o + (size_t)BH * L.nkb * sizeof(int));
+  L.kbcursor = o; o = align_up(o + (size_t)BH * L.nkb * sizeof(int));
+  L.total = o;
+  return L;
+}
+
+/* What the block-list backward supports beyond check_attn_args: head_dim <= 128 (the key-major
+ * pass), lists of at most BLK_SORT_MAX entries (sorted in shared memory), and groups x kmax
+ * entries of a head indexed by int. */
+static int check_blocks_bwd(const dsv_attn_shape* p) {
+  if (p->kv_block == 1) return DSV_OK;
+  if (p->head_dim > 128 || p->kmax > BLK_SORT_MAX ||
+      p->num_groups * p->kmax > (int64_t)INT32_MAX)
+    return DSV_ERR_UNSUPPORTED;
+  return DSV_OK;
+}
+
+static BwdLayout bwd_layout(const dsv_attn_shape* p, const dsv_tuning* t) {
+  if (p->kv_block > 1) return bwd_layout_blocks(p);
+  BwdLayout L;
+  L.bsorted = L.bnsorted = 0;
   const int64_t BH = p->batch * p->heads;
   const int64_t S = p->seqlen, D = p->head_dim;
   L.nkb = (S + KB - 1) / KB;
@@ -256,6 +304,9 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   prm.kboff = (int*)(ws + L.kboff);
   prm.entg = (int*)(ws + L.entg);
   prm.entmask = (unsigned long long*)(ws + L.entmask);
+  prm.bsorted = (int*)(ws + L.bsorted);
+  prm.bnsorted = (int*)(ws + L.bnsorted);
+  prm.blk = (int)sh->kv_block;
   prm.S = (int)sh->seqlen;
   prm.H = (int)sh->heads;
   prm.G = (int)sh->group_size;
@@ -267,7 +318,8 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   prm.cap = L.cap;
   prm.scale = (float)sh->scale;
   prm.scale_log2 = (float)(sh->scale * 1.4426950408889634);
-  const bool deterministic = (sh->flags & DSV_FLAG_DETERMINISTIC) != 0;
+  const bool blocks = sh->kv_block > 1; /* block lists: always the deterministic key-major path */
+  const bool deterministic = blocks || (sh->flags & DSV_FLAG_DETERMINISTIC) != 0;
   float ratio = tun->km_ratio;
   if (deterministic) ratio = 3.0e38f; /* key-major for every head whose lists allow it */
   prm.km_ratio = ratio;
@@ -288,6 +340,14 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
     const int wpb = 8;
     bwd_delta_kernel<T><<<(unsigned)((rows + wpb - 1) / wpb), wpb * 32, 0, stream>>>(prm, B);
     if (cudaGetLastError() != cudaSuccess) return DSV_ERR_CUDA;
+  }
+  if (blocks) {
+    /* sorted lists and the key-major index; dQ query-major in registers; dK / dV key-major in
+     * registers: no atomics, no fp32 accumulators */
+    int st = bwd_blocks_index_launch<T>(prm, B, stream);
+    if (st == DSV_OK) st = bwd_blocks_dq_launch<T>(sh, prm, tun->wgmma, stream);
+    if (st == DSV_OK) st = bwd_kmajor_launch<T>(sh, prm, stream);
+    return st;
   }
   /* list checks (flags) for every head; counts, offsets and entries for key-major heads */
   if (bwd_index_launch<T>(prm, B, deterministic, stream) != DSV_OK) return DSV_ERR_CUDA;
@@ -316,7 +376,7 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
 using namespace dsv_attn;
 
 extern "C" size_t dsv_sparse_attention_bwd_workspace_cuda(const dsv_attn_shape* p) {
-  if (check_attn_args(p) != DSV_OK) return 0;
+  if (check_attn_args(p) != DSV_OK || check_blocks_bwd(p) != DSV_OK) return 0;
   const dsv_tuning* tun = nullptr;
   if (dsv_tuning_current(&tun) != DSV_OK) return 0; /* the backward reports the error */
   return bwd_layout(p, tun).total;
@@ -338,6 +398,7 @@ static int bwd_entry(const BwdQmajor& qm, const dsv_attn_shape* p, dsv_bshd q, d
   if (!kv_count || !lse || (p->kmax > 0 && !kv_index)) return DSV_ERR_INVALID;
   const dsv_tuning* tun = nullptr;
   if ((st = dsv_tuning_current(&tun)) != DSV_OK) return st;
+  if ((st = check_blocks_bwd(p)) != DSV_OK) return st;
   if (!workspace || workspace_bytes < bwd_layout(p, tun).total) return DSV_ERR_NOMEM;
   /* deterministic: the key-major path for every head, which exists for head_dim <= 128 */
   if ((p->flags & DSV_FLAG_DETERMINISTIC) && p->head_dim > 128) return DSV_ERR_UNSUPPORTED;

@@ -50,6 +50,10 @@ struct BwdParams {
   int64_t cap;
   float scale, scale_log2, km_ratio;
   int km_enabled;
+  /* block lists (kv_block > 1) */
+  int blk;        /* keys per list entry: 1, 16 or 64 */
+  int* bsorted;   /* [B, H, NG, kmax] each list's valid entries, ascending (duplicates kept) */
+  int* bnsorted;  /* [B, H, NG] how many */
 };
 
 __device__ __forceinline__ int clamp_count(int c, int kmax) {
@@ -65,6 +69,21 @@ int bwd_index_launch(BwdParams<T>& prm, int B, bool deterministic, cudaStream_t 
  * the dK / dV reductions of the others; wgmma: the tuning's choice of the Hopper kernels. */
 template <typename T>
 int bwd_qmajor_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma, cudaStream_t stream);
+
+/* Block lists (kv_block 16 or 64, sparse_attention_bwd_index.cu): the lists sorted, then the
+ * key-major (group, mask) entries of every 64-key block in ascending group order, all heads on
+ * the key-major path. */
+template <typename T>
+int bwd_blocks_index_launch(BwdParams<T>& prm, int B, cudaStream_t stream);
+
+/* dQ of block lists (sparse_attention_bwd_qmajor.cu), head_dim <= 128; wgmma as for
+ * bwd_qmajor_launch. */
+template <typename T>
+int bwd_blocks_dq_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
+                         cudaStream_t stream);
+
+/* The most entries of a block list the backward sorts (in shared memory: 4 bytes each). */
+constexpr int BLK_SORT_MAX = 16384;
 
 /* Key-major pass (sparse_attention_bwd_kmajor.cu), head_dim <= 128. */
 template <typename T>

@@ -1,7 +1,8 @@
 /*
  * sparse_attention_bwd_index.cu - index building of the sparse attention backward: the key-major
  * (transposed) index at the granularity of 64-key blocks, a counting sort in the workspace
- * (count, scan, fill), and the choice of each head's dK / dV path and key ranges (km_scan_kernel).
+ * (count, scan, fill), and the choice of each head's dK / dV path and key ranges (km_scan_kernel);
+ * for block lists (kv_block 16 / 64) the sorted lists and the same index in group order (below).
  * See sparse_attention_bwd.cu.
  */
 #include "sparse_attention_bwd.cuh"
@@ -163,6 +164,146 @@ __global__ void km_fill_ordered_kernel(const BwdParams<T> p) {
     pos += __popc(has);
   }
 }
+
+/* ---------------------------------------------------------------------------------------- */
+/* Block lists (kv_block b = 16 or 64). Entry e of a list covers keys e b .. e b + b - 1 (cut at
+ * S); entries outside [0, ceil(S / b)) are skipped, duplicates count twice. The key-major pass
+ * (bwd_kmajor_kernel) is reused unchanged: its 64-key block kt is one list block (b = 64) or
+ * four (b = 16), and a (group, mask) entry covers the keys of the group's blocks in it. A group
+ * that lists a block m times gets m entries (for b = 16: entry i masks the blocks listed more
+ * than i times), so duplicates add twice as in the forward. Built without atomics, in an order
+ * fixed by the input alone (dK / dV are then bit-identical run to run):
+ *   blk_sort_kernel   each list's valid entries sorted ascending into bsorted (bitonic sort in
+ *                     shared memory; lists of at most BLK_SORT_MAX entries, checked on the host)
+ *   blk_entries_kernel<false>  one warp per (b, h, 64-key block) counts its entries: 32 groups
+ *                     at a time, each lane binary-searches its group's sorted list
+ *   km_scan_kernel    offsets (and path 1 for every head: km_ratio is set to the maximum)
+ *   blk_entries_kernel<true>   the same walk writes the entries in ascending group order, each
+ *                     lane's position from a warp prefix sum of the lanes' entry counts. */
+template <typename T>
+__global__ void blk_sort_kernel(const BwdParams<T> p) {
+  extern __shared__ int sk[];
+  const int g = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const size_t bh = (size_t)b * p.H + h;
+  const int* list = p.kv_index + (bh * p.NG + g) * p.kmax;
+  const int count = clamp_count(__ldg(p.kv_count + bh), p.kmax);
+  const int nblk = (p.S + p.blk - 1) / p.blk;
+  int n2 = 1;
+  while (n2 < count) n2 <<= 1;
+  for (int i = threadIdx.x; i < n2; i += blockDim.x) {
+    const int e = i < count ? __ldg(list + i) : -1;
+    sk[i] = (unsigned)e < (unsigned)nblk ? e : INT32_MAX; /* invalid entries sort last */
+  }
+  __syncthreads();
+  for (int k = 2; k <= n2; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < n2; i += blockDim.x) {
+        const int ij = i ^ j;
+        if (ij > i) {
+          const int a = sk[i], c = sk[ij];
+          if ((a > c) == ((i & k) == 0)) {
+            sk[i] = c;
+            sk[ij] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  int* out = p.bsorted + (bh * p.NG + g) * p.kmax;
+  int nvalid = 0;
+  for (int i0 = 0; i0 < n2; i0 += blockDim.x) {
+    const int i = i0 + threadIdx.x;
+    const bool ok = i < n2 && sk[i] != INT32_MAX;
+    if (ok) out[i] = sk[i];
+    nvalid += __syncthreads_count(ok);
+  }
+  if (threadIdx.x == 0) p.bnsorted[bh * p.NG + g] = nvalid;
+}
+
+/* Count (FILL false) or write (FILL true) the (group, mask) entries of key-major block kt (64
+ * keys: SUB = 64 / blk list blocks). grid (ceil(nkb / 4), H, B), 128 threads: warp w takes
+ * block 4 blockIdx.x + w. */
+template <typename T, bool FILL>
+__global__ void blk_entries_kernel(const BwdParams<T> p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kt = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
+  if (kt >= p.nkb) return;
+  const size_t bh = (size_t)b * p.H + h;
+  const int sub = KB / p.blk; /* list blocks per key-major block: 1 or 4 */
+  const int blo = kt * sub;
+  const int nk = min(KB, p.S - kt * KB); /* keys of the block below S */
+  const unsigned long long keymask = nk >= KB ? ~0ull : (1ull << nk) - 1ull;
+  int pos = FILL ? p.kboff[bh * p.nkb + kt] : 0;
+  int total = 0;
+  for (int g0 = 0; g0 < p.NG; g0 += 32) {
+    const int g = g0 + lane;
+    int c0 = 0, c1 = 0, c2 = 0, c3 = 0; /* how often the group lists blocks blo .. blo + 3 */
+    if (g < p.NG) {
+      const int n = p.bnsorted[bh * p.NG + g];
+      const int* lst = p.bsorted + (bh * p.NG + g) * p.kmax;
+      int a = 0, e = n; /* first entry >= blo */
+      while (a < e) {
+        const int m = (a + e) >> 1;
+        if (lst[m] < blo) a = m + 1; else e = m;
+      }
+      for (int j = a; j < n; ++j) {
+        const int x = lst[j] - blo;
+        if (x >= sub) break;
+        c0 += x == 0;
+        c1 += x == 1;
+        c2 += x == 2;
+        c3 += x == 3;
+      }
+    }
+    const int items = max(max(c0, c1), max(c2, c3));
+    int incl = items; /* warp inclusive prefix sum of the lanes' entry counts */
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += y;
+    }
+    const int wsum = __shfl_sync(0xffffffffu, incl, 31);
+    if (FILL) {
+      int at = pos + incl - items;
+      for (int i = 0; i < items; ++i, ++at) {
+        unsigned long long mask;
+        if (sub == 1) {
+          mask = ~0ull;
+        } else {
+          mask = (c0 > i ? 0xFFFFull : 0ull) | (c1 > i ? 0xFFFFull << 16 : 0ull) |
+                 (c2 > i ? 0xFFFFull << 32 : 0ull) | (c3 > i ? 0xFFFFull << 48 : 0ull);
+        }
+        p.entg[bh * p.cap + at] = g;
+        p.entmask[bh * p.cap + at] = mask & keymask;
+      }
+    }
+    pos += wsum;
+    total += wsum;
+  }
+  if (!FILL && lane == 0) p.kbcount[bh * p.nkb + kt] = total;
+}
+
+template <typename T>
+int bwd_blocks_index_launch(BwdParams<T>& prm, int B, cudaStream_t stream) {
+  const int BH = B * prm.H;
+  int n2 = 1;
+  while (n2 < prm.kmax) n2 <<= 1;
+  const size_t smem = (size_t)n2 * sizeof(int);
+  if (cudaFuncSetAttribute(blk_sort_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           (int)smem) != cudaSuccess)
+    return DSV_ERR_CUDA;
+  dim3 g3((unsigned)prm.NG, (unsigned)prm.H, (unsigned)B);
+  blk_sort_kernel<T><<<g3, 256, smem, stream>>>(prm);
+  dim3 ge((unsigned)((prm.nkb + 3) / 4), (unsigned)prm.H, (unsigned)B);
+  blk_entries_kernel<T, false><<<ge, 128, 0, stream>>>(prm);
+  km_scan_kernel<T><<<(unsigned)BH, 1024, 0, stream>>>(prm);
+  blk_entries_kernel<T, true><<<ge, 128, 0, stream>>>(prm);
+  return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
+}
+
+template int bwd_blocks_index_launch<__half>(BwdParams<__half>&, int, cudaStream_t);
+template int bwd_blocks_index_launch<__nv_bfloat16>(BwdParams<__nv_bfloat16>&, int, cudaStream_t);
 
 template <typename T>
 int bwd_index_launch(BwdParams<T>& prm, int B, bool deterministic, cudaStream_t stream) {

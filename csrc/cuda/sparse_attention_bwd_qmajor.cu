@@ -11,9 +11,12 @@
 
 namespace dsv_attn {
 
-/* Query-major kernel: dQ for every head of its path; with ATOMIC also dK/dV by reductions. */
-template <typename T, int D, int BM, int BN, int NS, bool ATOMIC, bool BULK>
+/* Query-major kernel: dQ for every head of its path; with ATOMIC also dK/dV by reductions.
+ * BLK > 1: block lists (kv_block), dQ only (their dK / dV are key-major): the key tiles are
+ * read through list_key as in the forward. */
+template <typename T, int D, int BM, int BN, int NS, bool ATOMIC, bool BULK, int BLK = 1>
 __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p) {
+  static_assert(BLK == 1 || !ATOMIC, "block lists: dQ only");
   constexpr int NT = BM * 2, NW = BM / 16;
   constexpr int LD = D + 8;
   constexpr int LDP = BN + 8;
@@ -55,7 +58,7 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   const int count = trim_count<NT>(list, clamp_count(__ldg(p.kv_count + bh), p.kmax));
   const T* kbase = p.k + b * p.kb + h * p.kh;
   const T* vbase = p.v + b * p.vb + h * p.vh;
-  int klo = 0, khi = p.S, j0 = 0, j1 = count;
+  int klo = 0, khi = p.S, j0 = 0, j1 = count * BLK; /* keys of the list */
   if (R > 1) {
     const int rlen = (p.S + R - 1) / R;
     klo = rr * rlen;
@@ -89,7 +92,7 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   gather_rows_async<T, D, NT>(dOs, p.dout + b * p.gb + h * p.gh, p.gs, qidx, BM);
   const int ntiles = (j1 - j0 + BN - 1) / BN;
   /* NS-stage pipeline, as in the forward (group 0 also holds the Q and dO tiles) */
-  PaddedKeyGather<T, D, NT, BN> ix; /* list entries loaded one tile ahead, as in the forward */
+  PaddedKeyGather<T, D, NT, BN, BLK> ix; /* list entries loaded one tile ahead, as in the forward */
   ix.init(kbase, p.ks, vbase, p.vs);
 #pragma unroll
   for (int st = 0; st < NS - 1; ++st) {
@@ -325,14 +328,14 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   }
 }
 
-template <typename T, int D, int BM, int BN, int NS, bool ATOMIC, bool BULK>
+template <typename T, int D, int BM, int BN, int NS, bool ATOMIC, bool BULK, int BLK = 1>
 static int launch_qmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
   constexpr int LD = D + 8, LDP = BN + 8, LDF = D + 4;
   const size_t smem = (size_t)(2 * BM + 2 * NS * BN) * LD * sizeof(T) +
                       (ATOMIC ? (size_t)2 * BM * LDP * sizeof(T) : 0) +
                       (ATOMIC && BULK ? (size_t)2 * BN * LDF * sizeof(float) : 0) +
                       (size_t)2 * BM * sizeof(float) + (size_t)(NS * BN + BM) * sizeof(int);
-  auto kern = bwd_qmajor_kernel<T, D, BM, BN, NS, ATOMIC, BULK>;
+  auto kern = bwd_qmajor_kernel<T, D, BM, BN, NS, ATOMIC, BULK, BLK>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
     return DSV_ERR_CUDA;
@@ -386,6 +389,45 @@ int bwd_qmajor_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma, cu
     default: return DSV_ERR_UNSUPPORTED;
   }
 }
+
+/* dQ of block lists (kv_block 16 or 64; head_dim <= 128, as their key-major dK / dV pass): the
+ * dQ-only kernels of the token lists with their shipped tiles, wgmma where it applies (as in
+ * qmajor_passes), else mma.sync (32 keys x 2 stages, 32 or 64 queries). */
+template <typename T, int D, int BLK>
+static int blocks_dq_d(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
+                       cudaStream_t stream) {
+  if constexpr (D == 64 || D == 128)
+    if (wgmma && bwd_wg_applies<T, D>(prm))
+      return bwd_wg_launch_one<T, D, false, BwdParams<T>, false, BLK>(sh, prm, stream);
+  if (prm.G <= 32) return launch_qmajor<T, D, 32, 32, 2, false, false, BLK>(sh, prm, stream);
+  return launch_qmajor<T, D, 64, 32, 2, false, false, BLK>(sh, prm, stream);
+}
+
+template <typename T, int BLK>
+static int blocks_dq_blk(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
+                         cudaStream_t stream) {
+  switch (sh->head_dim) {
+    case 64: return blocks_dq_d<T, 64, BLK>(sh, prm, wgmma, stream);
+    case 96: return blocks_dq_d<T, 96, BLK>(sh, prm, wgmma, stream);
+    case 128: return blocks_dq_d<T, 128, BLK>(sh, prm, wgmma, stream);
+    default: return DSV_ERR_UNSUPPORTED;
+  }
+}
+
+template <typename T>
+int bwd_blocks_dq_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
+                         cudaStream_t stream) {
+  switch (sh->kv_block) {
+    case 16: return blocks_dq_blk<T, 16>(sh, prm, wgmma, stream);
+    case 64: return blocks_dq_blk<T, 64>(sh, prm, wgmma, stream);
+    default: return DSV_ERR_UNSUPPORTED;
+  }
+}
+
+template int bwd_blocks_dq_launch<__half>(const dsv_attn_shape*, BwdParams<__half>&, int,
+                                          cudaStream_t);
+template int bwd_blocks_dq_launch<__nv_bfloat16>(const dsv_attn_shape*, BwdParams<__nv_bfloat16>&,
+                                                 int, cudaStream_t);
 
 template int bwd_qmajor_launch<__half>(const dsv_attn_shape*, BwdParams<__half>&, int, cudaStream_t);
 template int bwd_qmajor_launch<__nv_bfloat16>(const dsv_attn_shape*, BwdParams<__nv_bfloat16>&, int,

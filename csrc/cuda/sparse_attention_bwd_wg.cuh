@@ -105,9 +105,12 @@ __device__ __forceinline__ void bwg_reduce_rows(float* acc, const float (&a)[D /
 }
 
 /* The kernel. ATOMIC: dQ and the dK / dV reductions of the query-major heads (path 0); else
- * dQ only, for the key-major heads (path 1). */
-template <typename T, typename Prm, int D, int NS, int MINB, bool ATOMIC, bool NORED = false>
+ * dQ only, for the key-major heads (path 1). BLK > 1: block lists (kv_block), dQ only, key
+ * tiles read through list_key. */
+template <typename T, typename Prm, int D, int NS, int MINB, bool ATOMIC, bool NORED = false,
+          int BLK = 1>
 __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
+  static_assert(BLK == 1 || !ATOMIC, "block lists: dQ only");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BM = 64, BN = 64, NT = 128;
   constexpr int QE = BM * D, KE = BN * D, PE = BM * BN;
@@ -142,7 +145,7 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
   const int count = trim_count<NT>(list, cnt < 0 ? 0 : (cnt > p.kmax ? p.kmax : cnt));
   const T* kbase = p.k + b * p.kb + h * p.kh;
   const T* vbase = p.v + b * p.vb + h * p.vh;
-  int klo = 0, khi = p.S, j0 = 0, j1 = count;
+  int klo = 0, khi = p.S, j0 = 0, j1 = count * BLK; /* keys of the list */
   if (R > 1) {
     const int rlen = (p.S + R - 1) / R;
     klo = rr * rlen;
@@ -175,7 +178,7 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
   gather_rows_async<T, D, NT, BM, true>(Qs, p.q + b * p.qb + h * p.qh, p.qs, qidx, BM);
   gather_rows_async<T, D, NT, BM, true>(dOs, p.dout + b * p.gb + h * p.gh, p.gs, qidx, BM);
   const int ntiles = (j1 - j0 + BN - 1) / BN;
-  KeyGather<T, D, NT, BN, true, int> ix;
+  KeyGather<T, D, NT, BN, true, int, false, BLK> ix;
   ix.init(kbase, p.ks, vbase, p.vs);
   const uint32_t ks0 = smem_u32(Ks), vs0 = smem_u32(Vs);
 #pragma unroll
@@ -342,13 +345,13 @@ static bool bwd_wg_applies(const Prm& prm) {
   return (D == 64 || D == 128) && prm.G >= 64 && prm.ks <= lim && prm.vs <= lim;
 }
 
-template <typename T, int D, bool ATOMIC, typename Prm, bool NORED = false>
+template <typename T, int D, bool ATOMIC, typename Prm, bool NORED = false, int BLK = 1>
 static int bwd_wg_launch_one(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
   constexpr int NS = 2, BM = 64, BN = 64;
   const size_t smem = 1024 + (size_t)(2 * BM + 2 * NS * BN) * D * sizeof(T) +
                       (ATOMIC ? (size_t)BM * BN * sizeof(T) : 0) + 2 * BM * sizeof(float) +
                       (size_t)(NS * BN + BM) * sizeof(int);
-  auto kern = bwd_wg_kernel<T, Prm, D, NS, 2, ATOMIC, NORED>;
+  auto kern = bwd_wg_kernel<T, Prm, D, NS, 2, ATOMIC, NORED, BLK>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
     return DSV_ERR_CUDA;

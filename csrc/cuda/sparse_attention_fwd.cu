@@ -5,7 +5,11 @@
  * group's key list). The group's keys are gathered BN at a time with cp.async into an NS-stage
  * shared-memory pipeline (each gathered row is D contiguous elements); S = Q K^T and O += P V
  * accumulate in fp32 with an online (base-2) softmax. List entries past kv_count and positions
- * outside [0, S) become masked zero rows, so nothing is read out of bounds. Two kernels:
+ * outside [0, S) become masked zero rows, so nothing is read out of bounds. Block lists
+ * (dsv_attn_shape.kv_block 16 or 64: entry e covers keys e b .. e b + b - 1) run the same
+ * kernels with the block size as a template argument: a tile's rows are whole blocks or parts
+ * of one, contiguous rows of K and V (list_key, attention_common.cuh), keys past S masked.
+ * Two kernels:
  *  - sparse_attn_fwd_wg_kernel (default on H100 / H200, D = 64 or 128, G >= 64): one warpgroup
  *    per 64 queries on wgmma, tiles 128-byte swizzled (wgmma.cuh);
  *  - sparse_attn_fwd_kernel (every other case): BM / 16 warps of 16 query rows each on
@@ -158,7 +162,7 @@ template <typename T, int D>
 __device__ __forceinline__ void store_out_lse(const FwdParams<T>& p, const float (&o)[D / 8][4],
                                               float m0, float m1, float l0, float l1, int b, int h,
                                               int row0, int nrows, int warp, int lane,
-                                              const int* list, int count) {
+                                              const int* list, int count, int ebound) {
   l0 = quad_sum(l0);
   l1 = quad_sum(l1);
   const int lr0 = warp * 16 + (lane >> 2), lr1 = lr0 + 8;
@@ -166,12 +170,14 @@ __device__ __forceinline__ void store_out_lse(const FwdParams<T>& p, const float
    * exp2(inf - inf) do not): out and lse are NaN then, as with softmax, and the backward turns
    * a NaN lse into NaN gradients. l == 0: either no valid key (an empty list: 0, lse -inf) or
    * every score -inf (the softmax is 0 / 0: NaN, as SDPA gives); a look at the list tells
-   * them apart, only in the rare CTA that has such a row (every thread reaches this point). */
+   * them apart, only in the rare CTA that has such a row (every thread reaches this point);
+   * an entry is valid below ebound (S for token lists, the number of key blocks for block
+   * lists). */
   float zero_out = 0.f, zero_lse = -INFINITY;
   if (__syncthreads_or((l0 == 0.f && lr0 < nrows) || (l1 == 0.f && lr1 < nrows))) {
     bool any = false;
     for (int j = threadIdx.x; j < count && !any; j += blockDim.x)
-      any = (unsigned)__ldg(list + j) < (unsigned)p.S;
+      any = (unsigned)__ldg(list + j) < (unsigned)ebound;
     if (__syncthreads_or(any)) zero_out = zero_lse = __int_as_float(0x7fc00000);
   }
   const float inv0 = l0 == 0.f ? zero_out : 1.f / l0;
@@ -196,7 +202,7 @@ __device__ __forceinline__ void store_out_lse(const FwdParams<T>& p, const float
   }
 }
 
-template <typename T, int D, int BM, int BN, int NS>
+template <typename T, int D, int BM, int BN, int NS, int BLK = 1>
 __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams<T> p) {
   constexpr int NT = BM * 2;
   constexpr int LD = D + 8;
@@ -212,22 +218,23 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
   fwd_chunk_list<T, NT>(p, c);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   fwd_load_q<T, D, NT, BM, false>(Qs, qidx, p, c);
-  const int ntiles = (c.count + BN - 1) / BN;
+  const int nkeys = c.count * BLK; /* the list's keys (block lists: BLK per entry) */
+  const int ntiles = (nkeys + BN - 1) / BN;
   /* NS-stage cp.async pipeline: NS - 1 key tiles in flight while one is computed; group s of
    * the prologue holds tile s (group 0 also the Q tile); one group is committed per tile. The
    * list entries of the next tile to gather are loaded one tile ahead (KeyTileIdx). */
-  KeyTileIdx<D, NT, BN> ix;
+  KeyTileIdx<D, NT, BN, BLK> ix;
 #pragma unroll
   for (int st = 0; st < NS - 1; ++st) {
     if (st < ntiles) {
-      ix.load(c.list, st * BN, c.count);
+      ix.load(c.list, st * BN, nkeys);
       gather_keys_pre<T, D, NT, BN>(Ks + st * BN * LD, Vs + st * BN * LD, c.kbase, p.ks, c.vbase,
                                     p.vs,
                                     ix, 0, p.S, kidx + st * BN);
     }
     cp_async_commit();
   }
-  ix.load(c.list, (NS - 1) * BN, c.count);
+  ix.load(c.list, (NS - 1) * BN, nkeys);
 
   float o[D / 8][4];
 #pragma unroll
@@ -244,7 +251,7 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
         const int nb = tn % NS;
         gather_keys_pre<T, D, NT, BN>(Ks + nb * BN * LD, Vs + nb * BN * LD, c.kbase, p.ks, c.vbase,
                                       p.vs, ix, 0, p.S, kidx + nb * BN);
-        ix.load(c.list, (tn + 1) * BN, c.count);
+        ix.load(c.list, (tn + 1) * BN, nkeys);
       }
       cp_async_commit();
     }
@@ -287,7 +294,8 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
   }
   cp_async_wait<0>();
 
-  store_out_lse<T, D>(p, o, m0, m1, l0, l1, c.b, c.h, c.row0, c.nrows, warp, lane, c.list, c.count);
+  store_out_lse<T, D>(p, o, m0, m1, l0, l1, c.b, c.h, c.row0, c.nrows, warp, lane, c.list, c.count,
+                      BLK == 1 ? p.S : (p.S + BLK - 1) / BLK);
 }
 
 /* S = Q K^T for one key tile on wgmma: D / 16 steps of k16 over swizzled Q (64 rows) and K (BN
@@ -326,7 +334,7 @@ __device__ __forceinline__ void wg_pv(float (&o)[D / 8][4], const float (&s)[BN 
  * gather-wait, S, softmax, P V, one after the other; the other CTAs on the SM (4 with 32-key
  * tiles) fill the gaps. (Computing the scores of tile t + 1 during the softmax of tile t, with
  * two score register sets and more stages, measured slower: fewer CTAs fit; PERF_LOG v6.) */
-template <typename T, int D, int BN, int NS, int MINB>
+template <typename T, int D, int BN, int NS, int MINB, int BLK = 1>
 __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const FwdParams<T> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BM = 64, NT = 128;
@@ -345,21 +353,22 @@ __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const Fwd
   fwd_chunk_list<T, NT>(p, c);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   fwd_load_q<T, D, NT, BM, true>(Qs, qidx, p, c);
-  const int ntiles = (c.count + BN - 1) / BN;
+  const int nkeys = c.count * BLK; /* the list's keys (block lists: BLK per entry) */
+  const int ntiles = (nkeys + BN - 1) / BN;
   /* NS-stage cp.async pipeline as in the kernel above: group s of the prologue holds tile s
    * (group 0 also the Q tile), one group is committed per tile, list entries one tile ahead */
-  KeyGather<T, D, NT, BN, true> ix;
+  KeyGather<T, D, NT, BN, true, float, false, BLK> ix;
   ix.init(c.kbase, p.ks, c.vbase, p.vs);
   const uint32_t ks0 = smem_u32(Ks), vs0 = smem_u32(Vs); /* stage 0's K and V tiles */
 #pragma unroll
   for (int st = 0; st < NS - 1; ++st) {
     if (st < ntiles) {
-      ix.load(c.list, st * BN, c.count);
+      ix.load(c.list, st * BN, nkeys);
       ix.issue(ks0 + st * KE * 2, vs0 + st * KE * 2, 0, p.S, kbias + st * BN);
     }
     cp_async_commit();
   }
-  ix.load(c.list, (NS - 1) * BN, c.count);
+  ix.load(c.list, (NS - 1) * BN, nkeys);
 
   float o[D / 8][4];
   float s[BN / 8][4];
@@ -383,7 +392,7 @@ __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const Fwd
       if (tn < ntiles) {
         const int nb = tn % NS;
         ix.issue(ks0 + nb * KE * 2, vs0 + nb * KE * 2, 0, p.S, kbias + nb * BN);
-        ix.load(c.list, (tn + 1) * BN, c.count);
+        ix.load(c.list, (tn + 1) * BN, nkeys);
       }
       cp_async_commit();
     }
@@ -401,16 +410,17 @@ __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const Fwd
     wg_fence_regs<D / 2>(&o[0][0]);
   }
   cp_async_wait<0>();
-  store_out_lse<T, D>(p, o, m0, m1, l0, l1, c.b, c.h, c.row0, c.nrows, warp, lane, c.list, c.count);
+  store_out_lse<T, D>(p, o, m0, m1, l0, l1, c.b, c.h, c.row0, c.nrows, warp, lane, c.list, c.count,
+                      BLK == 1 ? p.S : (p.S + BLK - 1) / BLK);
 #endif
 }
 
-template <typename T, int D, int BM, int BN, int NS>
+template <typename T, int D, int BM, int BN, int NS, int BLK = 1>
 static int launch_fwd(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStream_t stream) {
   constexpr int LD = D + 8;
   const size_t smem =
       (size_t)(BM + 2 * NS * BN) * LD * sizeof(T) + (NS * BN + BM) * sizeof(int);
-  auto kern = sparse_attn_fwd_kernel<T, D, BM, BN, NS>;
+  auto kern = sparse_attn_fwd_kernel<T, D, BM, BN, NS, BLK>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
     return DSV_ERR_CUDA;
@@ -419,12 +429,12 @@ static int launch_fwd(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStr
   return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
 }
 
-template <typename T, int D, int BN, int NS, int MINB = 1>
+template <typename T, int D, int BN, int NS, int MINB = 1, int BLK = 1>
 static int launch_fwd_wg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStream_t stream) {
   const size_t smem =
       1024 + (size_t)(64 + 2 * NS * BN) * D * sizeof(T) + NS * BN * sizeof(float) +
       64 * sizeof(int);
-  auto kern = sparse_attn_fwd_wg_kernel<T, D, BN, NS, MINB>;
+  auto kern = sparse_attn_fwd_wg_kernel<T, D, BN, NS, MINB, BLK>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
     return DSV_ERR_CUDA;
@@ -436,8 +446,10 @@ static int launch_fwd_wg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cuda
 /* The shipped key tiles: wgmma with 32 keys x 2 stages and 4 CTAs per SM (registers capped at
  * 128) where it applies (the tuning's wgmma: an sm_90a build on a 9.0 device; D 64 or 128,
  * G >= 64, K / V row strides below 4 GB), else mma.sync with 32 keys x 2 stages, BM = 32, 64 or
- * 128 queries per CTA by the group size. The other tiles are in csrc/dev/attn_fwd_tiles.cu. */
-template <typename T, int D>
+ * 128 queries per CTA by the group size. The other tiles are in csrc/dev/attn_fwd_tiles.cu.
+ * Block lists (BLK = kv_block 16 or 64) run the same kernels and tiles: a 32-key tile is two
+ * 16-key blocks or half of a 64-key block, copied as contiguous rows (list_key). */
+template <typename T, int D, int BLK = 1>
 static int fwd_dispatch_bm(const dsv_attn_shape* sh, FwdParams<T>& prm, int wgmma,
                            cudaStream_t stream) {
   const int G = prm.G;
@@ -445,31 +457,43 @@ static int fwd_dispatch_bm(const dsv_attn_shape* sh, FwdParams<T>& prm, int wgmm
     const int64_t lim = (int64_t)UINT32_MAX / (int64_t)sizeof(T); /* KeyGather's 32-bit strides */
     if (wgmma && G >= 64 && prm.ks <= lim && prm.vs <= lim) {
       prm.chunks = (G + 63) / 64;
-      return launch_fwd_wg<T, D, 32, 2, 4>(sh, prm, stream);
+      return launch_fwd_wg<T, D, 32, 2, 4, BLK>(sh, prm, stream);
     }
   }
   if (G <= 32) {
     prm.chunks = 1;
-    return launch_fwd<T, D, 32, 32, 2>(sh, prm, stream);
+    return launch_fwd<T, D, 32, 32, 2, BLK>(sh, prm, stream);
   }
   if constexpr (D <= 128) {
     if (G % 128 == 0) {
       prm.chunks = G / 128;
-      return launch_fwd<T, D, 128, 32, 2>(sh, prm, stream);
+      return launch_fwd<T, D, 128, 32, 2, BLK>(sh, prm, stream);
     }
   }
   prm.chunks = (G + 63) / 64;
-  return launch_fwd<T, D, 64, 32, 2>(sh, prm, stream);
+  return launch_fwd<T, D, 64, 32, 2, BLK>(sh, prm, stream);
 }
 
+template <typename T, int BLK>
+static int fwd_dispatch_d(const dsv_attn_shape* sh, FwdParams<T>& prm, int wgmma,
+                          cudaStream_t stream) {
+  switch (sh->head_dim) {
+    case 64: return fwd_dispatch_bm<T, 64, BLK>(sh, prm, wgmma, stream);
+    case 96: return fwd_dispatch_bm<T, 96, BLK>(sh, prm, wgmma, stream);
+    case 128: return fwd_dispatch_bm<T, 128, BLK>(sh, prm, wgmma, stream);
+    case 256: return fwd_dispatch_bm<T, 256, BLK>(sh, prm, wgmma, stream);
+    default: return DSV_ERR_UNSUPPORTED;
+  }
+}
+
+/* kv_block 1: token lists; 16 and 64: block lists (check_attn_args refused the others) */
 template <typename T>
 static int fwd_dispatch(const dsv_attn_shape* sh, FwdParams<T>& prm, int wgmma,
                         cudaStream_t stream) {
-  switch (sh->head_dim) {
-    case 64: return fwd_dispatch_bm<T, 64>(sh, prm, wgmma, stream);
-    case 96: return fwd_dispatch_bm<T, 96>(sh, prm, wgmma, stream);
-    case 128: return fwd_dispatch_bm<T, 128>(sh, prm, wgmma, stream);
-    case 256: return fwd_dispatch_bm<T, 256>(sh, prm, wgmma, stream);
+  switch (sh->kv_block) {
+    case 1: return fwd_dispatch_d<T, 1>(sh, prm, wgmma, stream);
+    case 16: return fwd_dispatch_d<T, 16>(sh, prm, wgmma, stream);
+    case 64: return fwd_dispatch_d<T, 64>(sh, prm, wgmma, stream);
     default: return DSV_ERR_UNSUPPORTED;
   }
 }
@@ -528,6 +552,11 @@ int check_attn_args(const dsv_attn_shape* p) {
       p->num_groups * ((p->group_size + 31) / 32) > (int64_t)INT32_MAX)
     return DSV_ERR_UNSUPPORTED;
   if (p->group_size > (int64_t)INT32_MAX / 2) return DSV_ERR_UNSUPPORTED;
+  /* keys per list entry: 1 (token lists) or the block sizes compiled here; a list's keys
+   * (kmax x kv_block) are counted in int */
+  if (p->kv_block < 1) return DSV_ERR_INVALID;
+  if (p->kv_block != 1 && p->kv_block != 16 && p->kv_block != 64) return DSV_ERR_UNSUPPORTED;
+  if (p->kmax * p->kv_block > (int64_t)INT32_MAX / 2) return DSV_ERR_UNSUPPORTED;
   return DSV_OK;
 }
 

@@ -1,0 +1,381 @@
+"""GPU tests of the CUDA sparse attention kernels on block lists (dsv_attn_shape.kv_block 16, 64).
+
+Skipped without a GPU. The kernels are reached through the C API with ctypes: the library that
+DSV_ATTN_LIB names (benchmarks/device_run.sh builds one from csrc/cuda/), else the built
+extension dsv_ext/_C.abi3.so, which exports the same functions.
+
+With kv_block b, entry e of a list covers keys e b .. min(e b + b, S) - 1; entries outside
+[0, ceil(S / b)) are skipped (the -1 padding among them), a block listed twice counts twice,
+kv_count counts entries (blocks). Reference: the lists expanded to token lists (one entry per
+key, -1 where a block is skipped or passes S), then the float64 dense masked softmax of
+tests/test_sparse_attention_cuda.py (dsv_ext/reference.py) and its gradient targets.
+
+Tolerances are those of tests/test_sparse_attention_cuda.py (TOL, GTOL, with the elementwise
+rounding slack of grad_targets): the block kernels run the same arithmetic (P and dS rounded to
+the input dtype before the tensor-core products, fp32 accumulation, outputs rounded once), only
+the key tiles are loaded differently; lse within 1e-3. The backward of block lists is
+deterministic whatever the flags: repeated runs must be bit-identical.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+
+import pytest
+import torch
+
+import test_sparse_attention_cuda as T
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+ref = T.ref
+gen = T.gen  # the seeded generator fixture (DSV_TEST_SEED reproduces a run)
+
+DSV_ERR_INVALID = -1
+DSV_ERR_UNSUPPORTED = -2
+_lib = None
+
+
+def _get_lib():
+    """The C API by ctypes: DSV_ATTN_LIB, else the built extension; None without either."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    lib = T._get_lib()
+    if lib is None:
+        path = os.path.join(ROOT, "dsv_ext", "_C.abi3.so")
+        if not os.path.exists(path):
+            return None
+        try:
+            lib = ctypes.CDLL(path)
+            lib.dsv_sparse_attention_fwd_cuda  # noqa: B018 (a CPU-only build lacks it)
+        except (OSError, AttributeError):
+            return None
+        for name in ("dsv_sparse_attention_fwd_workspace_cuda",
+                     "dsv_sparse_attention_bwd_workspace_cuda"):
+            getattr(lib, name).restype = ctypes.c_size_t
+            getattr(lib, name).argtypes = [ctypes.POINTER(T._AttnShape)]
+        lib.dsv_sparse_attention_fwd_cuda.restype = ctypes.c_int
+        lib.dsv_sparse_attention_fwd_cuda.argtypes = [
+            ctypes.POINTER(T._AttnShape), T._Bshd, T._Bshd, T._Bshd, ctypes.c_void_p,
+            ctypes.c_void_p, T._Bshd, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+            ctypes.c_void_p]
+        lib.dsv_sparse_attention_bwd_cuda.restype = ctypes.c_int
+        lib.dsv_sparse_attention_bwd_cuda.argtypes = [
+            ctypes.POINTER(T._AttnShape), T._Bshd, T._Bshd, T._Bshd, T._Bshd, T._Bshd,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, T._Bshd, T._Bshd, T._Bshd,
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    _lib = lib
+    return _lib
+
+
+def need_lib():
+    if _get_lib() is None:
+        pytest.skip("no CUDA kernels: build the extension with CUDA or set DSV_ATTN_LIB")
+
+
+class KernelError(RuntimeError):
+    def __init__(self, fn, status):
+        super().__init__(f"{fn} returned {status}")
+        self.status = status
+
+
+def _shape(q, kv_index, G, scale, blk, flags=0):
+    B, S, H, D = q.shape
+    return T._AttnShape(B, S, H, D, G, kv_index.shape[2], kv_index.shape[3], scale, T._DT[q.dtype],
+                        flags, blk)
+
+
+def blk_fwd(q, k, v, kv_index, kv_count, G, scale, blk):
+    """(out, lse) of the CUDA forward on block lists; outputs poisoned with NaN before the call."""
+    lib = _get_lib()
+    B, S, H, D = q.shape
+    out = torch.full((B, S, H, D), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((B, H, S), float("nan"), dtype=torch.float32, device=q.device)
+    sh = _shape(q, kv_index, G, scale, blk)
+    ws = lib.dsv_sparse_attention_fwd_workspace_cuda(ctypes.byref(sh))
+    work = torch.full((max(ws, 16) // 4,), float("nan"), dtype=torch.float32, device=q.device)
+    st = lib.dsv_sparse_attention_fwd_cuda(
+        ctypes.byref(sh), T._bshd(q), T._bshd(k), T._bshd(v), kv_index.data_ptr(),
+        kv_count.data_ptr(), T._bshd(out), lse.data_ptr(), work.data_ptr(), ws,
+        torch.cuda.current_stream().cuda_stream)
+    if st != 0:
+        raise KernelError("dsv_sparse_attention_fwd_cuda", st)
+    return out, lse
+
+
+def blk_bwd(dout, q, k, v, out, lse, kv_index, kv_count, G, scale, blk, flags=0):
+    """(dq, dk, dv) of the CUDA backward on block lists; outputs and workspace poisoned."""
+    lib = _get_lib()
+    B, S, H, D = q.shape
+    dq, dk, dv = (torch.full((B, S, H, D), float("nan"), dtype=q.dtype, device=q.device)
+                  for _ in range(3))
+    sh = _shape(q, kv_index, G, scale, blk, flags)
+    ws = lib.dsv_sparse_attention_bwd_workspace_cuda(ctypes.byref(sh))
+    work = torch.full((max(ws, 16) // 4,), float("nan"), dtype=torch.float32, device=q.device)
+    st = lib.dsv_sparse_attention_bwd_cuda(
+        ctypes.byref(sh), T._bshd(q), T._bshd(k), T._bshd(v), T._bshd(out), T._bshd(dout),
+        lse.data_ptr(), kv_index.data_ptr(), kv_count.data_ptr(), T._bshd(dq), T._bshd(dk),
+        T._bshd(dv), work.data_ptr(), ws, torch.cuda.current_stream().cuda_stream)
+    if st != 0:
+        raise KernelError("dsv_sparse_attention_bwd_cuda", st)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# lists
+
+
+def expand_blocks(kv_index, kv_count, S, blk):
+    """Token lists equivalent to block lists: entry j of a block list becomes entries
+    j blk .. j blk + blk - 1, key e blk + o of block e, or -1 where e is outside
+    [0, ceil(S / blk)) or the key passes S; counts times blk (after clamping to [0, kmax])."""
+    B, H, NG, KM = kv_index.shape
+    nblk = -(-S // blk)
+    e = kv_index.to(torch.int64).cpu()
+    keys = e[..., None] * blk + torch.arange(blk).view(1, 1, 1, 1, blk)
+    ok = (e[..., None] >= 0) & (e[..., None] < nblk) & (keys < S)
+    tok = torch.where(ok, keys, torch.full_like(keys, -1)).reshape(B, H, NG, KM * blk)
+    cnt = kv_count.to(torch.int64).cpu().clamp(0, KM) * blk
+    return tok.to(torch.int32), cnt.to(torch.int32)
+
+
+def random_blocks(B, H, NG, kmax, nblk, counts, gen, pad=0.15, dup=True, bad=False):
+    """Block lists [B, H, NG, kmax] and counts [B, H]: random blocks (duplicates when dup, else
+    distinct and shuffled), a share `pad` of the entries -1; with bad, some entries out of range
+    (ceil(S / blk) and beyond, below -1)."""
+    idx = torch.empty(B, H, NG, kmax, dtype=torch.int64)
+    for b in range(B):
+        for h in range(H):
+            for g in range(NG):
+                if dup:
+                    idx[b, h, g] = torch.randint(0, nblk, (kmax,), generator=gen)
+                else:
+                    perm = torch.randperm(max(nblk, kmax), generator=gen)[:kmax]
+                    idx[b, h, g] = torch.where(perm < nblk, perm, torch.full_like(perm, -1))
+    idx = torch.where(torch.rand(idx.shape, generator=gen) < pad, torch.full_like(idx, -1), idx)
+    if bad:
+        r = torch.rand(idx.shape, generator=gen)
+        idx = torch.where(r < 0.05, nblk + torch.randint(0, 3, idx.shape, generator=gen), idx)
+        idx = torch.where((r >= 0.05) & (r < 0.08), torch.full_like(idx, -7), idx)
+    cnt = torch.tensor(counts, dtype=torch.int32).view(B, H)
+    return idx.to(torch.int32), cnt
+
+
+# --------------------------------------------------------------------------------------------
+# checks
+
+
+def run_and_check(q, k, v, kv_index, kv_count, G, scale, blk, gen, grads=True):
+    """Forward (and backward) on block lists against the float64 reference of the expanded lists;
+    returns the kernel's (out, lse, grads)."""
+    dtype = q.dtype
+    S = q.shape[1]
+    idx_d, cnt_d = kv_index.cuda(), kv_count.cuda()
+    out, lse = blk_fwd(q, k, v, idx_d, cnt_d, G, scale, blk)
+    torch.cuda.synchronize()
+    tok, tcnt = expand_blocks(kv_index, kv_count, S, blk)
+    qr, kr, vr = (t.detach().double().cpu().requires_grad_(grads) for t in (q, k, v))
+    out_ref, lse_ref = ref.sparse_attention_lse_ref(qr, kr, vr, tok, tcnt, G, scale)
+    T.check_close("out", out, out_ref.detach(), T.TOL[dtype])
+    T.check_lse(lse, lse_ref.detach())
+    if not grads:
+        return out, lse, None
+    dout = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(dtype)
+    out_ref.backward(dout.double())
+    dq, dk, dv = blk_bwd(dout.cuda(), q, k, v, out, lse, idx_d, cnt_d, G, scale, blk)
+    torch.cuda.synchronize()
+    (tq, sq), (tk, sk), (tv, sv) = T.grad_targets(q, k, v, dout, out, out_ref, lse_ref,
+                                                  (qr.grad, kr.grad, vr.grad), tok, tcnt, G,
+                                                  scale, dtype)
+    T.check_close("dq", dq, tq, T.GTOL[dtype], sq)
+    T.check_close("dk", dk, tk, T.GTOL[dtype], sk)
+    T.check_close("dv", dv, tv, T.GTOL[dtype], sv)
+    return out, lse, (dq, dk, dv)
+
+
+# --------------------------------------------------------------------------------------------
+# tests
+
+
+@pytest.mark.parametrize("blk", [16, 64])
+@pytest.mark.parametrize("G", [32, 64, 128])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference(dtype, D, G, blk, gen):
+    """S = 300: a partial last group for every G and a partial last block (300 = 18 x 16 + 12 =
+    4 x 64 + 44); random lists with duplicates and -1 padding; head counts kmax (not a multiple
+    of the key tile) and 1."""
+    need_lib()
+    B, H, S = 1, 2, 300
+    nblk = -(-S // blk)
+    NG = -(-S // G)
+    kmax = 7 if blk == 64 else 13
+    q, k, v = T.make_inputs(B, S, H, D, dtype, gen)
+    idx, cnt = random_blocks(B, H, NG, kmax, nblk, [[kmax, 1]], gen)
+    run_and_check(q, k, v, idx, cnt, G, 1 / math.sqrt(D), blk, gen)
+
+
+@pytest.mark.parametrize("blk", [16, 64])
+@pytest.mark.parametrize("D", [96, 256])
+def test_other_head_dims(D, blk, gen):
+    """D = 96 (forward and backward) and 256 (forward; the backward of block lists needs
+    D <= 128 and says DSV_ERR_UNSUPPORTED)."""
+    need_lib()
+    B, H, S, G = 1, 2, 200, 64
+    nblk = -(-S // blk)
+    kmax = 5 if blk == 64 else 9
+    q, k, v = T.make_inputs(B, S, H, D, torch.bfloat16, gen)
+    idx, cnt = random_blocks(B, H, -(-S // G), kmax, nblk, [[kmax, 3]], gen)
+    run_and_check(q, k, v, idx, cnt, G, 1 / math.sqrt(D), blk, gen, grads=(D <= 128))
+    if D > 128:
+        out, lse = blk_fwd(q, k, v, idx.cuda(), cnt.cuda(), G, 0.1, blk)
+        with pytest.raises(KernelError) as e:
+            blk_bwd(torch.zeros_like(q), q, k, v, out, lse, idx.cuda(), cnt.cuda(), G, 0.1, blk)
+        assert e.value.status == DSV_ERR_UNSUPPORTED
+
+
+@pytest.mark.parametrize("blk", [16, 64])
+def test_counts_and_padding(blk, gen):
+    """Head counts 0, 1, 3 (not a multiple of the tile), kmax, and above kmax (clamped), with a
+    group whose list is all -1 and one listing the last (partial) block only."""
+    need_lib()
+    B, H, S, D, G = 1, 5, 250, 64, 64
+    nblk = -(-S // blk)
+    NG = -(-S // G)
+    kmax = 6
+    q, k, v = T.make_inputs(B, S, H, D, torch.float16, gen)
+    idx, cnt = random_blocks(B, H, NG, kmax, nblk, [[0, 1, 3, kmax, kmax + 4]], gen)
+    idx[0, :, 1] = -1
+    idx[0, :, 2, 0] = nblk - 1
+    run_and_check(q, k, v, idx, cnt, G, 1 / math.sqrt(D), blk, gen)
+
+
+@pytest.mark.parametrize("blk", [16, 64])
+def test_duplicates_and_bad_entries(blk, gen):
+    """Blocks listed up to kmax times (a list of one block repeated, lists with many repeats),
+    entries out of range (ceil(S / blk) and beyond, below -1) skipped."""
+    need_lib()
+    B, H, S, D, G = 2, 2, 333, 128, 64
+    nblk = -(-S // blk)
+    NG = -(-S // G)
+    kmax = 8
+    q, k, v = T.make_inputs(B, S, H, D, torch.bfloat16, gen)
+    idx, cnt = random_blocks(B, H, NG, kmax, nblk, [[kmax, 5], [2, kmax]], gen, bad=True)
+    idx[0, 0, 0] = nblk - 1                      # the partial last block, kmax times
+    idx[1, 1, 1, :4] = 0                         # block 0 four times
+    idx[1, 1, 2] = torch.tensor([3, 3, 1, 3, -1, 1, 2, 3], dtype=torch.int32) % nblk
+    run_and_check(q, k, v, idx, cnt, G, 1 / math.sqrt(D), blk, gen)
+
+
+@pytest.mark.parametrize("blk", [16, 64])
+def test_strided_inputs_and_negative_scale(blk, gen):
+    """q, k, v as strided views of one packed buffer, a negative scale."""
+    need_lib()
+    B, H, S, D, G = 1, 2, 190, 64, 32
+    nblk = -(-S // blk)
+    kmax = 4 if blk == 64 else 7
+    q, k, v = T.make_inputs(B, S, H, D, torch.bfloat16, gen, layout="packed")
+    idx, cnt = random_blocks(B, H, -(-S // G), kmax, nblk, [[kmax, kmax - 1]], gen)
+    run_and_check(q, k, v, idx, cnt, G, -0.3, blk, gen)
+
+
+@pytest.mark.parametrize("blk", [16, 64])
+def test_coherent_lists_many_groups(blk, gen):
+    """Many groups selecting overlapping runs of blocks (long key-major entry lists, the index
+    fill's warp prefix sums over several rounds of 32 groups) at S = 1100."""
+    need_lib()
+    B, H, S, D, G = 1, 2, 1100, 64, 32
+    nblk = -(-S // blk)
+    NG = -(-S // G)
+    kmax = 6
+    idx = torch.empty(B, H, NG, kmax, dtype=torch.int32)
+    for h in range(H):
+        for g in range(NG):
+            start = (g * G // blk + h) % nblk
+            idx[0, h, g] = torch.tensor([(start + j) % nblk for j in range(kmax)])
+    cnt = torch.tensor([[kmax, kmax - 2]], dtype=torch.int32)
+    q, k, v = T.make_inputs(B, S, H, D, torch.float16, gen)
+    run_and_check(q, k, v, idx, cnt, G, 1 / math.sqrt(D), blk, gen)
+
+
+@pytest.mark.parametrize("blk", [16, 64])
+def test_backward_bitwise_repeatable(blk, gen):
+    """Ten backward runs give bit-identical dq, dk, dv, with and without
+    DSV_FLAG_DETERMINISTIC (block lists have no other path), and the first matches the
+    reference. G = 64, D = 128 (the wgmma forward on H100 / H200), unsorted lists with
+    duplicates and padding."""
+    need_lib()
+    B, H, S, D, G = 1, 2, 700, 128, 64
+    nblk = -(-S // blk)
+    kmax = 6 if blk == 64 else 20
+    q, k, v = T.make_inputs(B, S, H, D, torch.bfloat16, gen)
+    idx, cnt = random_blocks(B, H, -(-S // G), kmax, nblk, [[kmax, kmax - 3]], gen)
+    out, lse, first = run_and_check(q, k, v, idx, cnt, G, 1 / math.sqrt(D), blk, gen)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype).cuda()
+    idx_d, cnt_d = idx.cuda(), cnt.cuda()
+    runs = [blk_bwd(dout, q, k, v, out, lse, idx_d, cnt_d, G, 1 / math.sqrt(D), blk,
+                    flags=i % 2) for i in range(10)]
+    for i, r in enumerate(runs[1:], 1):
+        for a, b, name in zip(runs[0], r, ("dq", "dk", "dv")):
+            assert torch.equal(a, b), f"{name}: run {i} differs from run 0"
+
+
+@pytest.mark.parametrize("blk", [16, 64])
+def test_forward_nan_reaches_output(blk, gen):
+    """A NaN in q makes its row's output and lse NaN, and its gradients NaN (dq of the row, dk / dv
+    of the keys of its list); other groups stay finite."""
+    need_lib()
+    B, H, S, D, G = 1, 1, 128, 64, 64
+    nblk = -(-S // blk)
+    q, k, v = T.make_inputs(B, S, H, D, torch.bfloat16, gen)
+    q[0, 5, 0, 3] = float("nan")
+    idx = torch.tensor([[[[0, 1], [1, nblk - 1]]]], dtype=torch.int32)
+    cnt = torch.tensor([[2]], dtype=torch.int32)
+    out, lse = blk_fwd(q, k, v, idx.cuda(), cnt.cuda(), G, 0.125, blk)
+    assert torch.isnan(out[0, 5]).all() and torch.isnan(lse[0, 0, 5])
+    assert torch.isfinite(out[0, 64:]).all() and torch.isfinite(lse[0, 0, 64:]).all()
+    dq, dk, dv = blk_bwd(torch.ones_like(q), q, k, v, out, lse, idx.cuda(), cnt.cuda(), G, 0.125,
+                         blk)
+    assert torch.isnan(dq[0, 5]).any()
+    assert torch.isnan(dk[0, :blk]).any(dim=-1).all() and torch.isnan(dv[0, :blk]).any(dim=-1).all()
+
+
+def test_block_size_checks():
+    """kv_block 8, 32, 128 (not compiled): DSV_ERR_UNSUPPORTED; 0 and -4: DSV_ERR_INVALID; in the
+    forward and the backward (whose workspace size is 0 then)."""
+    need_lib()
+    S, D, G = 64, 64, 64
+    q = torch.zeros(1, S, 1, D, dtype=torch.bfloat16, device="cuda")
+    idx = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device="cuda")
+    cnt = torch.ones(1, 1, dtype=torch.int32, device="cuda")
+    for blk, want in ((8, DSV_ERR_UNSUPPORTED), (32, DSV_ERR_UNSUPPORTED),
+                      (128, DSV_ERR_UNSUPPORTED), (0, DSV_ERR_INVALID), (-4, DSV_ERR_INVALID)):
+        with pytest.raises(KernelError) as e:
+            blk_fwd(q, q, q, idx, cnt, G, 0.1, blk)
+        assert e.value.status == want, (blk, e.value.status)
+        sh = _shape(q, idx, G, 0.1, blk)
+        assert _get_lib().dsv_sparse_attention_bwd_workspace_cuda(ctypes.byref(sh)) == 0
+        lse = torch.zeros(1, 1, S, device="cuda")
+        with pytest.raises(KernelError) as e:
+            blk_bwd(q, q, q, q, q, lse, idx, cnt, G, 0.1, blk)
+        assert e.value.status == want, (blk, e.value.status)
+
+
+def test_mma_sync_kernels():
+    """The tests above in a child process with DSV_KERNEL_TUNING=wgmma=0: the mma.sync forward
+    and dQ kernels where wgmma would run (G >= 64, D 64 / 128 on an H100 / H200)."""
+    need_lib()
+    if os.environ.get("DSV_KERNEL_TUNING"):
+        pytest.skip("inside a tuning run")
+    import subprocess
+    import sys
+    env = dict(os.environ, DSV_KERNEL_TUNING="wgmma=0")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__), "-k", "not mma_sync"],
+                       env=env, capture_output=True, text=True, timeout=3000, cwd=ROOT)
+    assert r.returncode == 0, f"wgmma=0:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+    assert " passed" in r.stdout, r.stdout[-2000:]
