@@ -145,9 +145,11 @@ void check_lists(const Tensor& q, const Tensor& kv_index, const Tensor& kv_count
   check_plain_tensor(kv_count, "kv_count", q, ScalarType::Int, {B, H});
 }
 
-// Whether the CUDA kernels of this build read block lists (dsv_attn_shape.kv_block > 1). Until
-// they do, block lists on CUDA tensors are refused; dsv_ext.sparse_attention expands them to
-// token lists first (dsv_ext/ops.py, _native_kv_block, is the Python side of this switch).
+// Whether the ops hand block lists (dsv_attn_shape.kv_block > 1) to the CUDA kernels. The CUDA
+// block-list kernels (kv_block 16 / 64, head_dim <= 128 for the backward; dsv.h) are reached
+// through the C API only until their GPU tests pass; while this is false, block lists on CUDA
+// tensors are refused here and dsv_ext.sparse_attention expands them to token lists first
+// (dsv_ext/ops.py, _native_kv_block, is the Python side of this switch).
 constexpr bool kCudaKvBlocks = false;
 
 // kv_block: keys per list entry (1: token lists; b > 1: entry e is the block of keys e*b ..

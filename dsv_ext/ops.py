@@ -340,9 +340,10 @@ def _check_kv_block(kv_block, seqlen: int) -> int:
 
 def _native_kv_block(device: torch.device) -> bool:
     """Whether the sparse-attention kernels of ``device`` read block lists themselves. The CPU
-    reference does; the CUDA kernels of this build take token lists only, so
-    :func:`sparse_attention` expands block lists there first (:func:`expand_block_lists`). This
-    one condition switches CUDA to native block kernels once they exist."""
+    reference does; on CUDA the ops take token lists only (the block-list kernels of csrc/cuda are
+    reached through the C API until their GPU tests pass), so :func:`sparse_attention` expands
+    block lists there first (:func:`expand_block_lists`). This condition and ``kCudaKvBlocks`` in
+    csrc/dsv_ops.cpp switch CUDA to the native block kernels."""
     return torch.device(device).type != "cuda"
 
 
