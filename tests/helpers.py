@@ -902,3 +902,91 @@ def check_attention(q, k, v, kv_index, kv_count, G, scale=None, gen=None, grads=
 def run_and_check(q, k, v, kv_index, kv_count, G, scale, gen, grads=True):
     """check_attention with an explicit scale (the CUDA tests' spelling)."""
     check_attention(q, k, v, kv_index, kv_count, G, scale, gen, grads=grads)
+
+
+# ============================================================================================
+# top-K checks
+
+
+def group_scores(q_lr, k_lr, G, device=None):
+    """([B, H, NG, S] float64 group-mean scores, [B, H, NG, S] magnitudes sum_c |rep_c k_c|) as
+    the kernels of `device` (default q_lr's) form the group means: in float64 on the CPU, as an
+    fp32 mean on CUDA."""
+    device = str(device or q_lr.device)
+    B, S, H, r = q_lr.shape
+    NG = -(-S // G)
+    if device.startswith("cuda"):
+        q = q_lr.float()
+        rep = torch.stack([q[:, g * G:min(S, (g + 1) * G)].mean(dim=1) for g in range(NG)],
+                          dim=2).double()  # [B, H, NG, r] (fp32 means)
+    else:
+        qh = q_lr.double().permute(0, 2, 1, 3)
+        rep = torch.stack([qh[:, :, g * G:min(S, (g + 1) * G)].mean(dim=2) for g in range(NG)],
+                          dim=2)
+    kk = k_lr.double().permute(0, 2, 3, 1)  # [B, H, r, S]
+    return (rep @ kk).cpu(), (rep.abs() @ kk.abs()).cpu()
+
+
+# Selection tolerance, relative to max_j sum_c |rep_c k_jc| of each group: the CPU kernels form
+# the scores in float64 from the same input values as the reference (only summation order
+# differs: 1e-12); the CUDA kernel's scores are exact 16-bit products accumulated in fp32 with an
+# fp32 mean (a few fp32 roundings: 2^-16 is generous against 2^-24 per operation and far below
+# the gaps that a wrong selection produces).
+TOPK_TOL = {"cpu": 1e-12, "cuda": 2.0 ** -16}
+
+
+def check_topk(out, q_lr, k_lr, kv_count, G, kmax, exact=None, device=None):
+    """Every list of `out` (int32 [B, H, NG, kmax]): the first K = clamp(count, 0, min(kmax, S))
+    entries distinct positions in [0, S), strictly ascending, -1 after; every selected key
+    scores >= T - tol and every other key <= T + tol, T the K-th largest float64 score
+    (TOPK_TOL: exact ties may go either way). exact="torch": `out` equals topk_ref (torch.topk)
+    exactly; exact="stable": the stable top-K (equal scores: lower position first)."""
+    device = str(device or q_lr.device).split(":")[0]
+    B, S, H, r = q_lr.shape
+    NG = -(-S // G)
+    assert out.dtype == torch.int32 and out.shape == (B, H, NG, kmax), \
+        f"kv_index: {out.dtype} {tuple(out.shape)}"
+    assert out.is_contiguous()
+    out = out.cpu()
+    sc, mag = group_scores(q_lr, k_lr, G, device)
+    cnt = kv_count.cpu().to(torch.int64).clamp(0, kmax).clamp(max=S)
+    for b in range(B):
+        for h in range(H):
+            K = int(cnt[b, h])
+            lst = out[b, h]
+            assert (lst[:, K:] == -1).all(), f"(b={b}, h={h}): entries after K={K} are not -1"
+            if K == 0:
+                continue
+            sel = lst[:, :K].long()
+            assert ((sel >= 0) & (sel < S)).all(), f"(b={b}, h={h}): positions out of range"
+            if K > 1:
+                assert (sel[:, 1:] > sel[:, :-1]).all(), f"(b={b}, h={h}): lists not ascending"
+            s = sc[b, h]  # [NG, S]
+            if exact == "stable":
+                order = torch.sort(-s, dim=1, stable=True).indices[:, :K]
+                want = torch.sort(order, dim=1).values
+                assert torch.equal(sel, want), f"(b={b}, h={h}): exact tie-broken top-K differs"
+                continue
+            tol = TOPK_TOL[device] * mag[b, h].max(dim=1).values  # [NG]
+            kth = torch.topk(s, K, dim=1).values[:, -1]  # [NG]
+            got = torch.gather(s, 1, sel)
+            assert (got >= (kth - tol)[:, None]).all(), \
+                f"(b={b}, h={h}): a selected key scores below the K-th largest"
+            mask = torch.ones_like(s, dtype=torch.bool)
+            mask.scatter_(1, sel, False)
+            rest = torch.where(mask, s, torch.full_like(s, -math.inf))
+            assert (rest.max(dim=1).values <= kth + tol).all(), \
+                f"(b={b}, h={h}): an unselected key scores above the K-th largest"
+    if exact == "torch":
+        assert torch.equal(out, topk_ref(q_lr.cpu(), k_lr.cpu(), kv_count.cpu(), G, kmax)), \
+            "kv_index differs from torch.topk's lists"
+
+
+def lowrank(B, S, H, r, dtype, gen, layout="packed", device="cpu"):
+    """q_lr, k_lr [B, S, H, r]: "packed" / "bhsd" / "packed_d" as make_qkv; "padded": rows of
+    r + 3 elements (not 16-byte aligned), a slice of a bigger tensor."""
+    if layout != "padded":
+        return make_qkv(B, S, H, r, dtype, layout=layout, generator=gen, device=device, n=2)
+    q, k = make_qkv(B, S, H, r + 3, dtype, layout="contiguous", generator=gen, device=device,
+                    n=2)
+    return q[..., 1:r + 1], k[..., 1:r + 1]
