@@ -122,6 +122,8 @@ def have_ops(cuda: bool = True) -> bool:
 def need_backend(device="cuda", lib_env="DSV_OPS_LIB"):
     """Skip unless kernels for `device` are reachable; returns "ops" or "ctypes"."""
     if str(device) == "cpu":
+        if not have_ops(cuda=False):
+            pytest.skip("needs the built extension (the CPU kernels)")
         return "ops"
     b = backend(lib_env)
     if b is None:
@@ -132,8 +134,18 @@ def need_backend(device="cuda", lib_env="DSV_OPS_LIB"):
 def need_ops(device):
     """Skip unless the public dsv_ext ops run on `device` (the built extension, with CUDA
     kernels for "cuda")."""
-    if str(device) != "cpu" and not have_ops():
-        pytest.skip("needs the built extension with CUDA kernels (the public op)")
+    if not have_ops(cuda=str(device) != "cpu"):
+        pytest.skip("needs the built extension (the public op)")
+
+
+def import_dsv_ext():
+    """dsv_ext, or None where the extension does not load (a ctypes-only check of the CUDA
+    kernels through DSV_ATTN_LIB / DSV_OPS_LIB: the tests that need it skip)."""
+    try:
+        import dsv_ext
+        return dsv_ext
+    except Exception:
+        return None
 
 
 # ============================================================================================

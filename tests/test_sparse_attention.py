@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dsv_ext
 from helpers import (ATTN_DTYPES, DEVICES, assert_pt_bound, attn_bwd, attn_fwd, check_attention,
                      counts_for, dense_attention_ref, device_cases, device_dtypes, have_ops,
-                     index_lists, make_qkv, need_backend, need_ops, random_index)
+                     index_lists, make_qkv, import_dsv_ext, need_backend, need_ops, random_index)
+
+dsv_ext = import_dsv_ext()
 
 DEVICE_DTYPES = device_dtypes(ATTN_DTYPES)
 
@@ -107,6 +108,7 @@ def test_strided_inputs(device, dtype, case, layout, gen):
 def test_half_inputs(dtype, gen):
     """Half inputs on the CPU (computed in float32, rounded once; the CUDA kernels' dtypes are
     the device cases of every other test)."""
+    need_backend("cpu")
     B, S, H, D, G, KM = 2, 41, 2, 64, 8, 16
     q, k, v = make_qkv(B, S, H, D, dtype, layout="packed", generator=gen)
     idx, cnt = random_index(B, H, S, G, KM, None, generator=gen)
@@ -233,6 +235,7 @@ def test_kernel_guards_on_invalid_index(device, dtype, gen):
 
 
 def test_gradcheck_float64(gen):
+    need_backend("cpu")
     B, S, H, D, G, KM = 2, 7, 2, 4, 3, 4
     q, k, v = make_qkv(B, S, H, D, torch.float64, layout="packed", generator=gen,
                        requires_grad=True)

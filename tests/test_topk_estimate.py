@@ -10,9 +10,10 @@ dtype, so the tolerance rule of tests/helpers.py does not apply: the bound is TO
 import pytest
 import torch
 
-import dsv_ext
 from helpers import (DEVICES, check_topk, device_cases, device_dtypes, lowrank, make_qkv,
-                     need_backend, need_ops, topk_estimate)
+                     import_dsv_ext, need_backend, need_ops, topk_estimate)
+
+dsv_ext = import_dsv_ext()
 
 DTYPES = {"cpu": [torch.float32, torch.float64], "cuda": [torch.bfloat16, torch.float16]}
 
@@ -78,6 +79,7 @@ def test_half_inputs(dtype, gen):
     """Half inputs on the CPU are widened exactly, so the scores are those of the float64
     reference on the same (rounded) values; low-precision inputs make ties possible, hence no
     exact comparison with torch.topk."""
+    need_backend("cpu")
     q_lr, k_lr = make_qkv(2, 50, 2, 16, dtype, layout="packed", generator=gen, n=2)
     cnt = torch.tensor([[10, 3], [7, 10]], dtype=torch.int32)
     got = dsv_ext.topk_estimate(q_lr, k_lr, cnt, 8, kmax=10)
@@ -87,6 +89,7 @@ def test_half_inputs(dtype, gen):
 def test_ties_go_to_lower_position(gen):
     """Integer scores with many exact ties (rank 1): the kept keys are the first K of a stable
     descending sort (equal scores -> lower position first)."""
+    need_backend("cpu")
     B, S, H, G, KM = 2, 40, 2, 5, 7
     q_lr = torch.ones(B, S, H, 1, dtype=torch.float64)
     k_lr = torch.randint(0, 4, (B, S, H, 1), generator=gen).to(torch.float64)
