@@ -14,7 +14,7 @@ the input dtype: its bounds are derived, by device:
   1 - mean(c)/S therefore gets 3 / (R S) (three rows off by one key). Recall sums fp32
   probabilities of at most kmax keys: 2e-5 absolute.
 Recall also meets the tolerance rule of tests/helpers.py (the counterpart: PyTorch's softmax in
-the accumulator type over the same inputs, summed over the listed keys).
+the input dtype over the same inputs, summed over the listed keys).
 """
 import math
 
@@ -81,7 +81,7 @@ def check_profile(device, sp, rc, want, R, S, dtype, pt=None):
         return
     assert rc.dtype == acc
     if pt is not None:
-        assert_pt_bound("recall", rc, want.recall, pt, acc)
+        assert_pt_bound("recall", rc, want.recall, pt, dtype)
     if device == "cpu":
         assert_close(rc, want.recall, acc, "recall")
     else:
@@ -108,8 +108,7 @@ def test_matches_reference(device, dtype, case, gen):
     scale = 1.0 / math.sqrt(D)
     rows_d, idx_d, cnt_d = rows.to(device, torch.int32), idx.to(device), cnt.to(device)
     want = profile_ref(q.cpu(), k.cpu(), rows, theta, idx, cnt, G, scale)
-    acc = acc_dtype(dtype) if device == "cpu" else torch.float32
-    pt = recall_pt(q, k, rows_d, idx, cnt, G, scale, acc)
+    pt = recall_pt(q, k, rows_d, idx, cnt, G, scale, dtype)
     sp, rc = profile_attention(q, k, rows_d, theta, scale, idx_d, cnt_d, G)
     check_profile(device, sp, rc, want, R, S, dtype, pt)
     if device == "cpu":
