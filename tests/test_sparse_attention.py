@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (ATTN_DTYPES, DEVICES, assert_pt_bound, attn_bwd, attn_fwd, check_attention,
-                     counts_for, dense_attention_ref, device_cases, device_dtypes, have_ops,
-                     index_lists, make_qkv, import_dsv_ext, need_backend, need_ops, random_index)
+from helpers import (ATTN_DTYPES, CUDA_TOL, DEVICES, assert_close, assert_pt_bound, attn_bwd,
+                     attn_fwd, check_attention, check_close, counts_for, dense_attention_ref,
+                     device_cases, device_dtypes, have_ops, import_dsv_ext, index_lists,
+                     make_qkv, need_backend, need_ops, random_index)
 
 dsv_ext = import_dsv_ext()
 
@@ -35,6 +36,8 @@ SHAPES = {
 # list length kmax as a fraction of S (counts per head in [1, kmax], kmax on the first head; a
 # head with count 0, one with count 1 and one with a whole 64-key tile where there are enough)
 DENSITY = {"cpu": [0.2, 0.5, 1.0], "cuda": [0.3, 1.0]}
+# the strided layouts take turns over the cases (every CPU shape sees each); on CUDA the full
+# lists (density 1) take separate contiguous tensors
 LAYOUTS = ["packed", "bhsd", "packed_d"]
 
 
@@ -57,6 +60,8 @@ def test_matches_reference(device, dtype, case, gen):
     (B, S, H, D, G), density = case
     KM = max(1, round(density * S))
     layout = LAYOUTS[(SHAPES[device].index(case[0]) + DENSITY[device].index(density)) % 3]
+    if device == "cuda" and density == 1.0:
+        layout = "contiguous"
     q, k, v = make_qkv(B, S, H, D, dtype, layout=layout, generator=gen, device=device)
     if device == "cpu":
         assert not q.is_contiguous() or (layout == "bhsd" and H == 1)  # [B,1,S,D]^T is contiguous
@@ -80,7 +85,9 @@ def test_list_kinds(device, dtype, kind, gen):
     B, S, H, D, G = LIST_SHAPES[device]
     KM = max(2, S // 3)
     q, k, v = make_qkv(B, S, H, D, dtype, generator=gen, device=device)
-    idx, cnt = index_lists(B, H, S, G, KM, gen, kind=kind, pad=-1)
+    # padded lists: every count is the full length, so the padding is inside every count
+    cnt = torch.full((B, H), KM, dtype=torch.int32) if kind == "padded" else None
+    idx, cnt = index_lists(B, H, S, G, KM, gen, kind=kind, counts=cnt, pad=-1)
     if kind == "padded" and H > 1:
         idx[:, 1, 1::2] = -1  # and every other group of one head
     check_attention(q, k, v, idx, cnt, G, gen=gen, check_index=kind != "padded")
@@ -166,6 +173,13 @@ def test_full_index_equals_dense_sdpa(device, dtype, gen):
     q64, k64, v64 = (t.detach().double().cpu().requires_grad_(True) for t in (q, k, v))
     want = dense_attention_ref(q64, k64, v64)
     assert_pt_bound("out vs float64 dense", out, want, sdpa, dtype)
+    if device == "cpu":
+        assert_close(out, want, dtype, "out vs float64 dense")
+        # SDPA in the input dtype has its own round-off: compare at the float32 level
+        assert_close(out, sdpa, torch.float32 if dtype == torch.float32 else torch.float64,
+                     "out vs SDPA")
+    else:
+        check_close("out vs float64 dense", out, want.detach(), CUDA_TOL[dtype])
     dout = torch.randn(B, S, H, D, generator=gen, dtype=torch.float64)
     want.backward(dout)
     dout = dout.to(device=device, dtype=dtype)
@@ -173,6 +187,8 @@ def test_full_index_equals_dense_sdpa(device, dtype, gen):
     g2 = torch.autograd.grad(sdpa, (q, k, v), dout)
     for name, a, b, r in zip(("dq", "dk", "dv"), g1, g2, (q64.grad, k64.grad, v64.grad)):
         assert_pt_bound(name + " vs float64 dense", a, r, b, dtype)
+        if device == "cpu":
+            assert_close(a, b, dtype, name + " vs SDPA", grad=True)
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
