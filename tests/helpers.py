@@ -833,9 +833,9 @@ def check_attention(q, k, v, kv_index, kv_count, G, scale=None, gen=None, grads=
     Both devices: the raw kernels (attn_fwd / attn_bwd; ctypes when DSV_ATTN_LIB is set) under
     the tolerance rule (`assert_pt_bound` against `attention_pt` in the input dtype) for out
     and the gradients. CPU: lse by the rule too (PyTorch's logsumexp in the lse type), the
-    derived bounds
-    TOL / GRAD_TOL, and the public op (`dsv_ext.sparse_attention`): its output bit-equal to the
-    raw op's, its gradients through autograd bit-equal to the raw backward's. CUDA: also the
+    derived bounds TOL / GRAD_TOL, and the public op (`dsv_ext.sparse_attention`): its output
+    bit-equal to the raw op's, its gradients through autograd bit-equal to the raw backward's.
+    CUDA: also the
     derived elementwise bounds (CUDA_TOL / CUDA_GTOL with `grad_targets`, `check_lse`); with
     public=True also the public op, its results under the rule (the CUDA backward sums with
     atomics: not bit-equal from run to run). `tamper(name, tensor) -> tensor` (tests of the
