@@ -24,7 +24,7 @@ dtype, plus a tiny absolute term:
 
     max |ours - ref64| <= f(dtype) * max |pt - ref64| + 2 u max |ref64|,   u: unit roundoff
 
-with f = 2 for bfloat16 / float16 and f = 5 for float32.
+with f = 2 for bfloat16 / float16 and f = 10 for float32.
 Why: the float64 reference is the exact answer for the rounded inputs; PyTorch's own result in
 the input dtype is what a user accepts from the framework, and its error scales by itself with
 the dtype, the shape, the magnitudes and the sequence length, so no hand-tuned number per dtype
@@ -34,12 +34,14 @@ largest element) covers outputs whose only error is the final rounding, which Py
 exactly by chance (a list of one key, zero outputs of empty lists). In half precision PyTorch
 rounds the logits, P and every product to the dtype while the kernels accumulate in fp32: f = 2
 as in FlashAttention's tests. In float32 both sides differ only in summation order: PyTorch's
-blocked FMA GEMMs sum more accurately than a kernel's running dot products and online softmax
-(measured up to ~3x PyTorch's error on the CPU kernels), hence f = 5. float64 has no PyTorch
-counterpart distinct from the reference (the reference is PyTorch in float64): there the bound
-is 1e-10 (1 + max |ref64|), summation order only (the measured error is ~1e-14 of O(1) values).
-Where an op's output type is wider than its inputs (lse, the predictor loss and statistics, the
-scatter-add accumulator) the counterpart computes in that output type from the same inputs.
+blocked FMA GEMMs sum more accurately than a kernel's running dot products and online softmax,
+and exp amplifies the logits' error where they are large (scale 2: a peaked softmax); measured
+on the CPU kernels over ~2000 cases: up to 5x PyTorch's error (dv), 3x elsewhere, hence f = 10.
+float64 has no PyTorch counterpart distinct from the reference (the reference is PyTorch in
+float64): there the bound is 1e-10 (1 + max |ref64|), summation order only (the measured error
+is ~1e-14 of O(1) values). The counterpart computes in the input dtype, except where an op
+keeps a result in its wider accumulator type (lse; the scatter-add sums, rounded once): there
+in that type from the same inputs.
 """
 from __future__ import annotations
 
@@ -153,7 +155,7 @@ def import_dsv_ext():
 
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
                  torch.bfloat16: 2.0 ** -8}
-PT_FACTOR = {torch.bfloat16: 2.0, torch.float16: 2.0, torch.float32: 5.0}
+PT_FACTOR = {torch.bfloat16: 2.0, torch.float16: 2.0, torch.float32: 10.0}
 FLOAT64_TOL = 1e-10
 
 # Derived bounds (atol, rtol) against the float64 references, by dtype, for results without a
