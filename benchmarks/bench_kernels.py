@@ -28,7 +28,7 @@ Usage: python benchmarks/bench_kernels.py [--quick] [--flex] [--out DIR]
            of density 1 - sparsity, the same lists expanded to token lists on the token kernels,
            and with --flex FlexAttention at the same density; kv_block.json under --out)
 The kernels are reached through dsv_ext (built with CUDA) or, with DSV_ATTN_LIB set, through
-the ctypes wrapper of tests/test_sparse_attention_cuda.py. The kernels run with the device's
+the ctypes wrapper of tests/helpers.py. The kernels run with the device's
 kernel tuning; time one forced backward path or key-range count per process with
 DSV_KERNEL_TUNING (e.g. "km_ratio=0,bwd_ranges=4"), kernel variants with the csrc/dev/
 libraries as DSV_ATTN_LIB.

@@ -1,7 +1,7 @@
 """Time the fused top-K estimation kernel (csrc/cuda/topk_estimate.cu) against S and K.
 
 Reaches the kernel through torch.ops.dsv (built extension) or, when DSV_OPS_LIB is set, through
-ctypes (tests/test_topk_estimate_cuda.py holds the access code). Medians of CUDA-event timings
+ctypes (tests/helpers.py holds the access code). Medians of CUDA-event timings
 after warm-up, random bf16 N(0, 1) low-rank inputs of shape [1, S, H, r], every head with
 K = frac * S. Optionally times the plain PyTorch way (group-mean matmul + torch.topk + sort) at
 the same shape for comparison (--torch-baseline; needs H * S/G * S * 4 bytes of scores).
@@ -50,7 +50,7 @@ def torch_baseline(q, k, K, G):
 
 def spot_check(q, k, idx, G, K, ngroups=32):
     """Head 0, first `ngroups` (full) groups: the selection against float64 scores (same rule
-    as tests/test_topk_estimate_cuda.py). Returns an error string or None."""
+    as tests/helpers.py check_topk). Returns an error string or None."""
     S, r = q.shape[1], q.shape[3]
     ng = min(ngroups, S // G)
     rep = q[0, :ng * G, 0].float().view(ng, G, r).mean(1).double()

@@ -37,7 +37,7 @@ fi
 export DSV_ATTN_LIB=$B/libdsvattn.so
 case "$STEPS" in *micro*) timeout 30 $B/amb ;; esac
 case "$STEPS" in *tests*)
-  timeout ${TEST_TIMEOUT:-90} python3 -m pytest -q -p no:cacheprovider tests/test_sparse_attention_cuda.py -rf --maxfail=5 \
+  timeout ${TEST_TIMEOUT:-90} python3 -m pytest -q -p no:cacheprovider tests/test_sparse_attention.py tests/test_sparse_attention_cuda.py -rf --maxfail=5 \
      > $OUT/tests.log 2>&1; tail -15 $OUT/tests.log ;;
 esac
 case "$STEPS" in *sanitizer*) timeout 200 tests/run_sanitizer.sh $OUT/san ;; esac

@@ -35,7 +35,7 @@ echo "lib: $LIB ($(( $(date +%s) - t0 )) s)"
 export DSV_OPS_LIB=$(readlink -f $LIB)
 case "$STEPS" in *tests*)
   for f in topk_estimate rows predictor_loss profile_attention; do
-    timeout 100 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_${f}_cuda.py \
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_${f}.py tests/test_${f}_cuda.py \
       > "$OUT/t_$f.log" 2>&1
     echo "test_${f}_cuda rc=$? $(tail -1 $OUT/t_$f.log)"
     grep -E "^(FAILED|ERROR)|^E  " "$OUT/t_$f.log" | head -12
@@ -56,8 +56,8 @@ esac
 case "$STEPS" in *ext*)
   wait $EXT_PID; tail -3 "$OUT/ext_build.log"
   if python3 -c "import dsv_ext, sys; sys.exit(0 if dsv_ext.ops.has_cuda_kernels() else 1)"; then
-    DSV_OPS_LIB= timeout 120 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_topk_estimate_cuda.py \
-      tests/test_rows_cuda.py tests/test_predictor_loss_cuda.py tests/test_profile_attention_cuda.py \
+    DSV_OPS_LIB= timeout 120 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_topk_estimate*.py \
+      tests/test_rows*.py tests/test_predictor_loss*.py tests/test_profile_attention*.py \
       > "$OUT/ops_tests_ext.log" 2>&1
     echo "ext tests rc=$?"; tail -2 "$OUT/ops_tests_ext.log"
   fi ;;

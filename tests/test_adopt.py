@@ -545,7 +545,7 @@ def test_mha_cross_attention_and_masks_stay_dense(sparse_calls):
 @pytest.mark.parametrize("text_first", [False, True])
 def test_joint_core_cuda_bf16_matches_cpu_float64(text_first):
     """The CUDA kernels on the joint lists (bf16, head dim 64) against the same lists in float64
-    on the CPU. Bounds as tests/test_sparse_attention_cuda.py states them for bf16: elementwise
+    on the CPU. Bounds as tests/helpers.py states them for bf16 (CUDA_TOL): elementwise
     1.6e-2 * rms + 2e-2 * |ref| for the output; relative Frobenius error 2e-2 for the gradients."""
     torch.manual_seed(0)
     H, D, grid, St, G = 2, 64, (2, 8, 8), 40, 32

@@ -7,7 +7,7 @@ CUDA (skipped without a GPU): sparse_attention(..., deterministic=True) 10 times
 inputs gives bitwise the same gradients, for lists from topk_estimate, unsorted lists (sorted
 by dsv_ext first), long sequences where the default path would split keys into ranges, and
 group sizes that use either key-major tile; and the gradients match the default path and the
-float64 reference within the bf16 bounds of tests/test_sparse_attention_cuda.py.
+float64 reference within the bf16 bounds of tests/helpers.py (CUDA_TOL / CUDA_GTOL).
 """
 import math
 
