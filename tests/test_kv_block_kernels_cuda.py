@@ -32,7 +32,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 ref = T.ref
-gen = T.gen  # the seeded generator fixture (DSV_TEST_SEED reproduces a run)
 
 DSV_ERR_INVALID = -1
 DSV_ERR_UNSUPPORTED = -2
