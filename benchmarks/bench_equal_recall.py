@@ -23,7 +23,8 @@ then the attention time of each at that density.
 3. **Time** at the long shape (S = 64k, H = 24, D = 128, bf16, CUDA): each method's estimate +
    forward + backward at its mean density (DSV token lists through benchmarks/bench_kernels.py's
    `run_shape` with spatially smooth lists; FlexAttention block-sparse at its density;
-   cuDNN dense), all in the same run. Key-block kernels are timed once they exist.
+   cuDNN dense), all in the same run; key blocks on the block-list kernels (kv_block b,
+   through the C API) with the block estimation (dsv_ext.topk_estimate with kv_block).
 
 Writes `equal_recall.json` / `.md` / `.png` to --out. The curve code runs on the CPU too (tests).
 """
@@ -218,6 +219,7 @@ def time_methods(analysis: Dict, S: int, H: int, D: int, reps: int, log=print) -
     dense = BK.dense_times(1, S, H, D, dtype, reps, which=("cudnn",))
     rows = []
     cache: Dict = {}
+    blocks = None  # the block kernels and their buffers, on first use
     for m, per_t in analysis["methods"].items():
         for tg, st in per_t.items():
             d = st["mean_density"]
@@ -230,7 +232,16 @@ def time_methods(analysis: Dict, S: int, H: int, D: int, reps: int, log=print) -
                 r = BK.run_shape(1, S, H, D, G, 1.0 - d, "smooth", dtype, reps, gen, est_name, est, cache)
                 rec.update(total_ms=r["total_ms"], fwd_ms=r["fwd_ms"], bwd_ms=r["bwd_ms"],
                            est_ms=r["est_ms"], K=r["K"])
-            else:  # the per-query oracle has no kernel; key-block kernels are not built yet
+            elif m.startswith("block b="):  # groups of 64 queries over lists of b-key blocks
+                b = int(m.split("b=")[1])
+                if blocks is None:
+                    blocks = BK.block_lib() + (BK.block_buffers(S, H, D, dtype),)
+                lib, M, bufs = blocks
+                r = BK.block_case(lib, M, bufs, 64, 1.0 - d, b, reps, gen, token=False)
+                est_ms = BK.block_estimate_ms(S, H, 64, b, r["K_blocks"], reps, gen=gen)
+                rec.update(total_ms=r["fwdbwd_ms"] + (est_ms or 0.0), fwd_ms=r["fwd_ms"],
+                           bwd_ms=r["fwdbwd_ms"] - r["fwd_ms"], est_ms=est_ms, K=r["K_blocks"] * b)
+            else:  # the per-query oracle: no kernel (one list per query)
                 rec.update(total_ms=None, note="no kernel")
             if rec.get("total_ms"):
                 rec["vs_cudnn"] = dense["cudnn_fwdbwd_ms"] / rec["total_ms"]

@@ -444,59 +444,91 @@ def _blk_call(lib, M, q, k, v, idx, cnt, G, scale, blk, bufs):
         raise RuntimeError(f"backward returned {st}")
 
 
-def kv_block_times(blocks, Ss, Ds, Gs, sps, reps, flex, outdir):
-    """--kv-block: per shape and block size b, random block lists (each group its own sorted set
-    of round((1 - sparsity) ceil(S / b)) distinct blocks), timed on the block kernels (fwd,
-    fwd+bwd), on the token kernels with the same lists expanded (token_*), and with --flex on
-    FlexAttention's 128 x 128 block-sparse kernels at the same density."""
+def block_estimate_ms(S, H, G, blk, K, reps, rank=16, gen=None):
+    """Time of the block-list estimation (dsv_ext.topk_estimate with kv_block: pooled low-rank
+    keys, a [groups x blocks] score matrix and its top-K) at one shape; None without dsv_ext."""
+    try:
+        import dsv_ext
+    except ImportError:
+        return None
+    ql, kl = (torch.randn(1, S, H, rank, generator=gen).to(torch.bfloat16).cuda() for _ in range(2))
+    cnt = torch.full((1, H), K, dtype=torch.int32, device="cuda")
+    return bench(lambda: dsv_ext.topk_estimate(ql, kl, cnt, G, kv_block=blk), reps)
+
+
+def block_case(lib, M, bufs, G, sparsity, blk, reps, gen, token=True):
+    """One block-list case on preallocated [B, S, H, D] tensors bufs = (q, k, v, do, out, lse, dq,
+    dk, dv): random block lists (each group its own sorted set of round((1 - sparsity) ceil(S /
+    b)) distinct blocks) timed on the block kernels (fwd_ms, fwdbwd_ms) and, with token=True, on
+    the token kernels with the same lists expanded (token_fwd_ms, token_fwdbwd_ms)."""
+    q, k, v, do, out, lse, dq, dk, dv = bufs
+    B, S, H, D = q.shape
+    NG, nblk = -(-S // G), -(-S // blk)
+    K = max(1, round((1 - sparsity) * nblk))
+    idx = torch.rand(B, H, NG, nblk, generator=gen).argsort(dim=-1)[..., :K]
+    idx = idx.sort(dim=-1).values.to(torch.int32).cuda()
+    cnt = torch.full((B, H), K, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(D)
+    r = dict(S=S, D=D, G=G, sparsity=sparsity, kv_block=blk, K_blocks=K)
+    cases = [("", blk, idx, cnt)]
+    if token:
+        cases.append(("token_", 1) + tuple(M.expand_blocks(idx, cnt, S, blk)))
+    for name, b, ix, cn in cases:
+        ix, cn = ix.cuda(), cn.cuda()
+        sh = M._shape(q, ix, G, scale, b)
+        wf = torch.empty(max(1, lib.dsv_sparse_attention_fwd_workspace_cuda(ctypes.byref(sh))),
+                         dtype=torch.uint8, device="cuda")
+        wb = torch.empty(max(1, lib.dsv_sparse_attention_bwd_workspace_cuda(ctypes.byref(sh))),
+                         dtype=torch.uint8, device="cuda")
+        fwd = (out, lse, None, None, None, do, wf, wb)
+        both = (out, lse, dq, dk, dv, do, wf, wb)
+        r[name + "fwd_ms"] = bench(lambda: _blk_call(lib, M, q, k, v, ix, cn, G, scale, b, fwd), reps)
+        r[name + "fwdbwd_ms"] = bench(lambda: _blk_call(lib, M, q, k, v, ix, cn, G, scale, b, both), reps)
+        del wf, wb
+    return r
+
+
+def block_buffers(S, H, D, dtype=torch.bfloat16):
+    """(q, k, v, do, out, lse, dq, dk, dv) of block_case at one shape (B = 1)."""
+    q, k, v, do = (torch.randn(1, S, H, D, device="cuda", dtype=dtype) for _ in range(4))
+    out, dq, dk, dv = (torch.empty_like(q) for _ in range(4))
+    return q, k, v, do, out, torch.empty(1, H, S, device="cuda"), dq, dk, dv
+
+
+def block_lib():
+    """(the C API library with the block kernels, the block-kernel test module) or exit."""
     import test_kv_block_kernels_cuda as M
     lib = M._get_lib()
     if lib is None:
         sys.exit("no CUDA kernels: build dsv_ext with CUDA or set DSV_ATTN_LIB")
-    B, H, dtype = 1, 24, torch.bfloat16
+    return lib, M
+
+
+def kv_block_times(blocks, Ss, Ds, Gs, sps, reps, flex, outdir):
+    """--kv-block: per shape and block size b, block_case (block kernels and the same lists on
+    the token kernels) and, with --flex, FlexAttention's 128 x 128 block-sparse kernels at the
+    same density."""
+    lib, M = block_lib()
+    H, dtype = 24, torch.bfloat16
     gen = torch.Generator().manual_seed(0)
     rows = []
     for S in Ss:
         for D in Ds:
-            q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=dtype) for _ in range(4))
-            out, dq, dk, dv = (torch.empty_like(q) for _ in range(4))
-            lse = torch.empty(B, H, S, device="cuda")
+            bufs = block_buffers(S, H, D, dtype)
             for sp in sps:
                 fx = {}
                 if flex:
                     try:
-                        fx = flex_times(B, S, H, D, dtype, 1 - sp, reps, gen)
+                        fx = flex_times(1, S, H, D, dtype, 1 - sp, reps, gen)
                     except Exception as e:  # noqa: BLE001
                         print(f"  flex failed: {type(e).__name__}: {str(e)[:200]}")
                 for G in Gs:
-                    NG = -(-S // G)
                     for blk in blocks:
-                        nblk = -(-S // blk)
-                        K = max(1, round((1 - sp) * nblk))
-                        idx = torch.rand(B, H, NG, nblk, generator=gen).argsort(dim=-1)[..., :K]
-                        idx = idx.sort(dim=-1).values.to(torch.int32).cuda()
-                        cnt = torch.full((B, H), K, dtype=torch.int32, device="cuda")
-                        scale = 1 / math.sqrt(D)
-                        r = dict(S=S, D=D, G=G, sparsity=sp, kv_block=blk, K_blocks=K)
-                        for name, b, ix, cn in (("", blk, idx, cnt), ("token_", 1) + M.expand_blocks(
-                                idx, cnt, S, blk)):
-                            ix, cn = ix.cuda(), cn.cuda()
-                            sh = M._shape(q, ix, G, scale, b)
-                            wf = torch.empty(max(1, lib.dsv_sparse_attention_fwd_workspace_cuda(
-                                ctypes.byref(sh))), dtype=torch.uint8, device="cuda")
-                            wb = torch.empty(max(1, lib.dsv_sparse_attention_bwd_workspace_cuda(
-                                ctypes.byref(sh))), dtype=torch.uint8, device="cuda")
-                            fwd = (out, lse, None, None, None, do, wf, wb)
-                            both = (out, lse, dq, dk, dv, do, wf, wb)
-                            r[name + "fwd_ms"] = bench(lambda: _blk_call(
-                                lib, M, q, k, v, ix, cn, G, scale, b, fwd), reps)
-                            r[name + "fwdbwd_ms"] = bench(lambda: _blk_call(
-                                lib, M, q, k, v, ix, cn, G, scale, b, both), reps)
-                            del wf, wb
+                        r = block_case(lib, M, bufs, G, sp, blk, reps, gen)
                         r.update(fx)
                         rows.append(r)
                         print(json.dumps(r), flush=True)
-            del q, k, v, do, out, dq, dk, dv, lse
+            del bufs
             torch.cuda.empty_cache()
     os.makedirs(outdir, exist_ok=True)
     with open(os.path.join(outdir, "kv_block.json"), "w") as f:
