@@ -75,48 +75,13 @@ def recall_curve(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.T
         if rows.numel() > max_rows:
             rows = rows[::math.ceil(rows.numel() / max_rows)]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if kv_block > 1:
-        return _block_curve(q, k, wq, wk, rows, group_size, k_multiple, scale, min(kv_block, S), chunk_bytes)
-    G, km = group_size, k_multiple
-    nbins = -(-S // km)
-    pad = nbins * km - S
-    NG = -(-S // G)
-    f32 = torch.float32
-    # low-rank projections (what topk_estimate is given) and group means of the projected queries
-    q_lr = torch.einsum("bshd,hdr->bshr", q, wq.to(q.dtype)).to(f32)
-    k_lr = torch.einsum("bshd,hdr->bshr", k, wk.to(k.dtype)).to(f32)
-    r = q_lr.shape[-1]
-    if NG * G != S:
-        q_lr = torch.cat([q_lr, q_lr.new_zeros(B, NG * G - S, H, r)], 1)
-    sizes = torch.full((NG,), float(G), device=q.device)
-    sizes[-1] = S - (NG - 1) * G
-    q_grp = q_lr.view(B, NG, G, H, r).sum(2) / sizes.view(1, NG, 1, 1)      # [B, NG, H, r]
-    groups = rows // G
-    R = rows.numel()
-    per_row = H * S * 16  # bytes per row in a chunk: probabilities, scores, order, gathered mass
-    step = max(1, min(R, chunk_bytes // max(per_row, 1)))
-    out = torch.zeros(B, H, nbins, dtype=torch.float64, device=q.device)
-    kf = k.to(f32)
-    for b in range(B):
-        kb = kf[b].transpose(0, 1)                       # [H, S, D]
-        klb = k_lr[b].permute(1, 2, 0)                   # [H, r, S]
-        for i in range(0, R, step):
-            rr, gg = rows[i:i + step], groups[i:i + step]
-            qr = q[b, rr].to(f32).transpose(0, 1)        # [H, Rc, D]
-            p = torch.softmax(scale * (qr @ kb.transpose(1, 2)), dim=-1)  # [H, Rc, S]
-            pred = q_grp[b, gg].transpose(0, 1) @ klb    # [H, Rc, S]
-            order = pred.argsort(dim=-1, descending=True)
-            mass = p.gather(-1, order)
-            del p, pred, order
-            if pad:
-                mass = torch.cat([mass, mass.new_zeros(H, mass.shape[1], pad)], -1)
-            binned = mass.view(H, -1, nbins, km).sum(-1, dtype=torch.float64).cumsum(-1)
-            out[b] += binned.sum(1)
-    return (out / R).to(f32)
+    return _curve(q, k, wq, wk, rows, group_size, k_multiple, scale, min(kv_block, S), chunk_bytes)
 
 
-def _block_curve(q, k, wq, wk, rows, G: int, km: int, scale: float, b: int, chunk_bytes: int) -> torch.Tensor:
-    """recall_curve for block lists (kv_block = b > 1), rows already checked and subsampled."""
+def _curve(q, k, wq, wk, rows, G: int, km: int, scale: float, b: int, chunk_bytes: int) -> torch.Tensor:
+    """recall_curve with rows checked and subsampled: per row, the softmax mass of each key block
+    (b keys; b = 1: each key) taken in the order of the row's group's predicted block scores,
+    accumulated and read at each bin's K (ceil(K / b) blocks)."""
     B, S, H, D = q.shape
     f32 = torch.float32
     nbins, NG, nb = -(-S // km), -(-S // G), -(-S // b)

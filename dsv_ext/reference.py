@@ -63,10 +63,18 @@ def sparse_attention_lse_ref(q, k, v, kv_index, kv_count, group_size, scale=None
     Returns (out [B, S, H, D], lse [B, H, S]); a query whose list has no valid entry gets a zero
     output and lse = -inf. A key listed twice counts twice (weight = multiplicity), as in the
     kernels. Differentiable in q, k, v."""
+    S = q.shape[1]
+    return masked_attention_ref(q, k, v, key_multiplicity(kv_index, kv_count, S), group_size, scale)
+
+
+def masked_attention_ref(q, k, v, mult_g, group_size, scale=None):
+    """(out [B, S, H, D], lse [B, H, S]) in float64 of attention in which group g's queries see
+    key j with weight mult_g[b, h, g, j] (0: masked; a key listed twice counts twice); a query
+    without keys gets a zero output and lse = -inf. Differentiable in q, k, v."""
     B, S, H, D = q.shape
     scale = _default_scale(D, scale)
     qh, kh, vh = (_f64(t).permute(0, 2, 1, 3) for t in (q, k, v))  # [B, H, S, D]
-    mult = _expand_groups(key_multiplicity(kv_index, kv_count, S), S, group_size)
+    mult = _expand_groups(mult_g, S, group_size)
     logits = scale * qh @ kh.transpose(-1, -2)
     masked = logits.masked_fill(mult == 0, float("-inf")) + torch.log(mult.clamp(min=1.0))
     empty = (mult.sum(-1) == 0)[..., None]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dsv_ext
+from dsv_ext import reference as ref
 from dsv_ext.reference import make_qkv
 
 from conftest import assert_close, poison
@@ -38,19 +39,8 @@ def block_multiplicity(kv_index, kv_count, S, b):
 
 
 def masked_attention(q, k, v, mult_g, G, scale):
-    """(out [B, S, H, D], lse [B, H, S]) in float64 of attention with key weights mult (per query
-    group); differentiable in q, k, v. A query without keys: 0 and lse -inf."""
-    B, S, H, D = q.shape
-    qh, kh, vh = (t.to(torch.float64).permute(0, 2, 1, 3) for t in (q, k, v))
-    mult = mult_g[:, :, torch.arange(S) // G, :]
-    logits = scale * qh @ kh.transpose(-1, -2)
-    masked = logits.masked_fill(mult == 0, float("-inf")) + torch.log(mult.clamp(min=1.0))
-    empty = (mult.sum(-1) == 0)[..., None]
-    safe = masked.masked_fill(empty, 0.0)
-    p = torch.softmax(safe, dim=-1) * (~empty)
-    out = (p @ vh).permute(0, 2, 1, 3)
-    lse = torch.logsumexp(safe, dim=-1).masked_fill(empty[..., 0], float("-inf"))
-    return out, lse
+    """The float64 reference with the key weights of block_multiplicity (dsv_ext/reference.py)."""
+    return ref.masked_attention_ref(q, k, v, mult_g, G, scale)
 
 
 def block_lists(B, H, S, G, b, kmax, counts, gen, extra=True):
