@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One GPU call for a csrc/dev/ attention variant: build it and the shipped kernels
+# (csrc/cuda/sparse_attention_*.cu + tuning.cu) into two ctypes libraries, run the attention GPU
+# tests with DSV_ATTN_LIB = the variant, then time both with bench_kernels.py in the same
+# process order (shipped, variant) and print the forward / backward side by side. Logs and the
+# two benchmark JSONs under $OUT.
+# Usage: benchmarks/device_variant.sh [variant.cu] [bench args] [test files]
+#   default: csrc/dev/attn_fwd_pairs.cu, S = 64k, H = 24, D = 128, G = 32 and 64, sparsity 0.9,
+#   random and smooth lists; tests/test_attn_fwd_pairs_cuda.py + tests/test_sparse_attention*.py
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+VAR=${1:-csrc/dev/attn_fwd_pairs.cu}
+BENCH=${2:-"--S 65536 --D 128 --G 32 64 --sparsity 0.9 --dist random smooth --dense cudnn"}
+TESTS=${3:-"tests/test_attn_fwd_pairs_cuda.py tests/test_sparse_attention.py tests/test_sparse_attention_cuda.py"}
+date -u
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+FL="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -Icsrc -lineinfo"
+B=/tmp/dsvvar; mkdir -p $B
+t0=$(date +%s)
+gcc -O2 -fPIC -Icsrc -c csrc/cpu/status.c -o $B/status.o
+pids=""
+for f in csrc/cuda/sparse_attention_*.cu csrc/cuda/tuning.cu; do
+  timeout 300 nvcc $FL -c $f -o $B/ship_$(basename $f .cu).o & pids="$pids $!"
+done
+timeout 400 nvcc $FL --expt-relaxed-constexpr -DDSV_WGMMA -Xptxas -v -c $VAR -o $B/variant.o \
+  > $OUT/variant_ptxas.log 2>&1 & pids="$pids $!"
+wait $pids
+nvcc -shared $B/ship_*.o $B/status.o -o $B/ship.so -lcudart || exit 1
+nvcc -shared $B/variant.o $B/status.o -o $B/variant.so -lcudart || exit 1
+echo "build: $(( $(date +%s) - t0 )) s"
+grep -A2 "pair_kernel\|fwd_wg_kernel" $OUT/variant_ptxas.log | grep -o "Used [0-9]* registers.*" | sort | uniq -c
+if [ -n "$TESTS" ]; then
+  DSV_ATTN_LIB=$B/variant.so timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
+    $TESTS -rf --maxfail=10 -k "not backward_path" > $OUT/tests.log 2>&1
+  tail -15 $OUT/tests.log
+fi
+for lib in ship variant; do
+  DSV_ATTN_LIB=$B/$lib.so timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_kernels.py $BENCH \
+    --out $OUT/bench_$lib > $OUT/bench_$lib.log 2>&1 || echo "bench $lib: exit $?"
+done
+python3 - "$OUT" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+rows = {}
+for lib in ("ship", "variant"):
+    p = os.path.join(out, f"bench_{lib}", "kernels.json")
+    if os.path.exists(p):
+        for r in json.load(open(p)):
+            rows.setdefault((r["S"], r["D"], r["G"], r["sparsity"], r["dist"]), {})[lib] = r
+print("S D G sparsity dist | fwd ms shipped / variant | x cuDNN fwd shipped / variant | bwd ms")
+for key, d in sorted(rows.items()):
+    s, v = d.get("ship", {}), d.get("variant", {})
+    def x(r):
+        c = r.get("cudnn_fwd_ms")
+        return f"{c / r['fwd_ms']:.2f}" if c and r.get("fwd_ms") else "-"
+    print(" ".join(map(str, key)), "|", s.get("fwd_ms", "-"), "/", v.get("fwd_ms", "-"), "|",
+          x(s), "/", x(v), "|", s.get("bwd_ms", "-"), "/", v.get("bwd_ms", "-"))
+EOF
+date -u
