@@ -100,6 +100,9 @@ def pair_lists(B, H, S, kmax, gen, kind):
     return idx, cnt
 
 
+# two kernels against each other: each within CUDA_TOL of the exact result, so twice that apart
+PAIR_TOL = tuple(2 * t for t in CUDA_TOL[torch.bfloat16])
+
 KINDS = ["random", "unsorted", "overlap", "smooth", "duplicates", "padded", "invalid", "clamped"]
 
 
@@ -134,7 +137,7 @@ def test_pairs_group_counts(S, gen):
 
 def test_pairs_agree_with_shipped(gen):
     """The pair path and the shipped forward (pairs = 0) at a larger shape with overlapping
-    lists: both within the reference bound of each other's rounding (CUDA_TOL), the same -inf
+    lists: within twice the reference bound of each other (PAIR_TOL), the same -inf
     lse rows; a workspace too small falls through to the shipped forward bit for bit."""
     need_pairs()
     B, S, H, D, G, kmax = 1, 32 * 41 + 5, 4, 128, 32, 600
@@ -145,10 +148,10 @@ def test_pairs_agree_with_shipped(gen):
     o0, l0, _ = fwd(q, k, v, idx, cnt, G, 0.09, pairs=0)
     if _is_h100_class():
         assert ran
-    check_close("out (pairs vs shipped)", o1, o0, CUDA_TOL[torch.bfloat16])
+    check_close("out (pairs vs shipped)", o1, o0, PAIR_TOL)
     assert torch.equal(torch.isinf(l1), torch.isinf(l0))
     fin = torch.isfinite(l0)
-    assert (l1[fin] - l0[fin]).abs().max().item() <= 1e-3
+    assert (l1[fin] - l0[fin]).abs().max().item() <= 2e-3
     o2, l2, ran2 = fwd(q, k, v, idx, cnt, G, 0.09, pairs=1, ws_bytes=0)
     assert not ran2 and torch.equal(o2, o0) and torch.equal(l2, l0)
 
@@ -187,7 +190,7 @@ def test_pairs_nan_stays_in_its_rows(where, gen):
     assert torch.equal(n1, n0), "NaN rows differ from the shipped forward"
     assert torch.equal(torch.isnan(l1), torch.isnan(l0))
     fin = ~n0[0, :, 0]
-    check_close("out (finite rows)", o1[0, fin], o0[0, fin], CUDA_TOL[torch.bfloat16])
+    check_close("out (finite rows)", o1[0, fin], o0[0, fin], PAIR_TOL)
     if where == "v_nan_b_only":
         assert torch.isfinite(o1[0, :32]).all() and torch.isnan(o1[0, 32:64]).any(-1).all()
     if where == "k_inf_a_only":
