@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 VAR=${1:-csrc/dev/attn_fwd_pairs.cu}
 BENCH=${2:-"--S 65536 --D 128 --G 32 64 --sparsity 0.9 --dist random smooth --dense cudnn"}
-TESTS=${3:-"tests/test_attn_fwd_pairs_cuda.py tests/test_sparse_attention.py tests/test_sparse_attention_cuda.py"}
+TESTS=${3-"tests/test_attn_fwd_pairs_cuda.py tests/test_sparse_attention.py tests/test_sparse_attention_cuda.py"}
 date -u
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 FL="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -Icsrc -lineinfo --split-compile=0"
