@@ -58,5 +58,11 @@ for key, d in sorted(rows.items()):
         return f"{c / r['fwd_ms']:.2f}" if c and r.get("fwd_ms") else "-"
     print(" ".join(map(str, key)), "|", s.get("fwd_ms", "-"), "/", v.get("fwd_ms", "-"), "|",
           x(s), "/", x(v), "|", s.get("bwd_ms", "-"), "/", v.get("bwd_ms", "-"))
+# the target: G = 32 at least 0.8x as fast per selected key as G = 64 (same keys per query)
+for (S, D, G, sp, dist), d in sorted(rows.items()):
+    g64 = rows.get((S, D, 64, sp, dist), {}).get("ship", {}).get("fwd_ms")
+    if G == 32 and g64 and "variant" in d:
+        print(f"S={S} D={D} {sp} {dist}: G = 32 variant per selected key {g64 / d['variant']['fwd_ms']:.2f}x"
+              f" of G = 64 (shipped {g64 / d['ship']['fwd_ms']:.2f}x)" if "ship" in d else "")
 EOF
 date -u
