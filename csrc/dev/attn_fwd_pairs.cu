@@ -37,11 +37,15 @@
 /* the shipped forward's entry points keep other names here; this file defines the C API */
 #define dsv_sparse_attention_fwd_cuda dsv_shipped_sparse_attention_fwd_cuda
 #define dsv_sparse_attention_fwd_workspace_cuda dsv_shipped_sparse_attention_fwd_workspace_cuda
+#define dsv_sparse_attention_bwd_cuda dsv_shipped_sparse_attention_bwd_cuda
+#define dsv_sparse_attention_bwd_workspace_cuda dsv_shipped_sparse_attention_bwd_workspace_cuda
 #include "cuda/tuning.cu"
 #include "cuda/sparse_attention_fwd.cu"
+#include "cuda/sparse_attention_bwd.cu"
 #undef dsv_sparse_attention_fwd_cuda
 #undef dsv_sparse_attention_fwd_workspace_cuda
-#include "cuda/sparse_attention_bwd.cu"
+#undef dsv_sparse_attention_bwd_cuda
+#undef dsv_sparse_attention_bwd_workspace_cuda
 #include "cuda/sparse_attention_bwd_index.cu"
 #include "cuda/sparse_attention_bwd_kmajor.cu"
 #include "cuda/sparse_attention_bwd_qmajor.cu"
@@ -358,6 +362,403 @@ static int fwd_pairs(const dsv_attn_shape* sh, FwdParams<T>& prm, int wgmma, con
   return fwd_dispatch<T>(sh, prm, wgmma, stream);
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* backward: the query-major pass with dK / dV reductions for pairs (wgmma, 64-key tiles) */
+
+template <typename T> struct PairExp { static constexpr uint32_t m = 0x7c00u; };      /* fp16 */
+template <> struct PairExp<__nv_bfloat16> { static constexpr uint32_t m = 0x7f80u; }; /* bf16 */
+
+/* Whether rows [row0, row0 + n) of q and dout (batch b, head h) are all finite (CTA-wide; an
+ * element is not when its exponent bits are all ones). */
+template <typename T, int D>
+__device__ __forceinline__ bool pair_rows_finite(const BwdParams<T>& p, int b, int h, int row0,
+                                                 int n) {
+  constexpr int CH = D / 8;
+  constexpr uint32_t M = PairExp<T>::m;
+  bool bad = false;
+  for (int i = threadIdx.x; i < 2 * n * CH; i += blockDim.x) {
+    const int t = i / (n * CH), rc = i - t * (n * CH), r = rc / CH, c = rc - r * CH;
+    const T* src = t == 0 ? p.q + b * p.qb + h * p.qh + (int64_t)(row0 + r) * p.qs
+                          : p.dout + b * p.gb + h * p.gh + (int64_t)(row0 + r) * p.gs;
+    const uint4 x = __ldg(reinterpret_cast<const uint4*>(src + c * 8));
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) bad |= (w[e] & M) == M || ((w[e] >> 16) & M) == M;
+  }
+  return !__syncthreads_or(bad);
+}
+
+/* One pass of bwd_wg_kernel (ATOMIC, BN = 64) over entries [j0, j1) of `list` for the query rows
+ * [rlo, rhi) of the CTA's 64 (the others are zero rows with P = 0). UNI: the list is the pair's
+ * union (coded entries), P and dS of a key outside a row's group are selected to 0; else a plain
+ * list. RED: dK / dV reductions (16-byte red.global.add from registers), else dQ only. Leaves dQ
+ * (unscaled) in dq; returns the number of key tiles. */
+template <typename T, int D, int NS, bool UNI, bool RED>
+__device__ __forceinline__ int pair_bwd_pass(const BwdParams<T>& p, int b, int h, size_t bh,
+                                             int row0, int rlo, int rhi, const int* list, int n,
+                                             int klo, int khi, bool search, unsigned char* smem,
+                                             float (&dq)[D / 8][4]) {
+  constexpr int BM = 64, BN = 64, NT = 128;
+  constexpr int QE = BM * D, KE = BN * D, PE = BM * BN;
+  T* Qs = reinterpret_cast<T*>(smem);
+  T* dOs = Qs + QE;
+  T* Ks = dOs + QE;
+  T* Vs = Ks + NS * KE;
+  T* PSs = Vs + NS * KE;
+  float* lse2 = reinterpret_cast<float*>(PSs + PE);
+  float* dlt = lse2 + BM;
+  int* kidx = reinterpret_cast<int*>(dlt + BM); /* [NS][BN] */
+  int* qidx = kidx + NS * BN;                   /* [BM] */
+  int* amask = qidx + BM;                       /* [NS][BN] */
+  int* bmask = amask + NS * BN;                 /* [NS][BN] */
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  int j0 = 0, j1 = n;
+  if (search) { /* ascending keys: the entries of [klo, khi) */
+    int a = 0, e = n;
+    while (a < e) {
+      const int m = (a + e) >> 1;
+      const int x = UNI ? (__ldg(list + m) & PAIR_KEY) : __ldg(list + m);
+      if (x < klo) a = m + 1; else e = m;
+    }
+    j0 = a;
+    e = n;
+    while (a < e) {
+      const int m = (a + e) >> 1;
+      const int x = UNI ? (__ldg(list + m) & PAIR_KEY) : __ldg(list + m);
+      if (x < khi) a = m + 1; else e = m;
+    }
+    j1 = a;
+  }
+  __syncthreads(); /* a previous pass is done with the shared tiles */
+  for (int r = tid; r < BM; r += NT) {
+    const bool valid = r >= rlo && r < rhi;
+    qidx[r] = valid ? row0 + r : -1;
+    const float l = valid ? p.lse[bh * p.S + row0 + r] : INFINITY;
+    lse2[r] = l == -INFINITY ? INFINITY : l * DSV_LOG2E;
+    dlt[r] = valid ? p.delta[bh * p.S + row0 + r] : 0.f;
+  }
+  __syncthreads();
+  gather_rows_async<T, D, NT, BM, true>(Qs, p.q + b * p.qb + h * p.qh, p.qs, qidx, BM);
+  gather_rows_async<T, D, NT, BM, true>(dOs, p.dout + b * p.gb + h * p.gh, p.gs, qidx, BM);
+  const int ntiles = j1 > j0 ? (j1 - j0 + BN - 1) / BN : 0;
+  using Gather = KeyGather<T, D, NT, BN, true, int, false, 1>;
+  Gather ix;
+  ix.init(p.k + b * p.kb + h * p.kh, p.ks, p.v + b * p.vb + h * p.vh, p.vs);
+  const uint32_t ks0 = smem_u32(Ks), vs0 = smem_u32(Vs);
+  unsigned fl = 0;
+  auto load = [&](int js) {
+    ix.load(list, js, j1);
+    if constexpr (UNI) {
+#pragma unroll
+      for (int k = 0; k < Gather::N; ++k) ix.v[k] = ix.v[k] == -1 ? -1 : ix.v[k] & PAIR_KEY;
+      if (tid < BN) fl = js + tid < j1 ? (unsigned)__ldg(list + js + tid) >> 30 : 0u;
+    }
+  };
+  auto issue = [&](int st) {
+    ix.issue(ks0 + st * KE * 2, vs0 + st * KE * 2, klo, khi, kidx + st * BN);
+    if constexpr (UNI) {
+      if (tid < BN) {
+        amask[st * BN + tid] = (fl & 1u) ? 0 : -1;
+        bmask[st * BN + tid] = (fl & 2u) ? 0 : -1;
+      }
+    }
+  };
+#pragma unroll
+  for (int st = 0; st < NS - 1; ++st) {
+    if (st < ntiles) {
+      load(j0 + st * BN);
+      issue(st);
+    }
+    cp_async_commit();
+  }
+  load(j0 + (NS - 1) * BN);
+
+  float s[BN / 8][4], dp[BN / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i) {
+    s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+  }
+  const int lr0 = warp * 16 + (lane >> 2), lr1 = lr0 + 8;
+  const uint64_t qdesc = wg_desc(smem_u32(Qs), 16, 1024);
+  const uint64_t dodesc = wg_desc(smem_u32(dOs), 16, 1024);
+  const uint64_t kdesc0 = wg_desc(ks0, 16, 1024);
+  const uint64_t vdesc0 = wg_desc(vs0, 16, 1024);
+  const uint64_t ktdesc0 = wg_desc(ks0, BN * 128, 1024);
+  const uint64_t qtdesc = wg_desc(smem_u32(Qs), BM * 128, 1024);
+  const uint64_t dotdesc = wg_desc(smem_u32(dOs), BM * 128, 1024);
+  const uint64_t pdesc = wg_desc(smem_u32(PSs), BN * 128, 1024);
+  float* dva = p.dvacc + bh * (size_t)p.S * D;
+  float* dka = p.dkacc + bh * (size_t)p.S * D;
+  const int* gm = UNI ? (warp < 2 ? amask : bmask) : kidx; /* the warp's membership masks */
+
+  for (int t = 0; t < ntiles; ++t) {
+    const int buf = t % NS;
+    cp_async_wait<NS - 2>();
+    fence_proxy_async_smem();
+    __syncthreads();
+    {
+      const int tn = t + NS - 1;
+      if (tn < ntiles) {
+        issue(tn % NS);
+        load(j0 + (tn + 1) * BN);
+      }
+      cp_async_commit();
+    }
+    const uint32_t toff = buf * KE * 2;
+    const int* ki = kidx + buf * BN;
+    const int* wm = gm + buf * BN;
+    wg_fence();
+    bwg_scores<T, D, BN>(s, qdesc, wg_desc_add(kdesc0, toff));
+    bwg_scores<T, D, BN>(dp, dodesc, wg_desc_add(vdesc0, toff));
+    wg_commit();
+    wg_wait<0>();
+    wg_fence_regs<BN / 2>(&s[0][0]);
+    wg_fence_regs<BN / 2>(&dp[0][0]);
+    const float ls0 = lse2[lr0], ls1 = lse2[lr1];
+    const float dl0 = dlt[lr0], dl1 = dlt[lr1];
+    uint32_t pa[BN / 16][4], da[BN / 16][4];
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      const int col = nt * 8 + (lane & 3) * 2;
+      /* selects, not products: a NaN of a key outside the row's group stays out */
+      const bool v0 = ki[col] >= 0 && wm[col] >= 0, v1 = ki[col + 1] >= 0 && wm[col + 1] >= 0;
+      const float p0 = v0 ? fast_exp2(s[nt][0] * p.scale_log2 - ls0) : 0.f;
+      const float p1 = v1 ? fast_exp2(s[nt][1] * p.scale_log2 - ls0) : 0.f;
+      const float p2 = v0 ? fast_exp2(s[nt][2] * p.scale_log2 - ls1) : 0.f;
+      const float p3 = v1 ? fast_exp2(s[nt][3] * p.scale_log2 - ls1) : 0.f;
+      const int kk = nt >> 1, hf = (nt & 1) * 2;
+      pa[kk][hf] = Elem<T>::pack(p0, p1);
+      pa[kk][hf + 1] = Elem<T>::pack(p2, p3);
+      da[kk][hf] = Elem<T>::pack(v0 ? p0 * (dp[nt][0] - dl0) : 0.f, v1 ? p1 * (dp[nt][1] - dl0) : 0.f);
+      da[kk][hf + 1] = Elem<T>::pack(v0 ? p2 * (dp[nt][2] - dl1) : 0.f, v1 ? p3 * (dp[nt][3] - dl1) : 0.f);
+    }
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      Wgmma<T, D>::rs_bt(&dq[0][0], da[kk], wg_desc_add(ktdesc0, toff + kk * 2048), 1);
+    wg_commit();
+    if constexpr (RED) {
+      float dvt[D / 8][4], dkt[D / 8][4];
+      bwg_store_frag<T, BN>(PSs, pa, lr0, lane);
+      fence_proxy_async_smem();
+      __syncthreads();
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        WgmmaTT<T, D>::ss(&dvt[0][0], wg_desc_add(pdesc, kk * 2048),
+                          wg_desc_add(dotdesc, kk * 2048), kk > 0);
+      wg_commit();
+      wg_wait<0>();
+      wg_fence_regs<D / 2>(&dq[0][0]);
+      wg_fence_regs<D / 2>(&dvt[0][0]);
+      __syncthreads();
+      bwg_store_frag<T, BN>(PSs, da, lr0, lane);
+      fence_proxy_async_smem();
+      __syncthreads();
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        WgmmaTT<T, D>::ss(&dkt[0][0], wg_desc_add(pdesc, kk * 2048),
+                          wg_desc_add(qtdesc, kk * 2048), kk > 0);
+      wg_commit();
+      bwg_reduce_rows<D>(dva, dvt, ki, warp, lane);
+      wg_wait<0>();
+      wg_fence_regs<D / 2>(&dkt[0][0]);
+      bwg_reduce_rows<D>(dka, dkt, ki, warp, lane);
+    } else {
+      wg_wait<0>();
+      wg_fence_regs<D / 2>(&dq[0][0]);
+    }
+  }
+  cp_async_wait<0>();
+  return ntiles;
+}
+
+/* dQ of the rows [rlo, rhi): dq (times scale) or, with key ranges, the fp32 partial sums. */
+template <typename T, int D>
+__device__ __forceinline__ void pair_store_dq(const BwdParams<T>& p, const float (&dq)[D / 8][4],
+                                              int b, int h, size_t bh, int row0, int rlo,
+                                              int rhi, bool ranges, int warp, int lane) {
+  const int lr0 = warp * 16 + (lane >> 2), lr1 = lr0 + 8;
+  if (ranges) {
+    float* dqa = p.dqacc + bh * (size_t)p.S * D;
+    const int tq = lane & 3;
+    const bool even = (tq & 1) == 0;
+    const int lrow = even ? lr0 : lr1;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const float x0 = __shfl_xor_sync(0xffffffffu, even ? dq[i][2] : dq[i][0], 1);
+      const float x1 = __shfl_xor_sync(0xffffffffu, even ? dq[i][3] : dq[i][1], 1);
+      const float4 val = even ? make_float4(dq[i][0], dq[i][1], x0, x1)
+                              : make_float4(x0, x1, dq[i][2], dq[i][3]);
+      if (lrow >= rlo && lrow < rhi)
+        atomicAdd(reinterpret_cast<float4*>(dqa + (size_t)(row0 + lrow) * D + i * 8 +
+                                            (tq >> 1) * 4),
+                  val);
+    }
+    return;
+  }
+  T* dqb = p.dq + b * p.dqb + h * p.dqh;
+  if (lr0 >= rlo && lr0 < rhi) {
+    T* r = dqb + (int64_t)(row0 + lr0) * p.dqs + (lane & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      *reinterpret_cast<uint32_t*>(r + i * 8) =
+          Elem<T>::pack(dq[i][0] * p.scale, dq[i][1] * p.scale);
+  }
+  if (lr1 >= rlo && lr1 < rhi) {
+    T* r = dqb + (int64_t)(row0 + lr1) * p.dqs + (lane & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      *reinterpret_cast<uint32_t*>(r + i * 8) =
+          Elem<T>::pack(dq[i][2] * p.scale, dq[i][3] * p.scale);
+  }
+}
+
+template <typename T>
+struct PairBwdParams {
+  BwdParams<T> p;
+  const int* uni;
+  const int* meta;
+  int NP;
+};
+
+/* The query-major pass with reductions of the heads on path 0, one CTA per pair of groups and
+ * key range: the pass over the union, both groups' rows at once, each key reduced once per pair.
+ * A non-finite q or dout row in the pair (it would reach the other group's keys through a
+ * 0 x NaN in dK_t = dS^T Q or dV_t = P^T dO) runs both groups apart from the start, the other
+ * group's rows zero; a NaN in dQ after the union pass (0 x NaN in dQ += dS K, a non-finite K of
+ * the other group's key) recomputes dQ per group (dK / dV of the union pass stand). */
+template <typename T, int D, int NS, int MINB>
+__global__ void __launch_bounds__(128, MINB) pair_bwd_kernel(const PairBwdParams<T> pp) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const BwdParams<T>& p = pp.p;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const int RG = p.nranges;
+  const int h = blockIdx.y / RG, rr = blockIdx.y - h * RG, b = blockIdx.z;
+  const size_t bh = (size_t)b * p.H + h;
+  if (p.path[bh] != 0) return;
+  const int R = p.nrh[bh];
+  if (rr >= R) return;
+  const int pr = blockIdx.x, row0 = pr * 64, nrows = min(64, p.S - row0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int klo = 0, khi = p.S;
+  bool search = false;
+  if (R > 1) {
+    const int rlen = (p.S + R - 1) / R;
+    klo = rr * rlen;
+    khi = min(p.S, klo + rlen);
+    search = p.flags[bh] == 0;
+  }
+  const bool ranges = RG > 1;
+  float dq[D / 8][4];
+  int count = __ldg(p.kv_count + bh);
+  count = count < 0 ? 0 : (count > p.kmax ? p.kmax : count);
+  if (pair_rows_finite<T, D>(p, b, h, row0, nrows)) {
+    const size_t pi = bh * pp.NP + pr;
+    const int* uni = pp.uni + pi * (size_t)(2 * p.kmax);
+    const int nuni = __ldg(pp.meta + 2 * pi);
+    const int nt = pair_bwd_pass<T, D, NS, true, true>(p, b, h, bh, row0, 0, nrows, uni, nuni, klo,
+                                                       khi, search, smem, dq);
+    bool bad = false;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      bad |= dq[i][0] != dq[i][0] || dq[i][1] != dq[i][1] || dq[i][2] != dq[i][2] ||
+             dq[i][3] != dq[i][3];
+    if (!__syncthreads_or(bad)) {
+      if (!ranges || nt > 0) pair_store_dq<T, D>(p, dq, b, h, bh, row0, 0, nrows, ranges, warp, lane);
+      return;
+    }
+    for (int gi = 0; gi < 2; ++gi) {
+      const int g = 2 * pr + gi;
+      if (g >= p.NG) break;
+      const int* list = p.kv_index + (bh * p.NG + g) * (size_t)p.kmax;
+      const int n = trim_count<128>(list, count);
+      const int rhi = min(gi * 32 + 32, nrows);
+      const int ntg = pair_bwd_pass<T, D, NS, false, false>(p, b, h, bh, row0, gi * 32, rhi, list,
+                                                            n, klo, khi, search, smem, dq);
+      if (!ranges || ntg > 0) pair_store_dq<T, D>(p, dq, b, h, bh, row0, gi * 32, rhi, ranges, warp, lane);
+    }
+    return;
+  }
+  for (int gi = 0; gi < 2; ++gi) {
+    const int g = 2 * pr + gi;
+    if (g >= p.NG) break;
+    const int* list = p.kv_index + (bh * p.NG + g) * (size_t)p.kmax;
+    const int n = trim_count<128>(list, count);
+    const int rhi = min(gi * 32 + 32, nrows);
+    const int ntg = pair_bwd_pass<T, D, NS, false, true>(p, b, h, bh, row0, gi * 32, rhi, list, n,
+                                                         klo, khi, search, smem, dq);
+    if (!ranges || ntg > 0) pair_store_dq<T, D>(p, dq, b, h, bh, row0, gi * 32, rhi, ranges, warp, lane);
+  }
+#endif
+}
+
+static char* g_bwd_pair_ws = nullptr; /* the union region of the running backward, or null */
+static int g_bwd_pairs_on = 1;
+
+template <typename T, int D>
+static int launch_bwd_pairs(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
+  constexpr int NS = 2, BM = 64, BN = 64;
+  PairBwdParams<T> pp;
+  pp.p = prm;
+  pp.NP = (prm.NG + 1) / 2;
+  const size_t rows = (size_t)sh->batch * (size_t)prm.H * (size_t)pp.NP;
+  int* uni = (int*)(((uintptr_t)g_bwd_pair_ws + 15) & ~(uintptr_t)15);
+  int* meta = uni + rows * (size_t)(2 * prm.kmax);
+  pp.uni = uni;
+  pp.meta = meta;
+  dim3 mgrid((unsigned)((pp.NP + 127) / 128), (unsigned)prm.H, (unsigned)sh->batch);
+  pair_merge_kernel<<<mgrid, 128, 0, stream>>>(prm.kv_index, prm.kv_count, prm.S, prm.H, prm.NG,
+                                               prm.kmax, pp.NP, uni, meta);
+  if (cudaGetLastError() != cudaSuccess) return DSV_ERR_CUDA;
+  const size_t smem = 1024 + (size_t)(2 * BM + 2 * NS * BN) * D * sizeof(T) +
+                      (size_t)BM * BN * sizeof(T) + 2 * BM * sizeof(float) +
+                      (size_t)(3 * NS * BN + BM) * sizeof(int);
+  auto kern = pair_bwd_kernel<T, D, NS, 2>;
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+      cudaSuccess)
+    return DSV_ERR_CUDA;
+  dim3 grid((unsigned)pp.NP, (unsigned)(sh->heads * prm.nranges), (unsigned)sh->batch);
+  kern<<<grid, 128, smem, stream>>>(pp);
+  return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
+}
+
+/* The query-major passes: for pairs (G = 32, D 64 / 128, wgmma, the union region given) the
+ * shipped dQ-only pass of the key-major heads, then the pair kernel for the others; else the
+ * shipped passes. */
+template <typename T, int D>
+static int pairs_qmajor_d(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
+                          cudaStream_t stream) {
+  const int64_t lim = (int64_t)UINT32_MAX / (int64_t)sizeof(T);
+  if (g_bwd_pairs_on && g_bwd_pair_ws && wgmma && prm.G == 32 && prm.ks <= lim &&
+      prm.vs <= lim && (int64_t)prm.S <= PAIR_KEY) {
+    int st = DSV_OK;
+    if (prm.km_enabled && (st = qmajor_cfg<T, D, 32, false>(sh, prm, stream)) != DSV_OK) return st;
+    return launch_bwd_pairs<T, D>(sh, prm, stream);
+  }
+  return qmajor_passes<T, D>(sh, prm, wgmma, stream);
+}
+
+template <typename T>
+static int pairs_qmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
+                        cudaStream_t stream) {
+  switch (sh->head_dim) {
+    case 64: return pairs_qmajor_d<T, 64>(sh, prm, wgmma, stream);
+    case 128: return pairs_qmajor_d<T, 128>(sh, prm, wgmma, stream);
+    default: return bwd_qmajor_launch<T>(sh, prm, wgmma, stream);
+  }
+}
+
+static size_t pair_bwd_base(const dsv_attn_shape* p) {
+  return (dsv_shipped_sparse_attention_bwd_workspace_cuda(p) + 255) & ~(size_t)255;
+}
+
 }  // namespace dsv_attn
 
 extern "C" int dsv_dev_sparse_attention_fwd_pairs_cuda(int pairs, const dsv_attn_shape* p,
@@ -388,4 +789,42 @@ extern "C" int dsv_sparse_attention_fwd_cuda(const dsv_attn_shape* p, dsv_bshd q
                                              void* stream) {
   return dsv_dev_sparse_attention_fwd_pairs_cuda(1, p, q, k, v, kv_index, kv_count, out, lse,
                                                  workspace, workspace_bytes, stream);
+}
+
+extern "C" int dsv_dev_sparse_attention_bwd_pairs_cuda(
+    int pairs, const dsv_attn_shape* p, dsv_bshd q, dsv_bshd k, dsv_bshd v, dsv_bshd out,
+    dsv_bshd dout, const void* lse, const int32_t* kv_index, const int32_t* kv_count,
+    dsv_bshd dq, dsv_bshd dk, dsv_bshd dv, void* workspace, size_t workspace_bytes,
+    void* stream) {
+  const size_t need = pair_ws_bytes(p);
+  g_bwd_pair_ws = nullptr;
+  if (pairs && need > 0 && workspace && check_attn_args(p) == DSV_OK) {
+    const size_t base = pair_bwd_base(p);
+    if (base > 0 && workspace_bytes >= base + need) g_bwd_pair_ws = (char*)workspace + base;
+  }
+  g_bwd_pairs_on = pairs != 0;
+  const BwdQmajor qm = {pairs_qmajor<__half>, pairs_qmajor<__nv_bfloat16>};
+  const int st = bwd_entry(qm, p, q, k, v, out, dout, lse, kv_index, kv_count, dq, dk, dv,
+                           workspace, workspace_bytes, stream);
+  g_bwd_pair_ws = nullptr;
+  g_bwd_pairs_on = 1;
+  return st;
+}
+
+extern "C" size_t dsv_sparse_attention_bwd_workspace_cuda(const dsv_attn_shape* p) {
+  const size_t base = dsv_shipped_sparse_attention_bwd_workspace_cuda(p);
+  const size_t need = pair_ws_bytes(p);
+  if (base == 0 || need == 0) return base;
+  return pair_bwd_base(p) + need;
+}
+
+extern "C" int dsv_sparse_attention_bwd_cuda(const dsv_attn_shape* p, dsv_bshd q, dsv_bshd k,
+                                             dsv_bshd v, dsv_bshd out, dsv_bshd dout,
+                                             const void* lse, const int32_t* kv_index,
+                                             const int32_t* kv_count, dsv_bshd dq, dsv_bshd dk,
+                                             dsv_bshd dv, void* workspace,
+                                             size_t workspace_bytes, void* stream) {
+  return dsv_dev_sparse_attention_bwd_pairs_cuda(1, p, q, k, v, out, dout, lse, kv_index,
+                                                 kv_count, dq, dk, dv, workspace,
+                                                 workspace_bytes, stream);
 }
