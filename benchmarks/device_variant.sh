@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call for a csrc/dev/ attention variant: build it and the shipped kernels
 # (csrc/cuda/sparse_attention_*.cu + tuning.cu) into two ctypes libraries, run the attention GPU
-# tests with DSV_ATTN_LIB = the variant, then time both with bench_kernels.py in the same
+# tests with DSV_ATTN_LIB = the variant (the pairs' own file also on the query-major path only and
+# with key ranges), then time both with bench_kernels.py in the same
 # process order (shipped, variant) and print the forward / backward side by side. Logs and the
 # two benchmark JSONs under $OUT.
 # Usage: benchmarks/device_variant.sh [variant.cu] [bench args] [test files]
@@ -31,11 +32,20 @@ wait $pids
 nvcc -shared $B/ship_*.o $B/status.o -o $B/ship.so -lcudart || exit 1
 nvcc -shared $B/variant.o $B/status.o -o $B/variant.so -lcudart || exit 1
 echo "build: $(( $(date +%s) - t0 )) s"
-grep -A2 "pair_kernel\|fwd_wg_kernel" $OUT/variant_ptxas.log | grep -o "Used [0-9]* registers.*" | sort | uniq -c
+awk '/Compiling entry function/ {k = $7} /spill stores/ {sp = $5 " spill stores"}
+     /Used [0-9]+ registers/ && k ~ /pair/ {print k ": " $5 " registers, " sp}' $OUT/variant_ptxas.log
 if [ -n "$TESTS" ]; then
   DSV_ATTN_LIB=$B/variant.so timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider \
     $TESTS -rf --maxfail=10 -k "not backward_path" > $OUT/tests.log 2>&1
   tail -15 $OUT/tests.log
+  # the variant's own tests once more with every head on the query-major path, then with key
+  # ranges (the kernel tuning is read once per process)
+  for tun in "km_ratio=0" "km_ratio=0,bwd_ranges=3"; do
+    DSV_KERNEL_TUNING=$tun DSV_ATTN_LIB=$B/variant.so timeout 90 python3 -m pytest -q \
+      -p no:cacheprovider tests/test_attn_fwd_pairs_cuda.py -k "bfloat16 or agree" -rf --maxfail=5 \
+      > $OUT/tests_$tun.log 2>&1
+    echo "[$tun] $(tail -1 $OUT/tests_$tun.log)"
+  done
 fi
 for lib in ship variant; do
   DSV_ATTN_LIB=$B/$lib.so timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/bench_kernels.py $BENCH \

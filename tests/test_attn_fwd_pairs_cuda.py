@@ -1,15 +1,19 @@
-"""GPU tests of the G = 32 pair forward (csrc/dev/attn_fwd_pairs.cu: two groups per wgmma
-warpgroup over the merged union of their lists, each warp masking the other group's keys).
+"""GPU tests of the G = 32 pair kernels (csrc/dev/attn_fwd_pairs.cu: two groups per wgmma
+warpgroup over the merged union of their lists, each warp masking the other group's keys; the
+forward, and the backward's query-major pass with dK / dV reduced once per key of the union).
 
 Runs when DSV_ATTN_LIB names a library built from that file (benchmarks/device_variant.sh builds
 one; it also runs tests/test_sparse_attention*.py against it), else skips. The union changes
 which keys share a tile and so the summation order, nothing else: out and lse must meet the
-float64 reference under the tolerance rule of tests/helpers.py (check_attention, which also runs
-the shipped backward on the variant's lse) for every list the op accepts: sorted and unsorted,
+float64 reference under the tolerance rule of tests/helpers.py (check_attention: forward and
+backward, both through the library's C API, which runs the pairs) for every list the op accepts: sorted and unsorted,
 overlapping and disjoint pairs, duplicates (they count twice, per group), -1 and out-of-range
 entries, counts past kmax or negative, an odd number of groups and a partial last group. NaN
-stays in the rows whose own keys or query hold it, as with the shipped kernels (a NaN in V of a
-key only the partner group lists must not reach a row through P = 0). Every call fills the
+stays in the rows (and gradients) that it reaches on the shipped kernels (a NaN in V of a key
+only the partner group lists must not reach a row through P = 0, a NaN query row must not reach
+the partner group's keys through dS = 0). The backward's pair kernel runs on heads of the
+query-major path: benchmarks/device_variant.sh also runs this file with
+DSV_KERNEL_TUNING=km_ratio=0 (every head there) and with bwd_ranges=3 (key ranges). Every call fills the
 workspace with 0xA5 first; that the pair path ran (and did not fall through to the shipped one)
 is checked by its writes there.
 """
@@ -20,7 +24,7 @@ import ctypes
 import pytest
 import torch
 
-from helpers import CUDA_TOL, DT, AttnShape, bshd, check_attention, check_close, get_lib
+from helpers import CUDA_GTOL, CUDA_TOL, DT, AttnShape, bshd, check_attention, check_close, get_lib
 from helpers import index_lists, make_inputs, ref
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -31,6 +35,9 @@ if _HAS:
     _f = _lib.dsv_dev_sparse_attention_fwd_pairs_cuda
     _f.restype = ctypes.c_int
     _f.argtypes = [ctypes.c_int] + list(_lib.dsv_sparse_attention_fwd_cuda.argtypes)
+    _fb = _lib.dsv_dev_sparse_attention_bwd_pairs_cuda
+    _fb.restype = ctypes.c_int
+    _fb.argtypes = [ctypes.c_int] + list(_lib.dsv_sparse_attention_bwd_cuda.argtypes)
 
 
 def need_pairs():
@@ -57,6 +64,21 @@ def fwd(q, k, v, idx, cnt, G, scale, pairs=1, ws_bytes=None):
     assert st == 0, f"dsv_dev_sparse_attention_fwd_pairs_cuda returned {st}"
     torch.cuda.synchronize()
     return out, lse, bool((work != 0xA5).any())
+
+
+def bwd(dout, q, k, v, out, lse, idx, cnt, G, scale, pairs=1):
+    """(dq, dk, dv) of the dev entry; outputs poisoned with NaN, the workspace too."""
+    B, S, H, D = q.shape
+    dq, dk, dv = (torch.full_like(q, float("nan")) for _ in range(3))
+    sh = AttnShape(B, S, H, D, G, idx.shape[2], idx.shape[3], float(scale), DT[q.dtype], 0, 1)
+    ws = _lib.dsv_sparse_attention_bwd_workspace_cuda(ctypes.byref(sh))
+    work = torch.full((max(ws, 16) // 4 + 1,), float("nan"), dtype=torch.float32, device=q.device)
+    st = _fb(pairs, ctypes.byref(sh), bshd(q), bshd(k), bshd(v), bshd(out), bshd(dout),
+             lse.data_ptr(), idx.data_ptr(), cnt.data_ptr(), bshd(dq), bshd(dk), bshd(dv),
+             work.data_ptr(), ws, torch.cuda.current_stream().cuda_stream)
+    assert st == 0, f"dsv_dev_sparse_attention_bwd_pairs_cuda returned {st}"
+    torch.cuda.synchronize()
+    return dq, dk, dv
 
 
 def pair_lists(B, H, S, kmax, gen, kind):
@@ -197,3 +219,44 @@ def test_pairs_nan_stays_in_its_rows(where, gen):
         assert torch.isfinite(o1[0, 32:64]).all()
     if where == "q_nan":
         assert n1[0, :, 0].nonzero().flatten().tolist() == [40]
+
+
+def _same_nan_then_close(name, got, want, tol):
+    """The same NaN elements; the rest (rows without NaN) within tol of each other."""
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{name}: NaN pattern differs"
+    fin = ~torch.isnan(want).any(-1)
+    check_close(name, got[fin], want[fin], tol)
+
+
+@pytest.mark.parametrize("where", ["none", "q_nan", "dout_nan", "k_nan_b_only", "v_nan_b_only"])
+def test_pairs_backward_agrees_with_shipped(where, gen):
+    """The backward with pairs against the shipped one (pairs = 0) on the same forward results,
+    with overlapping lists: finite inputs within twice the reference bound of each other; a
+    non-finite input gives exactly the shipped NaN elements in dq, dk and dv (a NaN query or
+    dout row of group 1 must not reach the keys only group 0 lists, a NaN in K or V of a key
+    only group 1 lists must not reach group 0's dq)."""
+    need_pairs()
+    B, S, H, D, G, kmax = 1, 32 * 9 + 7, 2, 128, 32, 60
+    idx, cnt = pair_lists(B, H, S, kmax, gen, "overlap")
+    cnt[:] = kmax
+    q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype).cuda()
+    a, bl = set(idx[0, 0, 0].tolist()), set(idx[0, 0, 1].tolist())
+    only_b = sorted(bl - a)
+    if where == "q_nan":
+        q[0, 40, 0, 5] = float("nan")
+    elif where == "dout_nan":
+        dout[0, 45, 0, 9] = float("nan")
+    elif where == "k_nan_b_only":
+        k[0, only_b[0], 0, 2] = float("nan")
+    elif where == "v_nan_b_only":
+        v[0, only_b[0], 0, 2] = float("nan")
+    idx, cnt = idx.cuda(), cnt.cuda()
+    out, lse, _ = fwd(q, k, v, idx, cnt, G, 0.1, pairs=0)
+    got = bwd(dout, q, k, v, out, lse, idx, cnt, G, 0.1, pairs=1)
+    want = bwd(dout, q, k, v, out, lse, idx, cnt, G, 0.1, pairs=0)
+    if where != "none":
+        assert any(torch.isnan(w).any() for w in want), "the case must put a NaN somewhere"
+    tol = tuple(2 * t for t in CUDA_GTOL[torch.bfloat16])
+    for name, g_, w_ in zip(("dq", "dk", "dv"), got, want):
+        _same_nan_then_close(name, g_, w_, tol)
