@@ -1,7 +1,8 @@
 /*
- * attn_fwd_pairs.cu - G = 32 forward with two groups per warpgroup over the union of their key
- * lists (measurement variant; the shipped forward runs G = 32 on mma.sync, BM = 32,
- * csrc/cuda/sparse_attention_fwd.cu). Design and prediction: benchmarks/PERF_LOG.md (v11).
+ * attn_fwd_pairs.cu - G = 32 with two groups per warpgroup over the union of their key lists
+ * (measurement variant; the shipped kernels run G = 32 on mma.sync, BM = 32): the forward, and
+ * the backward's query-major pass with dK / dV reductions (pair_bwd_kernel, below). Design and
+ * prediction: benchmarks/PERF_LOG.md (v11).
  *
  *   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
  *        -DDSV_WGMMA -Icsrc -Xcompiler -fPIC -shared csrc/dev/attn_fwd_pairs.cu -o fwd_pairs.so
@@ -26,11 +27,14 @@
  * sm_90a build on a 9.0 device, K / V row strides below 4 GB) and the workspace holds the union
  * (dsv_sparse_attention_fwd_workspace_cuda of this library asks for it: B H ceil(NG / 2) (2 kmax
  * + 2) ints); every other call runs the shipped forward. The library also exports the rest of
- * the shipped C API (the backward unchanged) and
+ * the shipped C API and
  *   int dsv_dev_sparse_attention_fwd_pairs_cuda(int pairs, <dsv_sparse_attention_fwd_cuda's
  *                                               arguments>)
- * with pairs 0 (the shipped forward) or 1 (this one, what dsv_sparse_attention_fwd_cuda runs).
- * Not thread-safe (the workspace of the running call is a global).
+ *   int dsv_dev_sparse_attention_bwd_pairs_cuda(int pairs, <dsv_sparse_attention_bwd_cuda's
+ *                                               arguments>)
+ * with pairs 0 (the shipped kernels) or 1 (the pairs: what dsv_sparse_attention_fwd_cuda and
+ * _bwd_cuda run). The backward's workspace is the shipped one plus the union (same size as the
+ * forward's). Not thread-safe (the workspace of the running call is a global).
  */
 #include <string.h>
 
