@@ -1,0 +1,729 @@
+/*
+ * topk_sampled.cu - exact top-K estimation with a sampled threshold band (a variant of
+ * csrc/cuda/topk_estimate.cu, to be measured against it; same contract, same lists).
+ *
+ *   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
+ *        -Icsrc -Xcompiler -fPIC -shared csrc/dev/topk_sampled.cu -o topk_sampled.so
+ *
+ * Exports dsv_topk_estimate_workspace_cuda / dsv_topk_estimate_cuda (this variant, so that a
+ * library built from it with predictor_loss.cu, profile_attention.cu and rows.cu works as
+ * DSV_OPS_LIB for the tests and benchmarks/bench_topk.py) and the shipped kernel as
+ * dsv_dev_topk_estimate_shipped_cuda (same arguments), for comparisons in one process
+ * (benchmarks/topk_variant.py, benchmarks/device_topk_variant.sh).
+ *
+ * Why: the shipped kernel selects by an MSB-first radix select over the whole uint32 key range,
+ * 8 bits per pass: 3-4 histogram passes plus the compaction pass, each recomputing all S scores
+ * per group (issue-bound on the per-score integer work, PERF_LOG v6). Most of those passes only
+ * locate the K-th largest score, which a small sample already locates to within a narrow band.
+ *
+ * Design (the CTA layout, the exact split-representative scores, the staging and the
+ * compaction pass are the shipped kernel's, reused from its source; every (group, key) score is
+ * bit-identical to the shipped kernel's, so the lists are too). Per group the selection keeps a
+ * window [lo, hi] of the order-preserving uint32 score keys that contains the K-th largest key,
+ * with `need` = its rank counted from the top of the window (#(key > hi) = K - need).
+ *  0. Sample (two cheap passes): every 16th key (rows staged with a 16x stride), 8 + 8 bits of
+ *     radix select over the sample for two sample ranks around the expected one,
+ *     mu = K n / S (n = ceil(S / 16)): m_lo = mu + 4 sqrt(mu) + 2 and m_hi = mu - 4 sqrt(mu) - 2.
+ *     T_lo = the lower edge of the 16-bit key bin holding the m_lo-th largest sample key,
+ *     T_hi = the upper edge of the bin holding the m_hi-th (to 8 bits if it lies in another
+ *     8-bit bin; open when m_hi < 1). With high probability #(key >= T_lo) >= K > #(key > T_hi).
+ *  1. Band pass (all keys): bin 0 = keys below T_lo (not counted: S minus the rest), bins
+ *     1..254 = [T_lo, T_hi] in 254 equal power-of-two steps, bin 255 = keys above the band
+ *     (counted in registers, no shared atomics). The boundary bin becomes the window. A K-th
+ *     largest key outside the band (a sample that misled) is no error: bin 0 or bin 255 is then
+ *     the window, refined by the generic passes below (the fallback).
+ *  2. Collect pass (all keys): when the window holds at most TKS_CAP keys (the usual case:
+ *     ~10 at S = 64k, K = 10%), its keys are appended to the group's histogram slab and the
+ *     K-th largest T and the number q of ties at T to take follow exactly from them.
+ *     Otherwise a generic pass: a 256-bin histogram over [lo, hi] (bin width 2^s, s the
+ *     smallest with (hi - lo) >> s <= 255), which shrinks the window >= 128x, so at most
+ *     4 generic passes reach one key value from any window.
+ *  3. Compaction pass (the shipped one): {key > T} and the first q of {key == T}, ascending.
+ * Without a sample (S < TKS_MIN_S) the first pass is generic over the full key range (the
+ * shipped radix, 8 bits per pass) or a collect pass when S <= TKS_CAP.
+ * Exactness never depends on the sample: every window update is a count over all S keys.
+ * Expected cost at S = 64k, H = 24, G = 64, K = 10% (PERF_LOG v11): 2 x 1/16 sample passes +
+ * band + collect + compaction = ~3.1 passes of all scores against the shipped 4-5:
+ * ~6.0 ms against 9.3 ms. The collect pass is the obvious next saving (fold the boundary bin's
+ * keys into the compaction pass and remove the unselected ones afterwards: ~2.1 passes).
+ */
+#define dsv_topk_estimate_cuda dsv_dev_topk_estimate_shipped_cuda
+#define dsv_topk_estimate_workspace_cuda dsv_dev_topk_estimate_shipped_workspace_cuda
+#include "cuda/topk_estimate.cu"
+#undef dsv_topk_estimate_cuda
+#undef dsv_topk_estimate_workspace_cuda
+
+#define TKS_STRIDE 16    /* sample: every TKS_STRIDE-th key */
+#define TKS_MIN_S 4096   /* sample from this sequence length on */
+#define TKS_CAP TK_BINS  /* collect pass: windows of at most this many keys (one slab) */
+#define TKS_MAX_PASSES 6 /* band + at most 4 generic passes + slack (see the design) */
+
+/* what a group does in the next pass */
+#define TKS_OFF 0     /* resolved (or not a group): nothing */
+#define TKS_HIST 1    /* 256-bin histogram of [lo, hi] */
+#define TKS_BAND 2    /* band histogram: bins 1..254 from lo = T_lo, bin 255 above top */
+#define TKS_COLLECT 3 /* append every key of [lo, hi] to the slab */
+
+/* per-group selection state of a CTA (shared memory) */
+struct dsv_tks_groups {
+  uint32_t lo[TK_GPC], hi[TK_GPC], top[TK_GPC];
+  int s[TK_GPC], mode[TK_GPC], need[TK_GPC], cnt[TK_GPC], done[TK_GPC], ccnt[TK_GPC];
+  int base[TK_GPC];                   /* list length written by the compaction */
+  int sneed_lo[TK_GPC], sneed_hi[TK_GPC];
+  uint32_t thi[TK_GPC];               /* sample stage: T_hi when known from 8 bits only */
+};
+
+template <int RP>
+static size_t dsv_tks_smem_bytes() {
+  const int SW = RP / 2 + 4;
+  return (size_t)TK_GPC * TK_BINS * 4 + (size_t)2 * TK_TILE * SW * 4 + sizeof(dsv_tks_groups) +
+         (size_t)TK_THREADS * 4 + 16;
+}
+
+/* one group's pass parameters in registers */
+struct dsv_tks_prm {
+  uint32_t lo, hi, top, off, slab; /* slab: shared address of the group's 256 words */
+  int s;
+  bool hist, coll;
+  uint32_t* cslab;
+  int* ccnt;
+};
+
+static __device__ __forceinline__ dsv_tks_prm dsv_tks_load(dsv_tks_groups& gs, uint32_t* hist,
+                                                           int g, bool valid) {
+  dsv_tks_prm p;
+  const int mode = valid ? gs.mode[g] : TKS_OFF;
+  p.lo = mode == TKS_OFF ? 1u : gs.lo[g];
+  p.hi = mode == TKS_OFF ? 0u : gs.hi[g]; /* empty window */
+  p.top = mode == TKS_BAND ? gs.top[g] : p.hi;
+  p.off = mode == TKS_BAND ? 1u : 0u;
+  p.s = mode == TKS_OFF ? 0 : gs.s[g];
+  p.hist = mode == TKS_HIST || mode == TKS_BAND;
+  p.coll = mode == TKS_COLLECT;
+  p.cslab = hist + g * TK_BINS;
+  p.slab = smem_u32(p.cslab);
+  p.ccnt = gs.ccnt + g;
+  return p;
+}
+
+/* One score key u of a group: histogram bin (or this thread's sink slot, unconditionally, as in
+ * the shipped passes), the above-band register count, the rare collect append. */
+static __device__ __forceinline__ void dsv_tks_score(const dsv_tks_prm& p, uint32_t u, uint32_t ok,
+                                                     uint32_t& above, uint32_t sink) {
+  const bool in = ok && u >= p.lo && u <= p.hi;
+  const bool h = in && p.hist && u <= p.top;
+  const uint32_t addr = h ? p.slab + ((p.off + ((u - p.lo) >> p.s)) << 2) : sink;
+  asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(addr) : "memory");
+  above += (uint32_t)(in && u > p.top);
+  if (in && p.coll) {
+    const int i = atomicAdd(p.ccnt, 1);
+    if (i < TKS_CAP) p.cslab[i] = u;
+  }
+}
+
+/* the 4 scores of one 8-key block of a lane: c0/c1 of group A, c2/c3 of group B */
+static __device__ __forceinline__ void dsv_tks_block(const float (&d)[4], uint32_t k0, uint32_t k1,
+                                                     const dsv_tks_prm& pA, const dsv_tks_prm& pB,
+                                                     uint32_t& aboveA, uint32_t& aboveB,
+                                                     uint32_t sink) {
+  dsv_tks_score(pA, dsv_float_key(d[0]), k0, aboveA, sink);
+  dsv_tks_score(pA, dsv_float_key(d[1]), k1, aboveA, sink);
+  dsv_tks_score(pB, dsv_float_key(d[2]), k0, aboveB, sink);
+  dsv_tks_score(pB, dsv_float_key(d[3]), k1, aboveB, sink);
+}
+
+/* One 8-key block's scores, block at a time (the shipped kernel's instruction order). */
+template <typename T, int KS, int SW>
+static __device__ __forceinline__ void dsv_tks_block_scores(const uint32_t* kt,
+                                                            const uint32_t (&A)[KS][3][4],
+                                                            int lane, int j4, int blk,
+                                                            float (&d)[4]) {
+  const int n = blk * 8 + (lane >> 2);
+  d[0] = d[1] = d[2] = d[3] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    const uint32_t b0 = kt[n * SW + ks * 8 + j4], b1 = kt[n * SW + ks * 8 + j4 + 4];
+    mma16816<T>(d, A[ks][2][0], A[ks][2][1], A[ks][2][2], A[ks][2][3], b0, b1);
+    mma16816<T>(d, A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
+    mma16816<T>(d, A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
+  }
+}
+
+/* One staged tile of a histogram / collect pass: two-phase (the shipped tile scores first) or
+ * block at a time (fp16 with RP >= 48, see the shipped kernel's kTwoPhase). */
+template <typename T, int KS, int SW, bool TWO>
+static __device__ __forceinline__ void dsv_tks_tile(const uint32_t* kt,
+                                                    const uint32_t (&A)[KS][3][4], int lane,
+                                                    int j4, int t0, int nvalid,
+                                                    const dsv_tks_prm& pA, const dsv_tks_prm& pB,
+                                                    uint32_t& aboveA, uint32_t& aboveB,
+                                                    uint32_t sink) {
+  if constexpr (TWO) {
+    float d[TK_TILE / 8][4];
+    dsv_tk_tile_scores<T, KS, SW>(kt, A, lane, j4, d);
+#pragma unroll
+    for (int blk = 0; blk < TK_TILE / 8; ++blk) {
+      const int key0 = t0 + blk * 8 + j4 * 2;
+      dsv_tks_block(d[blk], key0 < nvalid, key0 + 1 < nvalid, pA, pB, aboveA, aboveB, sink);
+    }
+  } else {
+#pragma unroll 2
+    for (int blk = 0; blk < TK_TILE / 8; ++blk) {
+      float d[4];
+      dsv_tks_block_scores<T, KS, SW>(kt, A, lane, j4, blk, d);
+      const int key0 = t0 + blk * 8 + j4 * 2;
+      dsv_tks_block(d, key0 < nvalid, key0 + 1 < nvalid, pA, pB, aboveA, aboveB, sink);
+    }
+  }
+}
+
+/* One pass over a key stream (rows 0 .. nrows-1 of base with row_stride: all keys, or the
+ * sample) with the groups' current modes. Called by all threads; ends with the band groups'
+ * above-band counts in bin 255 of their slabs. */
+template <typename T, int KS, int SW, bool TWO>
+static __device__ __forceinline__ void dsv_tks_pass(const dsv_topk_args& a, const T* kb,
+                                                    int64_t row_stride, int64_t nrows,
+                                                    uint32_t* ktile, const uint32_t (&A)[KS][3][4],
+                                                    dsv_tks_groups& gs, uint32_t* hist,
+                                                    bool warp_active, int tid, int lane, int gA,
+                                                    int gB, bool vA, bool vB) {
+  const int j4 = lane & 3;
+  const dsv_tks_prm pA = dsv_tks_load(gs, hist, gA, vA), pB = dsv_tks_load(gs, hist, gB, vB);
+  const uint32_t sink = smem_u32(reinterpret_cast<uint32_t*>(&gs + 1) + tid);
+  uint32_t aboveA = 0, aboveB = 0;
+  const int ntiles = (int)((nrows + TK_TILE - 1) / TK_TILE);
+  const int nv = (int)nrows;
+  dsv_stage_rows16<T>(ktile, SW, kb, row_stride, 0, TK_TILE, nrows, (int)a.r, KS * 16, a.kvec,
+                      tid, TK_THREADS);
+  cp_async_commit();
+  for (int it = 0; it < ntiles; ++it) {
+    cp_async_wait_all();
+    __syncthreads();
+    if (it + 1 < ntiles) {
+      dsv_stage_rows16<T>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, row_stride,
+                          (int64_t)(it + 1) * TK_TILE, TK_TILE, nrows, (int)a.r, KS * 16, a.kvec,
+                          tid, TK_THREADS);
+    }
+    cp_async_commit();
+    if (!warp_active) continue;
+    dsv_tks_tile<T, KS, SW, TWO>(ktile + (it & 1) * TK_TILE * SW, A, lane, j4, it * TK_TILE, nv,
+                                 pA, pB, aboveA, aboveB, sink);
+  }
+  /* the quad of lanes (lane >> 2) holds all keys of its two groups */
+  aboveA += __shfl_xor_sync(DSV_FULL_MASK, aboveA, 1);
+  aboveA += __shfl_xor_sync(DSV_FULL_MASK, aboveA, 2);
+  aboveB += __shfl_xor_sync(DSV_FULL_MASK, aboveB, 1);
+  aboveB += __shfl_xor_sync(DSV_FULL_MASK, aboveB, 2);
+  if (warp_active && j4 == 0) {
+    if (vA && gs.mode[gA] == TKS_BAND) hist[gA * TK_BINS + TK_BINS - 1] = aboveA;
+    if (vB && gs.mode[gB] == TKS_BAND) hist[gB * TK_BINS + TK_BINS - 1] = aboveB;
+  }
+  __syncwarp();
+}
+
+/* Boundary bin of a 256-bin slab for rank `need` from the top (the shipped kernel's scan); a
+ * band slab gets bin 0 = nkeys minus the rest. All lanes return the same bin, the count above
+ * it and its count. Requires need <= the slab's total. */
+static __device__ __forceinline__ void dsv_tks_find(const uint32_t* slab, uint32_t need, int lane,
+                                                    bool band, uint32_t nkeys, uint32_t& bin,
+                                                    uint32_t& above_out, uint32_t& cnt) {
+  const uint4 c0 = *reinterpret_cast<const uint4*>(slab + lane * 8);
+  const uint4 c1 = *reinterpret_cast<const uint4*>(slab + lane * 8 + 4);
+  uint32_t c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+  uint32_t csum = 0;
+#pragma unroll
+  for (int t = 0; t < 8; ++t) csum += c[t];
+  if (band) {
+    const uint32_t total = __reduce_add_sync(DSV_FULL_MASK, csum);
+    if (lane == 0) {
+      c[0] += nkeys - total;
+      csum += nkeys - total;
+    }
+  }
+  uint32_t s = csum;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t t = __shfl_down_sync(DSV_FULL_MASK, s, off);
+    if (lane + off < 32) s += t;
+  }
+  const uint32_t bal = __ballot_sync(DSV_FULL_MASK, s >= need);
+  const int L = bal ? 31 - __clz((int)bal) : 0;
+  uint32_t above = s - csum, bsel = 0, bcnt = 0;
+  bool found = false;
+#pragma unroll
+  for (int t = 7; t >= 0; --t) {
+    if (!found) {
+      if (above + c[t] >= need) {
+        found = true;
+        bsel = (uint32_t)t;
+        bcnt = c[t];
+      } else {
+        above += c[t];
+      }
+    }
+  }
+  above_out = __shfl_sync(DSV_FULL_MASK, above, L);
+  bin = (uint32_t)L * 8u + __shfl_sync(DSV_FULL_MASK, bsel, L);
+  cnt = __shfl_sync(DSV_FULL_MASK, bcnt, L);
+}
+
+/* the next pass of an unresolved group whose window [lo, hi] (lo < hi) holds cnt keys */
+static __device__ __forceinline__ void dsv_tks_plan(dsv_tks_groups& gs, int g) {
+  if (gs.cnt[g] <= TKS_CAP) {
+    gs.mode[g] = TKS_COLLECT;
+    gs.s[g] = 0;
+  } else {
+    const int bits = 32 - __clz((int)(gs.hi[g] - gs.lo[g]));
+    gs.mode[g] = TKS_HIST;
+    gs.s[g] = bits > 8 ? bits - 8 : 0;
+  }
+  gs.top[g] = gs.hi[g];
+}
+
+/* After a pass over all keys: every unresolved group of this warp narrows its window (or
+ * resolves T and q). Whole warp; lane 0 writes the state. */
+static __device__ __forceinline__ void dsv_tks_resolve(dsv_tks_groups& gs, uint32_t* hist,
+                                                       int warp, int lane, int ngl, uint32_t S) {
+  for (int gi = 0; gi < TK_GPW; ++gi) {
+    const int gl = warp * TK_GPW + gi;
+    if (gl >= ngl) break;
+    const int mode = gs.mode[gl];
+    if (gs.done[gl] || mode == TKS_OFF) continue;
+    const uint32_t* slab = hist + gl * TK_BINS;
+    const int need = gs.need[gl];
+    const int n = gs.ccnt[gl] < TKS_CAP ? gs.ccnt[gl] : TKS_CAP;
+    __syncwarp(); /* every lane has read the state before any lane writes it */
+    if (mode == TKS_COLLECT) {
+      /* the window's keys: T = the one with #(> T) < need <= #(>= T); equal keys write the
+       * same values */
+      for (int i = lane; i < n; i += 32) {
+        const uint32_t x = slab[i];
+        int gt = 0, ge = 0;
+        for (int j = 0; j < n; ++j) {
+          const uint32_t y = slab[j];
+          gt += y > x;
+          ge += y >= x;
+        }
+        if (gt < need && need <= ge) {
+          gs.lo[gl] = x;
+          gs.need[gl] = need - gt;
+        }
+      }
+      __syncwarp();
+      if (lane == 0) {
+        gs.done[gl] = 1;
+        gs.mode[gl] = TKS_OFF;
+      }
+      continue;
+    }
+    uint32_t b, above, cnt;
+    dsv_tks_find(slab, (uint32_t)need, lane, mode == TKS_BAND, S, b, above, cnt);
+    if (lane == 0) {
+      const uint64_t lo = gs.lo[gl], hi = gs.hi[gl], top = gs.top[gl];
+      const int s = gs.s[gl];
+      uint64_t nlo, nhi;
+      if (mode == TKS_BAND && b == 0) { /* below the band */
+        nlo = 0;
+        nhi = lo - 1;
+      } else if (mode == TKS_BAND && b == TK_BINS - 1) { /* above the band */
+        nlo = top + 1;
+        nhi = hi;
+      } else {
+        nlo = lo + ((uint64_t)(b - (mode == TKS_BAND)) << s);
+        nhi = nlo + ((uint64_t)1 << s) - 1;
+        if (nhi > top) nhi = top;
+      }
+      const int nneed = need - (int)above;
+      gs.lo[gl] = (uint32_t)nlo;
+      gs.hi[gl] = (uint32_t)nhi;
+      gs.need[gl] = nneed;
+      gs.cnt[gl] = (int)cnt;
+      if ((int)cnt == nneed) { /* the whole window: every key >= lo */
+        gs.done[gl] = 2;
+        gs.mode[gl] = TKS_OFF;
+      } else if (nlo == nhi) { /* one key value: T = lo, take need of its ties */
+        gs.done[gl] = 1;
+        gs.mode[gl] = TKS_OFF;
+      } else {
+        dsv_tks_plan(gs, gl);
+      }
+    }
+  }
+}
+
+/* The shipped prologue's A fragments (hi / mid / lo parts of the fp32 representative; fp16:
+ * scaled by a power of two per group), the same arithmetic so that the scores are identical. */
+template <typename T, int RP>
+static __device__ __forceinline__ void dsv_tks_fragments(const float* reps, int gA, int gB,
+                                                         int j4, uint32_t (&A)[RP / 16][3][4]) {
+  constexpr int KS = RP / 16;
+  float sclA = 1.f, sclB = 1.f;
+  if (!dsv_is_bf16<T>::value) {
+    float mA = 0.f, mB = 0.f;
+    for (int c = 0; c < RP; ++c) {
+      mA = fmaxf(mA, fabsf(reps[gA * RP + c]));
+      mB = fmaxf(mB, fabsf(reps[gB * RP + c]));
+    }
+    int e;
+    if (mA > 0.f && mA < INFINITY) {
+      frexpf(mA, &e);
+      e = 15 - e;
+      e = e > 100 ? 100 : (e < -100 ? -100 : e);
+      sclA = ldexpf(1.f, e);
+    }
+    if (mB > 0.f && mB < INFINITY) {
+      frexpf(mB, &e);
+      e = 15 - e;
+      e = e > 100 ? 100 : (e < -100 ? -100 : e);
+      sclB = ldexpf(1.f, e);
+    }
+  }
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int col = ks * 16 + j4 * 2 + half * 8;
+#pragma unroll
+      for (int gsel = 0; gsel < 2; ++gsel) {
+        const int g = gsel ? gB : gA;
+        const float scl = gsel ? sclB : sclA;
+        float x0 = reps[g * RP + col] * scl, x1 = reps[g * RP + col + 1] * scl;
+        float h0 = dsv_round_to<T>(x0), h1 = dsv_round_to<T>(x1);
+        float r0 = x0 - h0, r1 = x1 - h1;
+        float m0 = dsv_round_to<T>(r0), m1 = dsv_round_to<T>(r1);
+        float l0 = r0 - m0, l1 = r1 - m1;
+        A[ks][0][half * 2 + gsel] = dsv_pack2<T>(h0, h1);
+        A[ks][1][half * 2 + gsel] = dsv_pack2<T>(m0, m1);
+        A[ks][2][half * 2 + gsel] = dsv_pack2<T>(l0, l1);
+      }
+    }
+  }
+}
+
+/* compaction flags of one 8-key block (the shipped dsv_tk_compact_flags, per block) */
+static __device__ __forceinline__ void dsv_tks_flags(const float (&d)[4], int blk, uint32_t k0,
+                                                     uint32_t k1, uint32_t TA, uint32_t TB,
+                                                     uint32_t& mgA, uint32_t& mgB, uint32_t& meA,
+                                                     uint32_t& meB) {
+  const uint32_t u0 = dsv_float_key(d[0]), u1 = dsv_float_key(d[1]);
+  const uint32_t u2 = dsv_float_key(d[2]), u3 = dsv_float_key(d[3]);
+  mgA |= ((k0 & (u0 > TA)) << (2 * blk)) | ((k1 & (u1 > TA)) << (2 * blk + 1));
+  meA |= ((k0 & (u0 == TA)) << (2 * blk)) | ((k1 & (u1 == TA)) << (2 * blk + 1));
+  mgB |= ((k0 & (u2 > TB)) << (2 * blk)) | ((k1 & (u3 > TB)) << (2 * blk + 1));
+  meB |= ((k0 & (u2 == TB)) << (2 * blk)) | ((k1 & (u3 == TB)) << (2 * blk + 1));
+}
+
+template <typename T, int RP>
+__global__ void __launch_bounds__(TK_THREADS) dsv_tks_kernel(const dsv_topk_args a) {
+  constexpr int KS = RP / 16;
+  constexpr int SW = RP / 2 + 4;
+  constexpr bool kTwoPhase = dsv_is_bf16<T>::value || RP <= 32; /* as shipped */
+  extern __shared__ __align__(16) unsigned char dsv_tks_smem[];
+  uint32_t* hist = reinterpret_cast<uint32_t*>(dsv_tks_smem); /* [64 groups][256] slabs */
+  float* reps = reinterpret_cast<float*>(dsv_tks_smem);       /* alias, prologue: [64][RP] */
+  uint32_t* ktile = hist + TK_GPC * TK_BINS;                  /* [2][TILE][SW] */
+  dsv_tks_groups& gs = *reinterpret_cast<dsv_tks_groups*>(ktile + 2 * TK_TILE * SW);
+  /* followed by [threads] sink slots */
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t bh = blockIdx.x / a.tiles_per_bh;
+  const int tile = (int)(blockIdx.x - bh * a.tiles_per_bh);
+  const int64_t b = bh / a.H, h = bh - b * a.H;
+  const int64_t g0 = (int64_t)tile * TK_GPC;
+  const int64_t S = a.S, NG = a.NG, kmax = a.kmax;
+  const int S32 = (int)S; /* S < 2^31 (host check) */
+  const int ngl = (int)((NG - g0) < TK_GPC ? (NG - g0) : TK_GPC);
+  int64_t K = a.count[bh];
+  K = K < 0 ? 0 : (K > kmax ? kmax : K);
+  const int64_t Keff = K < S ? K : S;
+  int32_t* outg0 = a.out + (bh * NG + g0) * kmax;
+
+  if (Keff == 0) {
+    const int64_t n = (int64_t)ngl * kmax;
+    for (int64_t e = tid; e < n; e += TK_THREADS) outg0[e] = -1;
+    return;
+  }
+
+  /* ---- prologue: representatives (fp32 mean of member rows), zero-padded (as shipped) ---- */
+  {
+    const T* qb = reinterpret_cast<const T*>(a.q) + b * a.q_sb + h * a.q_sh;
+    for (int idx = tid; idx < TK_GPC * RP; idx += TK_THREADS) {
+      const int gl = idx / RP, c = idx - gl * RP;
+      const int64_t g = g0 + gl;
+      float v = 0.f;
+      if (gl < ngl && c < a.r) {
+        const int64_t s0 = g * a.G;
+        const int64_t n = (S - s0) < a.G ? (S - s0) : a.G;
+        const T* p = qb + s0 * a.q_ss + c;
+        float acc = 0.f;
+        for (int64_t m = 0; m < n; ++m) acc += dsv_to_float(p[m * a.q_ss]);
+        v = acc / (float)n;
+      }
+      reps[idx] = v;
+    }
+  }
+  __syncthreads();
+  const int gA = warp * TK_GPW + (lane >> 2), gB = gA + 8, j4 = lane & 3;
+  uint32_t A[KS][3][4];
+  dsv_tks_fragments<T, RP>(reps, gA, gB, j4, A);
+  __syncthreads(); /* reps (aliasing the slabs) no longer read */
+
+  const bool warp_active = (warp * TK_GPW) < ngl;
+  const bool vA = gA < ngl, vB = gB < ngl;
+  uint32_t* histw = hist + warp * TK_GPW * TK_BINS;
+  const T* kb = reinterpret_cast<const T*>(a.k) + b * a.k_sb + h * a.k_sh;
+
+  if (Keff < S) {
+    /* ---- 0. sample: T_lo / T_hi per group ---- */
+    const bool sampled = S >= TKS_MIN_S;
+    if (sampled) {
+      const int64_t ns = (S + TKS_STRIDE - 1) / TKS_STRIDE;
+      const float mu = (float)Keff * (float)ns / (float)S, sd = sqrtf(mu);
+      const float flo = ceilf(mu + 4.f * sd + 2.f), fhi = floorf(mu - 4.f * sd - 2.f);
+      const int m_lo = flo >= (float)ns ? (int)ns : (int)flo;
+      const int m_hi = fhi < 1.f ? 0 : (int)fhi;
+      for (int i = tid; i < TK_GPC; i += TK_THREADS) {
+        gs.mode[i] = TKS_HIST;
+        gs.lo[i] = 0u;
+        gs.hi[i] = 0xFFFFFFFFu;
+        gs.top[i] = 0xFFFFFFFFu;
+        gs.s[i] = 24;
+        gs.done[i] = 0;
+      }
+      for (int sp = 0; sp < 2; ++sp) {
+        for (int i = lane; i < TK_GPW * TK_BINS; i += 32) histw[i] = 0;
+        __syncthreads();
+        dsv_tks_pass<T, KS, SW, kTwoPhase>(a, kb, a.k_ss * TKS_STRIDE, ns, ktile, A, gs, hist,
+                                           warp_active, tid, lane, gA, gB, vA, vB);
+        for (int gi = 0; gi < TK_GPW; ++gi) {
+          const int gl = warp * TK_GPW + gi;
+          if (gl >= ngl) break;
+          const uint32_t* slab = hist + gl * TK_BINS;
+          uint32_t bl, al, cl, bh8 = 0, ah = 0, ch = 0;
+          const uint32_t nlo = sp == 0 ? (uint32_t)m_lo : (uint32_t)gs.sneed_lo[gl];
+          const int nhi = sp == 0 ? m_hi : gs.sneed_hi[gl];
+          dsv_tks_find(slab, nlo, lane, false, 0u, bl, al, cl);
+          if (nhi > 0) dsv_tks_find(slab, (uint32_t)nhi, lane, false, 0u, bh8, ah, ch);
+          if (lane == 0) {
+            const uint32_t lo = gs.lo[gl];
+            if (sp == 0) {
+              gs.lo[gl] = bl << 24;
+              gs.hi[gl] = (bl << 24) | 0xFFFFFFu;
+              gs.top[gl] = gs.hi[gl];
+              gs.s[gl] = 16;
+              gs.sneed_lo[gl] = (int)(nlo - al);
+              gs.sneed_hi[gl] = (nhi > 0 && bh8 == bl) ? nhi - (int)al : 0;
+              gs.thi[gl] = nhi > 0 ? ((bh8 << 24) | 0xFFFFFFu) : 0xFFFFFFFFu;
+            } else {
+              gs.lo[gl] = lo + (bl << 16); /* T_lo */
+              gs.hi[gl] = nhi > 0 ? lo + (bh8 << 16) + 0xFFFFu : gs.thi[gl]; /* T_hi */
+            }
+          }
+        }
+      }
+      __syncthreads();
+      /* ---- band pass parameters ---- */
+      for (int i = tid; i < TK_GPC; i += TK_THREADS) {
+        const uint32_t tlo = gs.lo[i], thi = gs.hi[i];
+        const uint32_t w = thi - tlo;
+        int s = 0;
+        while ((w >> s) > 253u) ++s;
+        const uint64_t top = (uint64_t)tlo + ((uint64_t)254 << s) - 1;
+        gs.top[i] = top > 0xFFFFFFFFull ? 0xFFFFFFFFu : (uint32_t)top;
+        gs.s[i] = s;
+        gs.hi[i] = 0xFFFFFFFFu;
+        gs.mode[i] = TKS_BAND;
+        gs.need[i] = (int)Keff;
+        gs.cnt[i] = S32;
+        gs.done[i] = 0;
+      }
+    } else {
+      for (int i = tid; i < TK_GPC; i += TK_THREADS) {
+        gs.lo[i] = 0u;
+        gs.hi[i] = 0xFFFFFFFFu;
+        gs.need[i] = (int)Keff;
+        gs.cnt[i] = S32;
+        gs.done[i] = 0;
+        dsv_tks_plan(gs, i);
+      }
+    }
+
+    /* ---- 1-2. band / generic / collect passes over all keys until every group is resolved ---- */
+    for (int pass = 0; pass < TKS_MAX_PASSES; ++pass) {
+      for (int i = lane; i < TK_GPW * TK_BINS; i += 32) histw[i] = 0;
+      if (lane < TK_GPW) gs.ccnt[warp * TK_GPW + lane] = 0;
+      __syncthreads(); /* also publishes the states written in the previous pass */
+      const bool all_done = __syncthreads_and(tid >= ngl || gs.done[tid] != 0);
+      if (all_done) break;
+      dsv_tks_pass<T, KS, SW, kTwoPhase>(a, kb, a.k_ss, S, ktile, A, gs, hist, warp_active, tid,
+                                         lane, gA, gB, vA, vB);
+      dsv_tks_resolve(gs, hist, warp, lane, ngl, (uint32_t)S);
+    }
+  }
+  __syncthreads();
+
+  /* ---- 3. compaction pass: ascending positions (the shipped pass) ---- */
+  {
+    uint32_t TA = 0, TB = 0;
+    if (Keff < S) {
+      TA = gs.lo[gA];
+      TB = gs.lo[gB];
+    }
+    const int sel_grp = j4 >> 1, w = j4 & 1;
+    const int gC = sel_grp ? gB : gA;
+    const bool vC = gC < ngl;
+    int64_t qC;
+    if (Keff >= S) qC = S;              /* every key: T = 0 (lowest key), all ties */
+    else if (gs.done[gC] == 2) qC = S;  /* every key >= T */
+    else qC = gs.need[gC];
+    int64_t baseC = 0, eqbaseC = 0;
+    int32_t* outC = outg0 + (int64_t)gC * kmax;
+    const int bsh = 16 * sel_grp + 8 * w;
+    const int qbase = lane & ~3;
+    const int ntiles = (int)((S + TK_TILE - 1) / TK_TILE);
+
+    dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, 0, TK_TILE, S, (int)a.r, RP, a.kvec, tid,
+                        TK_THREADS);
+    cp_async_commit();
+    for (int it = 0; it < ntiles; ++it) {
+      cp_async_wait_all();
+      __syncthreads();
+      if (it + 1 < ntiles) {
+        dsv_stage_rows16<T>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, a.k_ss,
+                            (int64_t)(it + 1) * TK_TILE, TK_TILE, S, (int)a.r, RP, a.kvec, tid,
+                            TK_THREADS);
+      }
+      cp_async_commit();
+      if (!warp_active) continue;
+      const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
+      const int t0 = it * TK_TILE;
+      uint32_t mgA = 0, mgB = 0, meA = 0, meB = 0;
+      if constexpr (kTwoPhase) {
+        float dd[TK_TILE / 8][4];
+        dsv_tk_tile_scores<T, KS, SW>(kt, A, lane, j4, dd);
+#pragma unroll
+        for (int blk = 0; blk < TK_TILE / 8; ++blk) {
+          const int key0 = t0 + blk * 8 + j4 * 2;
+          dsv_tks_flags(dd[blk], blk, key0 < S32, key0 + 1 < S32, TA, TB, mgA, mgB, meA, meB);
+        }
+      } else {
+#pragma unroll 2
+        for (int blk = 0; blk < TK_TILE / 8; ++blk) {
+          float d[4];
+          dsv_tks_block_scores<T, KS, SW>(kt, A, lane, j4, blk, d);
+          const int key0 = t0 + blk * 8 + j4 * 2;
+          dsv_tks_flags(d, blk, key0 < S32, key0 + 1 < S32, TA, TB, mgA, mgB, meA, meB);
+        }
+      }
+      const uint32_t mg = mgA | (mgB << 16), me = meA | (meB << 16);
+      uint32_t Wg = 0, We = 0;
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const uint32_t xg = __shfl_sync(DSV_FULL_MASK, mg, qbase + jj);
+        const uint32_t xe = __shfl_sync(DSV_FULL_MASK, me, qbase + jj);
+        Wg |= dsv_tk_spread((xg >> bsh) & 0xFFu) << (2 * jj);
+        We |= dsv_tk_spread((xe >> bsh) & 0xFFu) << (2 * jj);
+      }
+      /* ties: keep the first (qC - eqbase) in position order */
+      const int eq_cnt = __popc(We);
+      const int eq_other = __shfl_xor_sync(DSV_FULL_MASK, eq_cnt, 1);
+      const int64_t eq_before = eqbaseC + (w ? eq_other : 0);
+      int64_t allow = qC - eq_before;
+      allow = allow < 0 ? 0 : (allow > 32 ? 32 : allow);
+      const uint32_t sel = Wg | dsv_tk_keep_lowest(We, (int)allow);
+      const int sel_cnt = __popc(sel);
+      const int sel_other = __shfl_xor_sync(DSV_FULL_MASK, sel_cnt, 1);
+      int64_t rank = baseC + (w ? sel_other : 0);
+      if (vC) {
+        uint32_t x = sel;
+        const int32_t pos0 = (int32_t)(t0 + 32 * w);
+        while (x) {
+          const int bit = __ffs(x) - 1;
+          x &= x - 1;
+          if (rank < Keff) outC[rank] = pos0 + bit;
+          ++rank;
+        }
+      }
+      baseC += sel_cnt + sel_other;
+      eqbaseC += eq_cnt + eq_other;
+    }
+    if (warp_active && vC && w == 0) gs.base[gC] = (int)(baseC < Keff ? baseC : Keff);
+  }
+  __syncwarp();
+  /* -1 padding after the selected entries */
+  for (int gi = 0; gi < TK_GPW; ++gi) {
+    const int gl = warp * TK_GPW + gi;
+    if (gl >= ngl) break;
+    int32_t* o = outg0 + (int64_t)gl * kmax;
+    for (int64_t e = gs.base[gl] + lane; e < kmax; e += 32) o[e] = -1;
+  }
+}
+
+template <typename T, int RP>
+static int dsv_tks_launch(const dsv_topk_args& a, int64_t grid, cudaStream_t st) {
+  const size_t smem = dsv_tks_smem_bytes<RP>();
+  DSV_CUDA_TRY(cudaFuncSetAttribute(dsv_tks_kernel<T, RP>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  dsv_tks_kernel<T, RP><<<(unsigned)grid, TK_THREADS, smem, st>>>(a);
+  DSV_CUDA_CHECK_LAUNCH();
+  return DSV_OK;
+}
+
+template <typename T>
+static int dsv_tks_dispatch(const dsv_topk_args& a, int RP, int64_t grid, cudaStream_t st) {
+  switch (RP) {
+    case 16: return dsv_tks_launch<T, 16>(a, grid, st);
+    case 32: return dsv_tks_launch<T, 32>(a, grid, st);
+    case 48: return dsv_tks_launch<T, 48>(a, grid, st);
+    case 64: return dsv_tks_launch<T, 64>(a, grid, st);
+  }
+  return DSV_ERR_UNSUPPORTED;
+}
+
+extern "C" size_t dsv_topk_estimate_workspace_cuda(const dsv_lowrank_shape* p) {
+  (void)p;
+  return 0;
+}
+
+/* The shipped argument checks (dsv_topk_entry), then this variant's kernel. */
+extern "C" int dsv_topk_estimate_cuda(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_lr,
+                                      const int32_t* kv_count, int32_t* kv_index,
+                                      void* workspace, size_t workspace_bytes, void* stream) {
+  (void)workspace;
+  (void)workspace_bytes;
+  if (!p) return DSV_ERR_INVALID;
+  if (p->batch < 0 || p->seqlen < 0 || p->heads < 0 || p->rank <= 0 || p->group_size <= 0 ||
+      p->kmax < 0 || p->seqlen > 0x7fffffffLL)
+    return DSV_ERR_INVALID;
+  if (p->num_groups != dsv_cdiv64(p->seqlen, p->group_size)) return DSV_ERR_INVALID;
+  if (p->dtype != DSV_BFLOAT16 && p->dtype != DSV_FLOAT16) return DSV_ERR_UNSUPPORTED;
+  if (p->rank > 64) return DSV_ERR_UNSUPPORTED;
+  const int64_t BH = p->batch * p->heads;
+  if (BH == 0 || p->num_groups == 0 || p->kmax == 0) return DSV_OK;
+  if (!q_lr.data || !k_lr.data || !kv_count || !kv_index) return DSV_ERR_INVALID;
+  dsv_topk_args a;
+  a.q = q_lr.data;
+  a.k = k_lr.data;
+  a.q_sb = q_lr.stride_b;
+  a.q_ss = q_lr.stride_s;
+  a.q_sh = q_lr.stride_h;
+  a.k_sb = k_lr.stride_b;
+  a.k_ss = k_lr.stride_s;
+  a.k_sh = k_lr.stride_h;
+  a.count = kv_count;
+  a.out = kv_index;
+  a.S = p->seqlen;
+  a.H = p->heads;
+  a.r = p->rank;
+  a.G = p->group_size;
+  a.NG = p->num_groups;
+  a.kmax = p->kmax;
+  a.tiles_per_bh = (int)dsv_cdiv64(p->num_groups, TK_GPC);
+  a.kvec = dsv_bshd_rows_aligned16(k_lr, 2);
+  const int64_t grid = BH * a.tiles_per_bh;
+  if (grid > 0x7fffffffLL) return DSV_ERR_UNSUPPORTED;
+  const int RP = (int)((p->rank + 15) / 16 * 16);
+  cudaStream_t st = (cudaStream_t)stream;
+  if (p->dtype == DSV_BFLOAT16) return dsv_tks_dispatch<__nv_bfloat16>(a, RP, grid, st);
+  return dsv_tks_dispatch<__half>(a, RP, grid, st);
+}
