@@ -21,7 +21,8 @@
  * bit-identical to the shipped kernel's, so the lists are too). Per group the selection keeps a
  * window [lo, hi] of the order-preserving uint32 score keys that contains the K-th largest key,
  * with `need` = its rank counted from the top of the window (#(key > hi) = K - need).
- *  0. Sample (two cheap passes): every 16th key (rows staged with a 16x stride), 8 + 8 bits of
+ *  0. Sample (two cheap passes): one key in 16 (key 16 i + h(i), h a fixed hash in [0, 16), so
+ *     that periodic score patterns do not bias it; clipped to S - 1), 8 + 8 bits of
  *     radix select over the sample for two sample ranks around the expected one,
  *     mu = K n / S (n = ceil(S / 16)): m_lo = mu + 4 sqrt(mu) + 2 and m_hi = mu - 4 sqrt(mu) - 2.
  *     T_lo = the lower edge of the 16-bit key bin holding the m_lo-th largest sample key,
@@ -177,12 +178,66 @@ static __device__ __forceinline__ void dsv_tks_tile(const uint32_t* kt,
   }
 }
 
-/* One pass over a key stream (rows 0 .. nrows-1 of base with row_stride: all keys, or the
- * sample) with the groups' current modes. Called by all threads; ends with the band groups'
- * above-band counts in bin 255 of their slabs. */
+/* Sample row i: key min(16 i + h(i), S - 1), h(i) in [0, 16) a fixed multiplicative hash of
+ * i, so that a score pattern of period 16 (or a divisor) cannot bias the sample. */
+static __device__ __forceinline__ int64_t dsv_tks_sample_key(int64_t i, int64_t S) {
+  static_assert(TKS_STRIDE == 16, "h(i) takes the top 4 bits of the hash");
+  const int64_t j = i * TKS_STRIDE + (int64_t)(((uint32_t)i * 0x9E3779B1u) >> 28);
+  return j < S ? j : S - 1;
+}
+
+/* dsv_stage_rows16 for the sample stream: staged row r is key dsv_tks_sample_key(row0 + r)
+ * (zero rows from ns on). */
+template <typename T>
+static __device__ __forceinline__ void dsv_tks_stage_sample(uint32_t* smem, int sw, const T* base,
+                                                            int64_t row_stride, int64_t row0,
+                                                            int64_t ns, int64_t S, int dim,
+                                                            int dp, bool vec, int tid) {
+  const int cpr = dp / 8; /* 16-byte chunks per row */
+  for (int c = tid; c < TK_TILE * cpr; c += TK_THREADS) {
+    const int r = c / cpr, ch = c - r * cpr;
+    const int64_t row = row0 + r;
+    uint32_t* dst = smem + r * sw + ch * 4;
+    const int e0 = ch * 8;
+    const T* src = base + dsv_tks_sample_key(row, S) * row_stride;
+    if (row < ns && vec && e0 + 8 <= dim) {
+      cp_async16(dst, src + e0);
+    } else {
+      uint32_t w[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        unsigned short lo = 0, hi = 0;
+        if (row < ns) {
+          if (e0 + 2 * t < dim) lo = *reinterpret_cast<const unsigned short*>(src + e0 + 2 * t);
+          if (e0 + 2 * t + 1 < dim)
+            hi = *reinterpret_cast<const unsigned short*>(src + e0 + 2 * t + 1);
+        }
+        w[t] = (uint32_t)lo | ((uint32_t)hi << 16);
+      }
+      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+/* Stage tile `it` of a pass: all keys, or the sample (nrows = ns sample rows). */
+template <typename T>
+static __device__ __forceinline__ void dsv_tks_stage(uint32_t* dst, int sw, const T* kb,
+                                                     const dsv_topk_args& a, bool sample,
+                                                     int64_t nrows, int it, int dp, int tid) {
+  if (sample)
+    dsv_tks_stage_sample<T>(dst, sw, kb, a.k_ss, (int64_t)it * TK_TILE, nrows, a.S, (int)a.r,
+                            dp, a.kvec, tid);
+  else
+    dsv_stage_rows16<T>(dst, sw, kb, a.k_ss, (int64_t)it * TK_TILE, TK_TILE, nrows, (int)a.r, dp,
+                        a.kvec, tid, TK_THREADS);
+}
+
+/* One pass over a key stream (all S keys, or the ns sample rows) with the groups' current
+ * modes. Called by all threads; ends with the band groups' above-band counts in bin 255 of
+ * their slabs. */
 template <typename T, int KS, int SW, bool TWO>
 static __device__ __forceinline__ void dsv_tks_pass(const dsv_topk_args& a, const T* kb,
-                                                    int64_t row_stride, int64_t nrows,
+                                                    bool sample, int64_t nrows,
                                                     uint32_t* ktile, const uint32_t (&A)[KS][3][4],
                                                     dsv_tks_groups& gs, uint32_t* hist,
                                                     bool warp_active, int tid, int lane, int gA,
@@ -193,17 +248,14 @@ static __device__ __forceinline__ void dsv_tks_pass(const dsv_topk_args& a, cons
   uint32_t aboveA = 0, aboveB = 0;
   const int ntiles = (int)((nrows + TK_TILE - 1) / TK_TILE);
   const int nv = (int)nrows;
-  dsv_stage_rows16<T>(ktile, SW, kb, row_stride, 0, TK_TILE, nrows, (int)a.r, KS * 16, a.kvec,
-                      tid, TK_THREADS);
+  dsv_tks_stage<T>(ktile, SW, kb, a, sample, nrows, 0, KS * 16, tid);
   cp_async_commit();
   for (int it = 0; it < ntiles; ++it) {
     cp_async_wait_all();
     __syncthreads();
-    if (it + 1 < ntiles) {
-      dsv_stage_rows16<T>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, row_stride,
-                          (int64_t)(it + 1) * TK_TILE, TK_TILE, nrows, (int)a.r, KS * 16, a.kvec,
-                          tid, TK_THREADS);
-    }
+    if (it + 1 < ntiles)
+      dsv_tks_stage<T>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, a, sample, nrows, it + 1,
+                       KS * 16, tid);
     cp_async_commit();
     if (!warp_active) continue;
     dsv_tks_tile<T, KS, SW, TWO>(ktile + (it & 1) * TK_TILE * SW, A, lane, j4, it * TK_TILE, nv,
@@ -493,7 +545,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_tks_kernel(const dsv_topk_args
       for (int sp = 0; sp < 2; ++sp) {
         for (int i = lane; i < TK_GPW * TK_BINS; i += 32) histw[i] = 0;
         __syncthreads();
-        dsv_tks_pass<T, KS, SW, kTwoPhase>(a, kb, a.k_ss * TKS_STRIDE, ns, ktile, A, gs, hist,
+        dsv_tks_pass<T, KS, SW, kTwoPhase>(a, kb, true, ns, ktile, A, gs, hist,
                                            warp_active, tid, lane, gA, gB, vA, vB);
         for (int gi = 0; gi < TK_GPW; ++gi) {
           const int gl = warp * TK_GPW + gi;
@@ -555,7 +607,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_tks_kernel(const dsv_topk_args
       __syncthreads(); /* also publishes the states written in the previous pass */
       const bool all_done = __syncthreads_and(tid >= ngl || gs.done[tid] != 0);
       if (all_done) break;
-      dsv_tks_pass<T, KS, SW, kTwoPhase>(a, kb, a.k_ss, S, ktile, A, gs, hist, warp_active, tid,
+      dsv_tks_pass<T, KS, SW, kTwoPhase>(a, kb, false, S, ktile, A, gs, hist, warp_active, tid,
                                          lane, gA, gB, vA, vB);
       dsv_tks_resolve(gs, hist, warp, lane, ngl, (uint32_t)S);
     }
