@@ -12,9 +12,10 @@
  * (benchmarks/topk_variant.py, benchmarks/device_topk_variant.sh).
  *
  * Why: the shipped kernel selects by an MSB-first radix select over the whole uint32 key range,
- * 8 bits per pass: 3-4 histogram passes plus the compaction pass, each recomputing all S scores
- * per group (issue-bound on the per-score integer work, PERF_LOG v6). Most of those passes only
- * locate the K-th largest score, which a small sample already locates to within a narrow band.
+ * 8 bits per pass: 4 histogram passes at the target shape plus the compaction pass, each
+ * recomputing all S scores per group (issue-bound on the per-score integer work, PERF_LOG v6).
+ * Most of those passes only locate the K-th largest score, which a small sample already locates
+ * to within a narrow band.
  *
  * Design (the CTA layout, the exact split-representative scores, the staging and the
  * compaction pass are the shipped kernel's, reused from its source; every (group, key) score is
@@ -38,15 +39,21 @@
  *     K-th largest T and the number q of ties at T to take follow exactly from them.
  *     Otherwise a generic pass: a 256-bin histogram over [lo, hi] (bin width 2^s, s the
  *     smallest with (hi - lo) >> s <= 255), which shrinks the window >= 128x, so at most
- *     4 generic passes reach one key value from any window.
+ *     4 generic passes reach one key value from any window. A pass has one kind for the whole
+ *     CTA (band, generic or collect: no per-score mode tests); collecting groups wait while any
+ *     group of the CTA needs a generic pass. Bound: band + 4 generic + 1 collect passes.
  *  3. Compaction pass (the shipped one): {key > T} and the first q of {key == T}, ascending.
  * Without a sample (S < TKS_MIN_S) the first pass is generic over the full key range (the
  * shipped radix, 8 bits per pass) or a collect pass when S <= TKS_CAP.
  * Exactness never depends on the sample: every window update is a count over all S keys.
- * Expected cost at S = 64k, H = 24, G = 64, K = 10% (PERF_LOG v11): 2 x 1/16 sample passes +
- * band + collect + compaction = ~3.1 passes of all scores against the shipped 4-5:
- * ~6.0 ms against 9.3 ms. The collect pass is the obvious next saving (fold the boundary bin's
- * keys into the compaction pass and remove the unselected ones afterwards: ~2.1 passes).
+ *
+ * Expected cost (PERF_LOG v11), bf16, r = 16, SASS instructions per 64-key tile and warp
+ * (static counts of the tile loops, CUDA 13.0): shipped histogram pass 628, compaction 814,
+ * and at S = 64k, K = 10% or 5% every CTA runs 4 histogram passes (CPU emulation of both
+ * selections on N(0, 1) scores): ~3330 per tile. Here: sample 2 x 565 / 16, band 763, collect
+ * 654 (~490 executed: the appends are rare), compaction 824: ~2150-2310, i.e. ~0.65-0.7x of the
+ * shipped time (8.3 -> ~5.6 ms at 0.9). The next saving would fold the collect pass into the
+ * compaction (write the boundary window's keys as selected, drop the surplus afterwards).
  */
 #define dsv_topk_estimate_cuda dsv_dev_topk_estimate_shipped_cuda
 #define dsv_topk_estimate_workspace_cuda dsv_dev_topk_estimate_shipped_workspace_cuda
@@ -54,16 +61,18 @@
 #undef dsv_topk_estimate_cuda
 #undef dsv_topk_estimate_workspace_cuda
 
-#define TKS_STRIDE 16    /* sample: every TKS_STRIDE-th key */
+#define TKS_STRIDE 16    /* sample: one key in TKS_STRIDE */
 #define TKS_MIN_S 4096   /* sample from this sequence length on */
 #define TKS_CAP TK_BINS  /* collect pass: windows of at most this many keys (one slab) */
-#define TKS_MAX_PASSES 6 /* band + at most 4 generic passes + slack (see the design) */
+#define TKS_MAX_PASSES 6 /* band + at most 4 generic passes + one collect pass (the design) */
 
 /* what a group does in the next pass */
 #define TKS_OFF 0     /* resolved (or not a group): nothing */
 #define TKS_HIST 1    /* 256-bin histogram of [lo, hi] */
 #define TKS_BAND 2    /* band histogram: bins 1..254 from lo = T_lo, bin 255 above top */
 #define TKS_COLLECT 3 /* append every key of [lo, hi] to the slab */
+/* A pass has one kind for the whole CTA (no per-score mode tests): the groups in another mode
+ * wait for their kind (collecting groups wait while any group still needs a histogram). */
 
 /* per-group selection state of a CTA (shared memory) */
 struct dsv_tks_groups {
@@ -81,56 +90,61 @@ static size_t dsv_tks_smem_bytes() {
          (size_t)TK_THREADS * 4 + 16;
 }
 
-/* one group's pass parameters in registers */
+/* one group's pass parameters in registers (groups not taking part: an empty window) */
 struct dsv_tks_prm {
-  uint32_t lo, hi, top, off, slab; /* slab: shared address of the group's 256 words */
+  uint32_t lo, hi, top, slab; /* slab: shared address of the group's 256 words */
   int s;
-  bool hist, coll;
   uint32_t* cslab;
   int* ccnt;
 };
 
+template <int MODE>
 static __device__ __forceinline__ dsv_tks_prm dsv_tks_load(dsv_tks_groups& gs, uint32_t* hist,
                                                            int g, bool valid) {
   dsv_tks_prm p;
-  const int mode = valid ? gs.mode[g] : TKS_OFF;
-  p.lo = mode == TKS_OFF ? 1u : gs.lo[g];
-  p.hi = mode == TKS_OFF ? 0u : gs.hi[g]; /* empty window */
-  p.top = mode == TKS_BAND ? gs.top[g] : p.hi;
-  p.off = mode == TKS_BAND ? 1u : 0u;
-  p.s = mode == TKS_OFF ? 0 : gs.s[g];
-  p.hist = mode == TKS_HIST || mode == TKS_BAND;
-  p.coll = mode == TKS_COLLECT;
+  const bool on = valid && gs.mode[g] == MODE;
+  p.lo = on ? gs.lo[g] : 1u;
+  p.hi = on ? gs.hi[g] : 0u;
+  p.top = on ? gs.top[g] : 0u;
+  p.s = on ? gs.s[g] : 0;
   p.cslab = hist + g * TK_BINS;
   p.slab = smem_u32(p.cslab);
   p.ccnt = gs.ccnt + g;
   return p;
 }
 
-/* One score key u of a group: histogram bin (or this thread's sink slot, unconditionally, as in
- * the shipped passes), the above-band register count, the rare collect append. */
+/* One score key u of a group in a pass of kind MODE.
+ * HIST: bin (u - lo) >> s of [lo, hi]; BAND: bin 1 + ((u - lo) >> s) of [lo, top] and the
+ * register count of u > top (bin 255); both add 1 to the bin or, unconditionally as in the
+ * shipped passes, to this thread's sink slot. COLLECT: append u in [lo, hi] to the slab. */
+template <int MODE>
 static __device__ __forceinline__ void dsv_tks_score(const dsv_tks_prm& p, uint32_t u, uint32_t ok,
                                                      uint32_t& above, uint32_t sink) {
-  const bool in = ok && u >= p.lo && u <= p.hi;
-  const bool h = in && p.hist && u <= p.top;
-  const uint32_t addr = h ? p.slab + ((p.off + ((u - p.lo) >> p.s)) << 2) : sink;
-  asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(addr) : "memory");
-  above += (uint32_t)(in && u > p.top);
-  if (in && p.coll) {
-    const int i = atomicAdd(p.ccnt, 1);
-    if (i < TKS_CAP) p.cslab[i] = u;
+  if constexpr (MODE == TKS_COLLECT) {
+    if (ok && u >= p.lo && u <= p.hi) {
+      const int i = atomicAdd(p.ccnt, 1);
+      if (i < TKS_CAP) p.cslab[i] = u;
+    }
+  } else {
+    constexpr uint32_t off = MODE == TKS_BAND ? 1u : 0u;
+    const uint32_t last = MODE == TKS_BAND ? p.top : p.hi;
+    const bool h = ok && u >= p.lo && u <= last;
+    const uint32_t addr = h ? p.slab + ((off + ((u - p.lo) >> p.s)) << 2) : sink;
+    asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(addr) : "memory");
+    if constexpr (MODE == TKS_BAND) above += (uint32_t)(ok && u > p.top);
   }
 }
 
 /* the 4 scores of one 8-key block of a lane: c0/c1 of group A, c2/c3 of group B */
+template <int MODE>
 static __device__ __forceinline__ void dsv_tks_block(const float (&d)[4], uint32_t k0, uint32_t k1,
                                                      const dsv_tks_prm& pA, const dsv_tks_prm& pB,
                                                      uint32_t& aboveA, uint32_t& aboveB,
                                                      uint32_t sink) {
-  dsv_tks_score(pA, dsv_float_key(d[0]), k0, aboveA, sink);
-  dsv_tks_score(pA, dsv_float_key(d[1]), k1, aboveA, sink);
-  dsv_tks_score(pB, dsv_float_key(d[2]), k0, aboveB, sink);
-  dsv_tks_score(pB, dsv_float_key(d[3]), k1, aboveB, sink);
+  dsv_tks_score<MODE>(pA, dsv_float_key(d[0]), k0, aboveA, sink);
+  dsv_tks_score<MODE>(pA, dsv_float_key(d[1]), k1, aboveA, sink);
+  dsv_tks_score<MODE>(pB, dsv_float_key(d[2]), k0, aboveB, sink);
+  dsv_tks_score<MODE>(pB, dsv_float_key(d[3]), k1, aboveB, sink);
 }
 
 /* One 8-key block's scores, block at a time (the shipped kernel's instruction order). */
@@ -150,9 +164,9 @@ static __device__ __forceinline__ void dsv_tks_block_scores(const uint32_t* kt,
   }
 }
 
-/* One staged tile of a histogram / collect pass: two-phase (the shipped tile scores first) or
- * block at a time (fp16 with RP >= 48, see the shipped kernel's kTwoPhase). */
-template <typename T, int KS, int SW, bool TWO>
+/* One staged tile of a pass of kind MODE: two-phase (the shipped tile scores first) or block at
+ * a time (fp16 with RP >= 48, see the shipped kernel's kTwoPhase). */
+template <typename T, int KS, int SW, bool TWO, int MODE>
 static __device__ __forceinline__ void dsv_tks_tile(const uint32_t* kt,
                                                     const uint32_t (&A)[KS][3][4], int lane,
                                                     int j4, int t0, int nvalid,
@@ -165,7 +179,7 @@ static __device__ __forceinline__ void dsv_tks_tile(const uint32_t* kt,
 #pragma unroll
     for (int blk = 0; blk < TK_TILE / 8; ++blk) {
       const int key0 = t0 + blk * 8 + j4 * 2;
-      dsv_tks_block(d[blk], key0 < nvalid, key0 + 1 < nvalid, pA, pB, aboveA, aboveB, sink);
+      dsv_tks_block<MODE>(d[blk], key0 < nvalid, key0 + 1 < nvalid, pA, pB, aboveA, aboveB, sink);
     }
   } else {
 #pragma unroll 2
@@ -173,7 +187,7 @@ static __device__ __forceinline__ void dsv_tks_tile(const uint32_t* kt,
       float d[4];
       dsv_tks_block_scores<T, KS, SW>(kt, A, lane, j4, blk, d);
       const int key0 = t0 + blk * 8 + j4 * 2;
-      dsv_tks_block(d, key0 < nvalid, key0 + 1 < nvalid, pA, pB, aboveA, aboveB, sink);
+      dsv_tks_block<MODE>(d, key0 < nvalid, key0 + 1 < nvalid, pA, pB, aboveA, aboveB, sink);
     }
   }
 }
@@ -220,11 +234,11 @@ static __device__ __forceinline__ void dsv_tks_stage_sample(uint32_t* smem, int 
 }
 
 /* Stage tile `it` of a pass: all keys, or the sample (nrows = ns sample rows). */
-template <typename T>
+template <typename T, bool SAMPLE>
 static __device__ __forceinline__ void dsv_tks_stage(uint32_t* dst, int sw, const T* kb,
-                                                     const dsv_topk_args& a, bool sample,
-                                                     int64_t nrows, int it, int dp, int tid) {
-  if (sample)
+                                                     const dsv_topk_args& a, int64_t nrows,
+                                                     int it, int dp, int tid) {
+  if constexpr (SAMPLE)
     dsv_tks_stage_sample<T>(dst, sw, kb, a.k_ss, (int64_t)it * TK_TILE, nrows, a.S, (int)a.r,
                             dp, a.kvec, tid);
   else
@@ -232,43 +246,46 @@ static __device__ __forceinline__ void dsv_tks_stage(uint32_t* dst, int sw, cons
                         a.kvec, tid, TK_THREADS);
 }
 
-/* One pass over a key stream (all S keys, or the ns sample rows) with the groups' current
- * modes. Called by all threads; ends with the band groups' above-band counts in bin 255 of
- * their slabs. */
-template <typename T, int KS, int SW, bool TWO>
+/* One pass of kind MODE over a key stream (all S keys, or the ns sample rows): the groups in
+ * that mode take part, the others wait. Called by all threads; a BAND pass ends with the
+ * above-band counts in bin 255 of the slabs. */
+template <typename T, int KS, int SW, bool TWO, int MODE, bool SAMPLE>
 static __device__ __forceinline__ void dsv_tks_pass(const dsv_topk_args& a, const T* kb,
-                                                    bool sample, int64_t nrows,
+                                                    int64_t nrows,
                                                     uint32_t* ktile, const uint32_t (&A)[KS][3][4],
                                                     dsv_tks_groups& gs, uint32_t* hist,
                                                     bool warp_active, int tid, int lane, int gA,
                                                     int gB, bool vA, bool vB) {
   const int j4 = lane & 3;
-  const dsv_tks_prm pA = dsv_tks_load(gs, hist, gA, vA), pB = dsv_tks_load(gs, hist, gB, vB);
+  const dsv_tks_prm pA = dsv_tks_load<MODE>(gs, hist, gA, vA);
+  const dsv_tks_prm pB = dsv_tks_load<MODE>(gs, hist, gB, vB);
   const uint32_t sink = smem_u32(reinterpret_cast<uint32_t*>(&gs + 1) + tid);
   uint32_t aboveA = 0, aboveB = 0;
   const int ntiles = (int)((nrows + TK_TILE - 1) / TK_TILE);
   const int nv = (int)nrows;
-  dsv_tks_stage<T>(ktile, SW, kb, a, sample, nrows, 0, KS * 16, tid);
+  dsv_tks_stage<T, SAMPLE>(ktile, SW, kb, a, nrows, 0, KS * 16, tid);
   cp_async_commit();
   for (int it = 0; it < ntiles; ++it) {
     cp_async_wait_all();
     __syncthreads();
     if (it + 1 < ntiles)
-      dsv_tks_stage<T>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, a, sample, nrows, it + 1,
-                       KS * 16, tid);
+      dsv_tks_stage<T, SAMPLE>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, a, nrows, it + 1,
+                               KS * 16, tid);
     cp_async_commit();
     if (!warp_active) continue;
-    dsv_tks_tile<T, KS, SW, TWO>(ktile + (it & 1) * TK_TILE * SW, A, lane, j4, it * TK_TILE, nv,
-                                 pA, pB, aboveA, aboveB, sink);
+    dsv_tks_tile<T, KS, SW, TWO, MODE>(ktile + (it & 1) * TK_TILE * SW, A, lane, j4,
+                                       it * TK_TILE, nv, pA, pB, aboveA, aboveB, sink);
   }
-  /* the quad of lanes (lane >> 2) holds all keys of its two groups */
-  aboveA += __shfl_xor_sync(DSV_FULL_MASK, aboveA, 1);
-  aboveA += __shfl_xor_sync(DSV_FULL_MASK, aboveA, 2);
-  aboveB += __shfl_xor_sync(DSV_FULL_MASK, aboveB, 1);
-  aboveB += __shfl_xor_sync(DSV_FULL_MASK, aboveB, 2);
-  if (warp_active && j4 == 0) {
-    if (vA && gs.mode[gA] == TKS_BAND) hist[gA * TK_BINS + TK_BINS - 1] = aboveA;
-    if (vB && gs.mode[gB] == TKS_BAND) hist[gB * TK_BINS + TK_BINS - 1] = aboveB;
+  if constexpr (MODE == TKS_BAND) {
+    /* the quad of lanes (lane >> 2) holds all keys of its two groups */
+    aboveA += __shfl_xor_sync(DSV_FULL_MASK, aboveA, 1);
+    aboveA += __shfl_xor_sync(DSV_FULL_MASK, aboveA, 2);
+    aboveB += __shfl_xor_sync(DSV_FULL_MASK, aboveB, 1);
+    aboveB += __shfl_xor_sync(DSV_FULL_MASK, aboveB, 2);
+    if (warp_active && j4 == 0) {
+      if (vA) hist[gA * TK_BINS + TK_BINS - 1] = aboveA;
+      if (vB) hist[gB * TK_BINS + TK_BINS - 1] = aboveB;
+    }
   }
   __syncwarp();
 }
@@ -332,15 +349,16 @@ static __device__ __forceinline__ void dsv_tks_plan(dsv_tks_groups& gs, int g) {
   gs.top[g] = gs.hi[g];
 }
 
-/* After a pass over all keys: every unresolved group of this warp narrows its window (or
- * resolves T and q). Whole warp; lane 0 writes the state. */
+/* After a pass over all keys: every group of this warp that took part (mode == pass_mode)
+ * narrows its window (or resolves T and q). Whole warp; lane 0 writes the state. */
 static __device__ __forceinline__ void dsv_tks_resolve(dsv_tks_groups& gs, uint32_t* hist,
-                                                       int warp, int lane, int ngl, uint32_t S) {
+                                                       int pass_mode, int warp, int lane, int ngl,
+                                                       uint32_t S) {
   for (int gi = 0; gi < TK_GPW; ++gi) {
     const int gl = warp * TK_GPW + gi;
     if (gl >= ngl) break;
     const int mode = gs.mode[gl];
-    if (gs.done[gl] || mode == TKS_OFF) continue;
+    if (gs.done[gl] || mode != pass_mode) continue;
     const uint32_t* slab = hist + gl * TK_BINS;
     const int need = gs.need[gl];
     const int n = gs.ccnt[gl] < TKS_CAP ? gs.ccnt[gl] : TKS_CAP;
@@ -545,8 +563,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_tks_kernel(const dsv_topk_args
       for (int sp = 0; sp < 2; ++sp) {
         for (int i = lane; i < TK_GPW * TK_BINS; i += 32) histw[i] = 0;
         __syncthreads();
-        dsv_tks_pass<T, KS, SW, kTwoPhase>(a, kb, true, ns, ktile, A, gs, hist,
-                                           warp_active, tid, lane, gA, gB, vA, vB);
+        dsv_tks_pass<T, KS, SW, kTwoPhase, TKS_HIST, true>(a, kb, ns, ktile, A, gs, hist,
+                                                           warp_active, tid, lane, gA, gB, vA, vB);
         for (int gi = 0; gi < TK_GPW; ++gi) {
           const int gl = warp * TK_GPW + gi;
           if (gl >= ngl) break;
@@ -600,16 +618,29 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_tks_kernel(const dsv_topk_args
       }
     }
 
-    /* ---- 1-2. band / generic / collect passes over all keys until every group is resolved ---- */
+    /* ---- 1-2. band / generic / collect passes over all keys until every group is resolved */
     for (int pass = 0; pass < TKS_MAX_PASSES; ++pass) {
       for (int i = lane; i < TK_GPW * TK_BINS; i += 32) histw[i] = 0;
       if (lane < TK_GPW) gs.ccnt[warp * TK_GPW + lane] = 0;
       __syncthreads(); /* also publishes the states written in the previous pass */
       const bool all_done = __syncthreads_and(tid >= ngl || gs.done[tid] != 0);
       if (all_done) break;
-      dsv_tks_pass<T, KS, SW, kTwoPhase>(a, kb, false, S, ktile, A, gs, hist, warp_active, tid,
-                                         lane, gA, gB, vA, vB);
-      dsv_tks_resolve(gs, hist, warp, lane, ngl, (uint32_t)S);
+      /* the pass kind: BAND (the first, sampled), else HIST while any group needs one (the
+       * collecting groups wait), else COLLECT */
+      const bool band = __syncthreads_or(tid < ngl && gs.mode[tid] == TKS_BAND);
+      const bool hst = __syncthreads_or(tid < ngl && gs.mode[tid] == TKS_HIST);
+      const int kind = band ? TKS_BAND : (hst ? TKS_HIST : TKS_COLLECT);
+      if (kind == TKS_BAND)
+        dsv_tks_pass<T, KS, SW, kTwoPhase, TKS_BAND, false>(a, kb, S, ktile, A, gs, hist,
+                                                            warp_active, tid, lane, gA, gB, vA, vB);
+      else if (kind == TKS_HIST)
+        dsv_tks_pass<T, KS, SW, kTwoPhase, TKS_HIST, false>(a, kb, S, ktile, A, gs, hist,
+                                                            warp_active, tid, lane, gA, gB, vA, vB);
+      else
+        dsv_tks_pass<T, KS, SW, kTwoPhase, TKS_COLLECT, false>(a, kb, S, ktile, A, gs, hist,
+                                                               warp_active, tid, lane, gA, gB, vA,
+                                                               vB);
+      dsv_tks_resolve(gs, hist, kind, warp, lane, ngl, (uint32_t)S);
     }
   }
   __syncthreads();
