@@ -1,7 +1,8 @@
-"""Time the sampled-threshold top-K variant (csrc/dev/topk_sampled.cu) against the shipped kernel
-in one process: both entry points of the library DSV_TOPK_VARIANT_LIB (built by
-benchmarks/device_topk_variant.sh) on the same inputs, alternating, with the lists compared entry
-for entry (they must be equal: same scores, exact selection).
+"""Time the sampled-threshold top-K variants (csrc/dev/topk_sampled.cu: with a collect pass, and
+with it folded into the compaction) against the shipped kernel in one process: the entry points
+of the library DSV_TOPK_VARIANT_LIB (built by benchmarks/device_topk_variant.sh) on the same
+inputs, alternating, with the lists compared entry for entry (they must be equal: same scores,
+exact selection).
 
 Inputs per shape: random bf16 N(0, 1) low-rank rows [1, S, H, r] (as benchmarks/bench_topk.py)
 and, with --patterns, the adversarial ones of tests/test_topk_sampled_cuda.py (sample_up: the
@@ -62,20 +63,23 @@ def main():
             outs = {n: torch.empty((1, H, NG, K), dtype=torch.int32, device="cuda")
                     for n in V.ENTRIES}
             rec = dict(S=S, H=H, G=G, r=r, K=K, frac=frac, dtype=args.dtype, pattern=pattern)
-            for rnd in range(2):  # alternate: variant, shipped, variant, shipped
+            for rnd in range(2):  # alternate: the variants, shipped, the variants, shipped
                 for n in V.ENTRIES:
                     t = cuda_time_ms(lambda: V.run_entry(lib, n, q, k, cnt, G, K, out=outs[n],
                                                          poison=False),
                                      warmup=2, reps=args.reps)
                     rec.setdefault(n, []).append(t["median_ms"])
-            ms_var = min(rec[V.ENTRIES[0]])
-            ms_ref = min(rec[V.ENTRIES[1]])
-            same = torch.equal(outs[V.ENTRIES[0]], outs[V.ENTRIES[1]])
-            rec.update(ms_variant=ms_var, ms_shipped=ms_ref, lists_equal=same)
+            ms = {n: min(rec[n]) for n in V.ENTRIES}
+            same = all(torch.equal(outs[n], outs[V.SHIPPED]) for n in V.VARIANTS)
+            rec.update(ms_variant=ms[V.VARIANTS[0]], ms_fold=ms[V.VARIANTS[1]],
+                       ms_shipped=ms[V.SHIPPED], lists_equal=same)
             recs.append(rec)
+            ref = ms[V.SHIPPED]
             print(f"topk S={S:7d} H={H} G={G} r={r} K={K:6d} ({frac:.0%}) {args.dtype} "
-                  f"{pattern:11s}: sampled {ms_var:7.3f} ms, shipped {ms_ref:7.3f} ms "
-                  f"({ms_ref / ms_var:.2f}x), lists {'equal' if same else 'DIFFER'}", flush=True)
+                  f"{pattern:11s}: sampled {rec['ms_variant']:7.3f} ms "
+                  f"({ref / rec['ms_variant']:.2f}x), folded {rec['ms_fold']:7.3f} ms "
+                  f"({ref / rec['ms_fold']:.2f}x), shipped {ref:7.3f} ms, lists "
+                  f"{'equal' if same else 'DIFFER'}", flush=True)
             del q, k, outs
             torch.cuda.empty_cache()
     if args.json:

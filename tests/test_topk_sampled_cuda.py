@@ -1,9 +1,10 @@
 """GPU tests of the sampled-threshold top-K variant (csrc/dev/topk_sampled.cu) against the shipped
-kernel, both called through one library (DSV_TOPK_VARIANT_LIB, built by
-benchmarks/device_topk_variant.sh): its dsv_topk_estimate_cuda is the variant and
+kernel, all called through one library (DSV_TOPK_VARIANT_LIB, built by
+benchmarks/device_topk_variant.sh): its dsv_topk_estimate_cuda is the variant,
+dsv_dev_topk_estimate_fold_cuda the variant with the collect pass folded into the compaction and
 dsv_dev_topk_estimate_shipped_cuda the shipped kernel.
 
-Both compute bit-identical fp32 scores and select exactly, so their lists must be equal entry
+All compute bit-identical fp32 scores and select exactly, so their lists must be equal entry
 for entry (no tolerance), on random inputs and on the inputs that push the variant off its usual
 path: all scores tied, a few distinct key rows (runs of equal scores wider than the collect
 pass), NaN and +-inf scores, sampled key rows scaled up or down (the sample misleads: the band
@@ -25,12 +26,14 @@ from helpers import DT, Bshd, LowrankShape, bshd, check_topk, lowrank
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-ENTRIES = ("dsv_topk_estimate_cuda", "dsv_dev_topk_estimate_shipped_cuda")
+SHIPPED = "dsv_dev_topk_estimate_shipped_cuda"
+VARIANTS = ("dsv_topk_estimate_cuda", "dsv_dev_topk_estimate_fold_cuda")
+ENTRIES = VARIANTS + (SHIPPED,)
 _LIB = {}
 
 
 def variant_lib():
-    """The variant library (DSV_TOPK_VARIANT_LIB) with both entry points bound; skips if unset."""
+    """The variant library (DSV_TOPK_VARIANT_LIB) with its entry points bound; skips if unset."""
     path = os.environ.get("DSV_TOPK_VARIANT_LIB")
     if not path:
         pytest.skip("DSV_TOPK_VARIANT_LIB not set (benchmarks/device_topk_variant.sh builds it)")
@@ -96,14 +99,15 @@ def shape_pattern(q, k, pattern, gen):
 
 def compare(q, k, cnt, G, kmax, check=False):
     lib = variant_lib()
-    var = run_entry(lib, ENTRIES[0], q, k, cnt, G, kmax)
-    ref = run_entry(lib, ENTRIES[1], q, k, cnt, G, kmax)
-    assert (var != -777).all(), "the variant left entries unwritten"
-    diff = (var != ref).nonzero()
-    assert diff.numel() == 0, \
-        f"{diff.shape[0]} entries differ from the shipped kernel's, first at {diff[0].tolist()}"
-    if check:
-        check_topk(var, q, k, cnt, G, kmax)
+    ref = run_entry(lib, SHIPPED, q, k, cnt, G, kmax)
+    for name in VARIANTS:
+        var = run_entry(lib, name, q, k, cnt, G, kmax)
+        assert (var != -777).all(), f"{name} left entries unwritten"
+        diff = (var != ref).nonzero()
+        assert diff.numel() == 0, (f"{name}: {diff.shape[0]} entries differ from the shipped "
+                                   f"kernel's, first at {diff[0].tolist()}")
+        if check:
+            check_topk(var, q, k, cnt, G, kmax)
 
 
 # (B, S, H, r, G, dtype, layout, fracs of S per head, kmax factor)
@@ -155,8 +159,9 @@ def test_edge_counts_match_shipped(gen):
     q, k = lowrank(1, S, H, r, torch.bfloat16, gen, "contiguous", "cuda")
     cnt = torch.tensor([[0, 1, S - 1, S, S + 100]], dtype=torch.int32, device="cuda")
     compare(q, k, cnt, G, S + 8)
-    # the variant clamps like the shipped kernel: K = S gives every position, then -1
-    var = run_entry(variant_lib(), ENTRIES[0], q, k, cnt, G, S + 8)
-    assert torch.equal(var[0, 3, :, :S].cpu(), torch.arange(S, dtype=torch.int32).expand(
-        var.shape[2], S))
-    assert (var[0, 0] == -1).all() and (var[0, 3, :, S:] == -1).all()
+    # the variants clamp like the shipped kernel: K = S gives every position, then -1
+    for name in VARIANTS:
+        var = run_entry(variant_lib(), name, q, k, cnt, G, S + 8)
+        assert torch.equal(var[0, 3, :, :S].cpu(), torch.arange(S, dtype=torch.int32).expand(
+            var.shape[2], S))
+        assert (var[0, 0] == -1).all() and (var[0, 3, :, S:] == -1).all()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 M32 = 0xFFFFFFFF
-STRIDE, MIN_S, CAP, MAX_PASSES, BINS = 16, 4096, 256, 6, 256
+STRIDE, MIN_S, CAP, MAX_PASSES, BINS, FOLD_CAP = 16, 4096, 256, 6, 256, 64
 OFF, HIST, BAND, COLLECT = 0, 1, 2, 3
 
 
@@ -79,8 +79,58 @@ def sample_band(keys, K):
     return t_lo, t_hi
 
 
-def select(keys, K):
-    """The kernel's list for one group: (positions, full passes before the compaction)."""
+def unfold(keys, K, st, gen):
+    """The folded collect (dsv_dev_topk_estimate_fold_cuda): the compaction writes the keys above
+    the window and every window key (list entries from K on into a spill), the window keys are
+    appended as (key, position) pairs in any order, and dsv_tks_unfold keeps the `need` best
+    and closes the gaps, 32 lanes x 8 entries per batch, each lane with its own cursor."""
+    lo, hi, need, n = st["lo"], st["hi"], st["need"], st["cnt"]
+    win = (keys >= lo) & (keys <= hi)
+    prov = torch.nonzero((keys > hi) | win).flatten()
+    assert prov.numel() == K - need + n
+    out = prov[:K].clone()
+    spill = prov[K:]
+    wpos = torch.nonzero(win).flatten()
+    wrank = torch.searchsorted(prov, wpos)  # list index of the o-th window key
+    perm = torch.randperm(n, generator=gen)
+    pu, pp = keys[wpos][perm], wpos[perm]  # the pairs, in atomics order
+    drop, lr = [], []
+    for i in range(n):
+        r = int(((pu > pu[i]) | ((pu == pu[i]) & (pp < pp[i]))).sum())
+        o = int((pp < pp[i]).sum())
+        drop.append(r >= need)
+        lr.append(int(wrank[o]))
+    DR = sorted(x for x, d in zip(lr, drop) if d)
+    m = n - need
+    assert len(DR) == m
+    L = K + m
+    cursor = [0] * 32
+    jb = DR[0]
+    while jb < L:
+        e = {}
+        for t in range(8):
+            for lane in range(32):
+                j = jb + 32 * t + lane
+                if j < L:
+                    e[j] = int(out[j]) if j < K else int(spill[j - K])
+        for t in range(8):
+            for lane in range(32):
+                j = jb + 32 * t + lane
+                if j < L:
+                    k = cursor[lane]
+                    while k < m and DR[k] < j:
+                        k += 1
+                    cursor[lane] = k
+                    if not (k < m and DR[k] == j):
+                        out[j - k] = e[j]
+        jb += 32 * 8
+    return out
+
+
+def select(keys, K, fold_gen=None):
+    """The kernel's list for one group: (positions, full passes before the compaction); with
+    fold_gen (a generator for the pairs' order), a collect pass of a window of at most FOLD_CAP
+    keys is folded into the compaction (the fold kernel)."""
     S = keys.numel()
     K = min(max(K, 0), S)
     if K == 0:
@@ -100,6 +150,8 @@ def select(keys, K):
     passes = 0
     while not st["done"]:
         assert passes < MAX_PASSES, "no resolution within the pass bound"
+        if fold_gen is not None and st["mode"] == COLLECT and st["cnt"] <= FOLD_CAP:
+            return unfold(keys, K, st, fold_gen), passes
         passes += 1
         lo, hi, top, s, mode, need = (st[x] for x in ("lo", "hi", "top", "s", "mode", "need"))
         inw = (keys >= lo) & (keys <= hi)
@@ -151,6 +203,8 @@ def check(keys, K):
     got, passes = select(keys, K)
     ref = reference(keys, K)
     assert torch.equal(got, ref), f"S={keys.numel()} K={K}: list differs from the exact top-K"
+    folded, _ = select(keys, K, fold_gen=torch.Generator().manual_seed(K))
+    assert torch.equal(folded, ref), f"S={keys.numel()} K={K}: folded list differs"
     return passes
 
 

@@ -64,6 +64,7 @@
 #define TKS_STRIDE 16    /* sample: one key in TKS_STRIDE */
 #define TKS_MIN_S 4096   /* sample from this sequence length on */
 #define TKS_CAP TK_BINS  /* collect pass: windows of at most this many keys (one slab) */
+#define TKS_FOLD_CAP 64  /* folded collect: windows of at most this many keys (a quarter slab) */
 #define TKS_MAX_PASSES 6 /* band + at most 4 generic passes + one collect pass (the design) */
 
 /* what a group does in the next pass */
@@ -470,20 +471,140 @@ static __device__ __forceinline__ void dsv_tks_fragments(const float* reps, int 
   }
 }
 
-/* compaction flags of one 8-key block (the shipped dsv_tk_compact_flags, per block) */
+/* A group's compaction thresholds: selected = key > tg, or key in [el, eh] within the tie
+ * budget (el == eh == T for a resolved group, as shipped; FOLD, a folded group: tg = eh = hi,
+ * el = lo, every window key selected and appended to the slab as a (key, position) pair). */
+struct dsv_tks_cmp {
+  uint32_t tg, el, eh;
+  bool fold;
+  uint32_t* slab;
+  int* ccnt;
+};
+
+static __device__ __forceinline__ dsv_tks_cmp dsv_tks_cmp_of(dsv_tks_groups& gs, uint32_t* hist,
+                                                             int g, bool valid, bool selected,
+                                                             bool fold) {
+  dsv_tks_cmp c;
+  c.fold = fold && valid && gs.mode[g] == TKS_COLLECT;
+  const uint32_t T = selected ? gs.lo[g] : 0u; /* not selected (K >= S): every key, T = 0 */
+  c.tg = c.fold ? gs.hi[g] : T;
+  c.el = T;
+  c.eh = c.fold ? gs.hi[g] : T;
+  c.slab = hist + g * TK_BINS;
+  c.ccnt = gs.ccnt + g;
+  return c;
+}
+
+static __device__ __forceinline__ void dsv_tks_append_pair(const dsv_tks_cmp& c, uint32_t u,
+                                                           int pos) {
+  const int i = atomicAdd(c.ccnt, 1);
+  if (i < TKS_FOLD_CAP) {
+    c.slab[2 * i] = u;
+    c.slab[2 * i + 1] = (uint32_t)pos;
+  }
+}
+
+/* compaction flags of one 8-key block (the shipped dsv_tk_compact_flags, per block); FOLD:
+ * "equal" widened to [el, eh] and the folded groups' window keys appended */
+template <bool FOLD>
 static __device__ __forceinline__ void dsv_tks_flags(const float (&d)[4], int blk, uint32_t k0,
-                                                     uint32_t k1, uint32_t TA, uint32_t TB,
-                                                     uint32_t& mgA, uint32_t& mgB, uint32_t& meA,
+                                                     uint32_t k1, int key0, const dsv_tks_cmp& cA,
+                                                     const dsv_tks_cmp& cB, uint32_t& mgA,
+                                                     uint32_t& mgB, uint32_t& meA,
                                                      uint32_t& meB) {
   const uint32_t u0 = dsv_float_key(d[0]), u1 = dsv_float_key(d[1]);
   const uint32_t u2 = dsv_float_key(d[2]), u3 = dsv_float_key(d[3]);
-  mgA |= ((k0 & (u0 > TA)) << (2 * blk)) | ((k1 & (u1 > TA)) << (2 * blk + 1));
-  meA |= ((k0 & (u0 == TA)) << (2 * blk)) | ((k1 & (u1 == TA)) << (2 * blk + 1));
-  mgB |= ((k0 & (u2 > TB)) << (2 * blk)) | ((k1 & (u3 > TB)) << (2 * blk + 1));
-  meB |= ((k0 & (u2 == TB)) << (2 * blk)) | ((k1 & (u3 == TB)) << (2 * blk + 1));
+  mgA |= ((k0 & (u0 > cA.tg)) << (2 * blk)) | ((k1 & (u1 > cA.tg)) << (2 * blk + 1));
+  mgB |= ((k0 & (u2 > cB.tg)) << (2 * blk)) | ((k1 & (u3 > cB.tg)) << (2 * blk + 1));
+  if constexpr (!FOLD) {
+    meA |= ((k0 & (u0 == cA.el)) << (2 * blk)) | ((k1 & (u1 == cA.el)) << (2 * blk + 1));
+    meB |= ((k0 & (u2 == cB.el)) << (2 * blk)) | ((k1 & (u3 == cB.el)) << (2 * blk + 1));
+  } else {
+    const uint32_t e0 = k0 & (u0 >= cA.el) & (u0 <= cA.eh), e1 = k1 & (u1 >= cA.el) & (u1 <= cA.eh);
+    const uint32_t e2 = k0 & (u2 >= cB.el) & (u2 <= cB.eh), e3 = k1 & (u3 >= cB.el) & (u3 <= cB.eh);
+    meA |= (e0 << (2 * blk)) | (e1 << (2 * blk + 1));
+    meB |= (e2 << (2 * blk)) | (e3 << (2 * blk + 1));
+    if (cA.fold && (e0 | e1)) {
+      if (e0) dsv_tks_append_pair(cA, u0, key0);
+      if (e1) dsv_tks_append_pair(cA, u1, key0 + 1);
+    }
+    if (cB.fold && (e2 | e3)) {
+      if (e2) dsv_tks_append_pair(cB, u2, key0);
+      if (e3) dsv_tks_append_pair(cB, u3, key0 + 1);
+    }
+  }
 }
 
-template <typename T, int RP>
+/* FOLD, after the compaction: a folded group's list holds its K - need keys above the window
+ * and all n window keys (list entries from Keff on in the slab's spill words); keep the need
+ * best window keys (key descending, then position ascending) and close the gaps left by the
+ * other n - need. Slab: pairs [0, 2 CAP), spill [2 CAP, 3 CAP), list index of the window key
+ * of each position-order ordinal [3 CAP, 4 CAP). Whole warp. */
+static __device__ __forceinline__ void dsv_tks_unfold(uint32_t* slab, int n, int need,
+                                                      int64_t Keff, int32_t* out, int lane) {
+  const uint32_t* spill = slab + 2 * TKS_FOLD_CAP;
+  uint32_t* wrank = slab + 3 * TKS_FOLD_CAP;
+  uint32_t lr[2];
+  bool drop[2];
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const int i = lane + 32 * t;
+    drop[t] = false;
+    lr[t] = 0xFFFFFFFFu;
+    if (i < n) {
+      const uint32_t u = slab[2 * i], p = slab[2 * i + 1];
+      int r = 0, o = 0;
+      for (int j = 0; j < n; ++j) {
+        const uint32_t uj = slab[2 * j], pj = slab[2 * j + 1];
+        r += (uj > u) || (uj == u && pj < p);
+        o += pj < p;
+      }
+      drop[t] = r >= need;
+      lr[t] = wrank[o];
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const int i = lane + 32 * t;
+    if (i < n) wrank[i] = drop[t] ? lr[t] : 0xFFFFFFFFu;
+  }
+  __syncwarp();
+  /* the dropped keys' list indices, ascending, into slab[0 .. m) */
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const int i = lane + 32 * t;
+    if (i < n && drop[t]) {
+      int k = 0;
+      for (int j = 0; j < n; ++j) k += wrank[j] < lr[t];
+      slab[k] = lr[t];
+    }
+  }
+  __syncwarp();
+  const int m = n - need;
+  const int64_t L = Keff + m;
+  int k = 0; /* this lane's cursor: dropped indices below its current entry */
+  for (int64_t jb = slab[0]; jb < L; jb += 32 * 8) {
+    int32_t e[8];
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      const int64_t j = jb + 32 * t + lane;
+      e[t] = j < L ? (j < Keff ? out[j] : (int32_t)spill[j - Keff]) : 0;
+    }
+    __syncwarp(); /* every read of this batch before any write (writes go to lower indices) */
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      const int64_t j = jb + 32 * t + lane;
+      if (j < L) {
+        while (k < m && (int64_t)slab[k] < j) ++k;
+        if (!(k < m && (int64_t)slab[k] == j)) out[j - k] = e[t];
+      }
+    }
+    __syncwarp();
+  }
+}
+
+template <typename T, int RP, bool FOLD>
 __global__ void __launch_bounds__(TK_THREADS) dsv_tks_kernel(const dsv_topk_args a) {
   constexpr int KS = RP / 16;
   constexpr int SW = RP / 2 + 4;
@@ -542,6 +663,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_tks_kernel(const dsv_topk_args
   const bool vA = gA < ngl, vB = gB < ngl;
   uint32_t* histw = hist + warp * TK_GPW * TK_BINS;
   const T* kb = reinterpret_cast<const T*>(a.k) + b * a.k_sb + h * a.k_sh;
+  bool fold = false; /* FOLD: the collect pass folded into the compaction (CTA-uniform) */
 
   if (Keff < S) {
     /* ---- 0. sample: T_lo / T_hi per group ---- */
@@ -630,6 +752,11 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_tks_kernel(const dsv_topk_args
       const bool band = __syncthreads_or(tid < ngl && gs.mode[tid] == TKS_BAND);
       const bool hst = __syncthreads_or(tid < ngl && gs.mode[tid] == TKS_HIST);
       const int kind = band ? TKS_BAND : (hst ? TKS_HIST : TKS_COLLECT);
+      if (FOLD && kind == TKS_COLLECT) {
+        fold = __syncthreads_and(tid >= ngl || gs.mode[tid] != TKS_COLLECT ||
+                                 gs.cnt[tid] <= TKS_FOLD_CAP);
+        if (fold) break;
+      }
       if (kind == TKS_BAND)
         dsv_tks_pass<T, KS, SW, kTwoPhase, TKS_BAND, false>(a, kb, S, ktile, A, gs, hist,
                                                             warp_active, tid, lane, gA, gB, vA, vB);
@@ -647,17 +774,17 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_tks_kernel(const dsv_topk_args
 
   /* ---- 3. compaction pass: ascending positions (the shipped pass) ---- */
   {
-    uint32_t TA = 0, TB = 0;
-    if (Keff < S) {
-      TA = gs.lo[gA];
-      TB = gs.lo[gB];
-    }
+    const dsv_tks_cmp cA = dsv_tks_cmp_of(gs, hist, gA, vA, Keff < S, fold);
+    const dsv_tks_cmp cB = dsv_tks_cmp_of(gs, hist, gB, vB, Keff < S, fold);
     const int sel_grp = j4 >> 1, w = j4 & 1;
     const int gC = sel_grp ? gB : gA;
     const bool vC = gC < ngl;
+    const bool foldC = FOLD && (sel_grp ? cB.fold : cA.fold);
+    uint32_t* spillC = hist + gC * TK_BINS + 2 * TKS_FOLD_CAP;
+    uint32_t* wrankC = hist + gC * TK_BINS + 3 * TKS_FOLD_CAP;
     int64_t qC;
-    if (Keff >= S) qC = S;              /* every key: T = 0 (lowest key), all ties */
-    else if (gs.done[gC] == 2) qC = S;  /* every key >= T */
+    if (Keff >= S) qC = S;                       /* every key: T = 0 (lowest key), all ties */
+    else if (gs.done[gC] == 2 || foldC) qC = S;  /* every key >= T, or every window key */
     else qC = gs.need[gC];
     int64_t baseC = 0, eqbaseC = 0;
     int32_t* outC = outg0 + (int64_t)gC * kmax;
@@ -687,7 +814,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_tks_kernel(const dsv_topk_args
 #pragma unroll
         for (int blk = 0; blk < TK_TILE / 8; ++blk) {
           const int key0 = t0 + blk * 8 + j4 * 2;
-          dsv_tks_flags(dd[blk], blk, key0 < S32, key0 + 1 < S32, TA, TB, mgA, mgB, meA, meB);
+          dsv_tks_flags<FOLD>(dd[blk], blk, key0 < S32, key0 + 1 < S32, key0, cA, cB, mgA, mgB,
+                              meA, meB);
         }
       } else {
 #pragma unroll 2
@@ -695,7 +823,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_tks_kernel(const dsv_topk_args
           float d[4];
           dsv_tks_block_scores<T, KS, SW>(kt, A, lane, j4, blk, d);
           const int key0 = t0 + blk * 8 + j4 * 2;
-          dsv_tks_flags(d, blk, key0 < S32, key0 + 1 < S32, TA, TB, mgA, mgB, meA, meB);
+          dsv_tks_flags<FOLD>(d, blk, key0 < S32, key0 + 1 < S32, key0, cA, cB, mgA, mgB, meA,
+                              meB);
         }
       }
       const uint32_t mg = mgA | (mgB << 16), me = meA | (meB << 16);
@@ -724,6 +853,11 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_tks_kernel(const dsv_topk_args
           const int bit = __ffs(x) - 1;
           x &= x - 1;
           if (rank < Keff) outC[rank] = pos0 + bit;
+          else if (FOLD && foldC && rank - Keff < TKS_FOLD_CAP) spillC[rank - Keff] = pos0 + bit;
+          if (FOLD && foldC && ((We >> bit) & 1u)) { /* a window key: its list index by ordinal */
+            const int64_t o = eq_before + __popc(We & ((1u << bit) - 1u));
+            if (o < TKS_FOLD_CAP) wrankC[o] = (uint32_t)rank;
+          }
           ++rank;
         }
       }
@@ -733,6 +867,15 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_tks_kernel(const dsv_topk_args
     if (warp_active && vC && w == 0) gs.base[gC] = (int)(baseC < Keff ? baseC : Keff);
   }
   __syncwarp();
+  if (FOLD && fold) {
+    for (int gi = 0; gi < TK_GPW; ++gi) {
+      const int gl = warp * TK_GPW + gi;
+      if (gl >= ngl) break;
+      if (gs.mode[gl] != TKS_COLLECT) continue;
+      dsv_tks_unfold(hist + gl * TK_BINS, gs.cnt[gl], gs.need[gl], Keff,
+                     outg0 + (int64_t)gl * kmax, lane);
+    }
+  }
   /* -1 padding after the selected entries */
   for (int gi = 0; gi < TK_GPW; ++gi) {
     const int gl = warp * TK_GPW + gi;
@@ -742,23 +885,23 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_tks_kernel(const dsv_topk_args
   }
 }
 
-template <typename T, int RP>
+template <typename T, int RP, bool FOLD>
 static int dsv_tks_launch(const dsv_topk_args& a, int64_t grid, cudaStream_t st) {
   const size_t smem = dsv_tks_smem_bytes<RP>();
-  DSV_CUDA_TRY(cudaFuncSetAttribute(dsv_tks_kernel<T, RP>,
+  DSV_CUDA_TRY(cudaFuncSetAttribute(dsv_tks_kernel<T, RP, FOLD>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  dsv_tks_kernel<T, RP><<<(unsigned)grid, TK_THREADS, smem, st>>>(a);
+  dsv_tks_kernel<T, RP, FOLD><<<(unsigned)grid, TK_THREADS, smem, st>>>(a);
   DSV_CUDA_CHECK_LAUNCH();
   return DSV_OK;
 }
 
-template <typename T>
+template <typename T, bool FOLD>
 static int dsv_tks_dispatch(const dsv_topk_args& a, int RP, int64_t grid, cudaStream_t st) {
   switch (RP) {
-    case 16: return dsv_tks_launch<T, 16>(a, grid, st);
-    case 32: return dsv_tks_launch<T, 32>(a, grid, st);
-    case 48: return dsv_tks_launch<T, 48>(a, grid, st);
-    case 64: return dsv_tks_launch<T, 64>(a, grid, st);
+    case 16: return dsv_tks_launch<T, 16, FOLD>(a, grid, st);
+    case 32: return dsv_tks_launch<T, 32, FOLD>(a, grid, st);
+    case 48: return dsv_tks_launch<T, 48, FOLD>(a, grid, st);
+    case 64: return dsv_tks_launch<T, 64, FOLD>(a, grid, st);
   }
   return DSV_ERR_UNSUPPORTED;
 }
@@ -768,12 +911,11 @@ extern "C" size_t dsv_topk_estimate_workspace_cuda(const dsv_lowrank_shape* p) {
   return 0;
 }
 
-/* The shipped argument checks (dsv_topk_entry), then this variant's kernel. */
-extern "C" int dsv_topk_estimate_cuda(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_lr,
-                                      const int32_t* kv_count, int32_t* kv_index,
-                                      void* workspace, size_t workspace_bytes, void* stream) {
-  (void)workspace;
-  (void)workspace_bytes;
+/* The shipped argument checks (dsv_topk_entry), then this variant's kernel (FOLD: the collect
+ * pass folded into the compaction). */
+template <bool FOLD>
+static int dsv_tks_entry(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_lr,
+                         const int32_t* kv_count, int32_t* kv_index, void* stream) {
   if (!p) return DSV_ERR_INVALID;
   if (p->batch < 0 || p->seqlen < 0 || p->heads < 0 || p->rank <= 0 || p->group_size <= 0 ||
       p->kmax < 0 || p->seqlen > 0x7fffffffLL)
@@ -807,6 +949,24 @@ extern "C" int dsv_topk_estimate_cuda(const dsv_lowrank_shape* p, dsv_bshd q_lr,
   if (grid > 0x7fffffffLL) return DSV_ERR_UNSUPPORTED;
   const int RP = (int)((p->rank + 15) / 16 * 16);
   cudaStream_t st = (cudaStream_t)stream;
-  if (p->dtype == DSV_BFLOAT16) return dsv_tks_dispatch<__nv_bfloat16>(a, RP, grid, st);
-  return dsv_tks_dispatch<__half>(a, RP, grid, st);
+  if (p->dtype == DSV_BFLOAT16) return dsv_tks_dispatch<__nv_bfloat16, FOLD>(a, RP, grid, st);
+  return dsv_tks_dispatch<__half, FOLD>(a, RP, grid, st);
+}
+
+extern "C" int dsv_topk_estimate_cuda(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_lr,
+                                      const int32_t* kv_count, int32_t* kv_index,
+                                      void* workspace, size_t workspace_bytes, void* stream) {
+  (void)workspace;
+  (void)workspace_bytes;
+  return dsv_tks_entry<false>(p, q_lr, k_lr, kv_count, kv_index, stream);
+}
+
+/* The same with the collect pass folded into the compaction (same arguments, same lists). */
+extern "C" int dsv_dev_topk_estimate_fold_cuda(const dsv_lowrank_shape* p, dsv_bshd q_lr,
+                                               dsv_bshd k_lr, const int32_t* kv_count,
+                                               int32_t* kv_index, void* workspace,
+                                               size_t workspace_bytes, void* stream) {
+  (void)workspace;
+  (void)workspace_bytes;
+  return dsv_tks_entry<true>(p, q_lr, k_lr, kv_count, kv_index, stream);
 }
