@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call for the sampled-threshold top-K variant (csrc/dev/topk_sampled.cu): build a
 # ctypes library of it with csrc/cuda/{predictor_loss,profile_attention,rows}.cu (it exports the
-# variant as dsv_topk_estimate_cuda and the shipped kernel as
-# dsv_dev_topk_estimate_shipped_cuda), then
+# variant as dsv_topk_estimate_cuda, the folded one as dsv_dev_topk_estimate_fold_cuda and the
+# shipped kernel as dsv_dev_topk_estimate_shipped_cuda), then
 #   tests     the topk GPU tests through it (DSV_OPS_LIB: the variant in the shipped kernel's
-#             place) and tests/test_topk_sampled_cuda.py (variant == shipped, entry for entry);
-#   bench     benchmarks/topk_variant.py (both kernels in one process, lists compared) and
+#             place) and tests/test_topk_sampled_cuda.py (variants == shipped, entry for entry);
+#   bench     benchmarks/topk_variant.py (the three kernels in one process, lists compared) and
 #             benchmarks/bench_topk.py through the variant;
 #   sanitizer compute-sanitizer memcheck / racecheck on the variant's GPU tests.
 # Logs under $OUT.  Usage: benchmarks/device_topk_variant.sh "<steps>"  (default "tests bench")

@@ -7,7 +7,9 @@ boundary-bin search from the top, window updates, collect, generic 256-bin passe
 compaction's tie rule), so the cases that make the sample mislead (scores of the sampled
 positions shifted up or down), that defeat the collect pass (more than TKS_CAP equal keys at the
 boundary), ties everywhere, NaN / +-inf, K = 0 / 1 / S - 1 / S / above S exercise the kernel's
-fallbacks here; tests/test_topk_sampled_cuda.py checks the kernel itself on a GPU. Scores are
+fallbacks here, with the collect pass run as such and folded into the compaction (the list
+shift of dsv_tks_unfold, emulated lane by lane); tests/test_topk_sampled_cuda.py checks the
+kernels themselves on a GPU. Scores are
 float32 as the kernel's; selections are exact, so no tolerance applies.
 """
 import math

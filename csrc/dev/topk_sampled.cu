@@ -7,9 +7,10 @@
  *
  * Exports dsv_topk_estimate_workspace_cuda / dsv_topk_estimate_cuda (this variant, so that a
  * library built from it with predictor_loss.cu, profile_attention.cu and rows.cu works as
- * DSV_OPS_LIB for the tests and benchmarks/bench_topk.py) and the shipped kernel as
- * dsv_dev_topk_estimate_shipped_cuda (same arguments), for comparisons in one process
- * (benchmarks/topk_variant.py, benchmarks/device_topk_variant.sh).
+ * DSV_OPS_LIB for the tests and benchmarks/bench_topk.py), dsv_dev_topk_estimate_fold_cuda
+ * (the variant with its collect pass folded into the compaction, FOLD below) and the shipped
+ * kernel as dsv_dev_topk_estimate_shipped_cuda (all with the same arguments and lists), for
+ * comparisons in one process (benchmarks/topk_variant.py, benchmarks/device_topk_variant.sh).
  *
  * Why: the shipped kernel selects by an MSB-first radix select over the whole uint32 key range,
  * 8 bits per pass: 4 histogram passes at the target shape plus the compaction pass, each
@@ -52,8 +53,17 @@
  * and at S = 64k, K = 10% or 5% every CTA runs 4 histogram passes (CPU emulation of both
  * selections on N(0, 1) scores): ~3330 per tile. Here: sample 2 x 565 / 16, band 763, collect
  * 654 (~490 executed: the appends are rare), compaction 824: ~2150-2310, i.e. ~0.65-0.7x of the
- * shipped time (8.3 -> ~5.6 ms at 0.9). The next saving would fold the collect pass into the
- * compaction (write the boundary window's keys as selected, drop the surplus afterwards).
+ * shipped time (8.3 -> ~5.6 ms at 0.9).
+ *
+ * FOLD (dsv_dev_topk_estimate_fold_cuda): when every unresolved group of a CTA waits for a
+ * collect pass of a window of at most TKS_FOLD_CAP keys, that pass is skipped: the compaction
+ * takes every key above the window and every window key (list entries from K on go to a spill
+ * in the group's slab), appends the window keys as (key, position) pairs and records the list
+ * index of each; dsv_tks_unfold then keeps the `need` best window keys (key descending, then
+ * position ascending) and shifts the rest of the list left over the others (one read and one
+ * write of the list from the first dropped entry on: ~half a list per group, ~0.2 ms at the
+ * target shape). Compaction loop 1246 static (~930 executed): ~1800 per tile with the sample
+ * and band passes, ~0.55x of the shipped time plus the shift (8.3 -> ~4.7 ms at 0.9).
  */
 #define dsv_topk_estimate_cuda dsv_dev_topk_estimate_shipped_cuda
 #define dsv_topk_estimate_workspace_cuda dsv_dev_topk_estimate_shipped_workspace_cuda
