@@ -375,20 +375,26 @@ static __device__ __forceinline__ void dsv_tks_resolve(dsv_tks_groups& gs, uint3
     const int n = gs.ccnt[gl] < TKS_CAP ? gs.ccnt[gl] : TKS_CAP;
     __syncwarp(); /* every lane has read the state before any lane writes it */
     if (mode == TKS_COLLECT) {
-      /* the window's keys: T = the one with #(> T) < need <= #(>= T); equal keys write the
-       * same values */
-      for (int i = lane; i < n; i += 32) {
-        const uint32_t x = slab[i];
+      /* the window's keys: T = the one with #(> T) < need <= #(>= T) (the first lane that
+       * finds it writes) */
+      for (int i0 = 0; i0 < n; i0 += 32) {
+        const int i = i0 + lane;
+        uint32_t x = 0;
         int gt = 0, ge = 0;
-        for (int j = 0; j < n; ++j) {
-          const uint32_t y = slab[j];
-          gt += y > x;
-          ge += y >= x;
+        if (i < n) {
+          x = slab[i];
+          for (int j = 0; j < n; ++j) {
+            const uint32_t y = slab[j];
+            gt += y > x;
+            ge += y >= x;
+          }
         }
-        if (gt < need && need <= ge) {
+        const uint32_t hit = __ballot_sync(DSV_FULL_MASK, i < n && gt < need && need <= ge);
+        if (hit && lane == __ffs((int)hit) - 1) {
           gs.lo[gl] = x;
           gs.need[gl] = need - gt;
         }
+        if (hit) break;
       }
       __syncwarp();
       if (lane == 0) {
