@@ -1,0 +1,301 @@
+"""The selection rule of csrc/dev/topk_sampled.cu, emulated on the CPU pass by pass on the
+uint32 score keys, against a stable sort: the list must be the exact top-K (ties towards the
+lower position, ascending) for every score distribution, whatever the sample suggests.
+
+The emulation mirrors the kernel's arithmetic (sample ranks, 8 + 8-bit sample select, band bins,
+boundary-bin search from the top, window updates, collect, generic 256-bin passes, the
+compaction's tie rule), so the cases that make the sample mislead (scores of the sampled
+positions shifted up or down), that defeat the collect pass (more than TKS_CAP equal keys at the
+boundary), ties everywhere, NaN / +-inf, K = 0 / 1 / S - 1 / S / above S exercise the kernel's
+fallbacks here, with the collect pass run as such and folded into the compaction (the list
+shift of dsv_tks_unfold, emulated lane by lane); tests/test_topk_sampled_cuda.py checks the
+kernels themselves on a GPU. Scores are
+float32 as the kernel's; selections are exact, so no tolerance applies.
+"""
+import math
+
+import pytest
+import torch
+
+M32 = 0xFFFFFFFF
+STRIDE, MIN_S, CAP, MAX_PASSES, BINS, FOLD_CAP = 16, 4096, 256, 6, 256, 64
+OFF, HIST, BAND, COLLECT = 0, 1, 2, 3
+
+
+def float_keys(x):
+    """dsv_float_key: order-preserving uint32 keys (as int64) of float32 scores; NaN ranks with
+    -inf."""
+    u = x.contiguous().view(torch.int32).to(torch.int64) & M32
+    k = torch.where(u >= 0x80000000, u ^ M32, u ^ 0x80000000)
+    return torch.where(torch.isnan(x), torch.full_like(k, 0x007FFFFF), k)
+
+
+def sample_positions(ns, S):
+    """dsv_tks_sample_key: sample row i is key min(16 i + h(i), S - 1), h(i) the top 4 bits of
+    the 32-bit product i * 0x9E3779B1."""
+    i = torch.arange(ns, dtype=torch.int64)
+    j = i * STRIDE + (((i * 0x9E3779B1) & M32) >> 28)
+    return torch.clamp(j, max=S - 1)
+
+
+def find(c, need):
+    """Highest bin b with sum(c[b:]) >= need: (b, count above b, c[b]) (dsv_tks_find)."""
+    suffix = torch.flip(torch.cumsum(torch.flip(c, [0]), 0), [0])
+    ok = torch.nonzero(suffix >= need).flatten()
+    assert ok.numel() > 0, "need above the slab's total"
+    b = int(ok[-1])
+    return b, int(suffix[b] - c[b]), int(c[b])
+
+
+def plan(st):
+    """dsv_tks_plan: collect when the window holds <= CAP keys, else a 256-bin histogram."""
+    if st["cnt"] <= CAP:
+        st.update(mode=COLLECT, s=0)
+    else:
+        bits = (st["hi"] - st["lo"]).bit_length()
+        st.update(mode=HIST, s=max(bits - 8, 0))
+    st["top"] = st["hi"]
+
+
+def sample_band(keys, K):
+    """Stage 0: T_lo, T_hi from one key in STRIDE (two 8-bit sample passes)."""
+    S = keys.numel()
+    ns = -(-S // STRIDE)
+    samp = keys[sample_positions(ns, S)]
+    mu = K * ns / S
+    sd = math.sqrt(mu)
+    m_lo = min(ns, math.ceil(mu + 4 * sd + 2))
+    m_hi = max(0, math.floor(mu - 4 * sd - 2))
+    c = torch.bincount(samp >> 24, minlength=BINS)
+    bl, al, _ = find(c, m_lo)
+    bh = find(c, m_hi)[0] if m_hi > 0 else 0
+    lo = bl << 24
+    sneed_lo = m_lo - al
+    sneed_hi = m_hi - al if (m_hi > 0 and bh == bl) else 0
+    thi = ((bh << 24) | 0xFFFFFF) if m_hi > 0 else M32
+    w = samp[(samp >= lo) & (samp <= (lo | 0xFFFFFF))]
+    c = torch.bincount((w - lo) >> 16, minlength=BINS)
+    t_lo = lo + (find(c, sneed_lo)[0] << 16)
+    t_hi = lo + (find(c, sneed_hi)[0] << 16) + 0xFFFF if sneed_hi > 0 else thi
+    assert t_lo <= t_hi
+    return t_lo, t_hi
+
+
+def unfold(keys, K, st, gen):
+    """The folded collect (dsv_dev_topk_estimate_fold_cuda): the compaction writes the keys above
+    the window and every window key (list entries from K on into a spill), the window keys are
+    appended as (key, position) pairs in any order, and dsv_tks_unfold keeps the `need` best
+    and closes the gaps, 32 lanes x 8 entries per batch, each lane with its own cursor."""
+    lo, hi, need, n = st["lo"], st["hi"], st["need"], st["cnt"]
+    win = (keys >= lo) & (keys <= hi)
+    prov = torch.nonzero((keys > hi) | win).flatten()
+    assert prov.numel() == K - need + n
+    out = prov[:K].clone()
+    spill = prov[K:]
+    wpos = torch.nonzero(win).flatten()
+    wrank = torch.searchsorted(prov, wpos)  # list index of the o-th window key
+    perm = torch.randperm(n, generator=gen)
+    pu, pp = keys[wpos][perm], wpos[perm]  # the pairs, in atomics order
+    drop, lr = [], []
+    for i in range(n):
+        r = int(((pu > pu[i]) | ((pu == pu[i]) & (pp < pp[i]))).sum())
+        o = int((pp < pp[i]).sum())
+        drop.append(r >= need)
+        lr.append(int(wrank[o]))
+    DR = sorted(x for x, d in zip(lr, drop) if d)
+    m = n - need
+    assert len(DR) == m
+    L = K + m
+    cursor = [0] * 32
+    jb = DR[0]
+    while jb < L:
+        e = {}
+        for t in range(8):
+            for lane in range(32):
+                j = jb + 32 * t + lane
+                if j < L:
+                    e[j] = int(out[j]) if j < K else int(spill[j - K])
+        for t in range(8):
+            for lane in range(32):
+                j = jb + 32 * t + lane
+                if j < L:
+                    k = cursor[lane]
+                    while k < m and DR[k] < j:
+                        k += 1
+                    cursor[lane] = k
+                    if not (k < m and DR[k] == j):
+                        out[j - k] = e[j]
+        jb += 32 * 8
+    return out
+
+
+def select(keys, K, fold_gen=None):
+    """The kernel's list for one group: (positions, full passes before the compaction); with
+    fold_gen (a generator for the pairs' order), a collect pass of a window of at most FOLD_CAP
+    keys is folded into the compaction (the fold kernel)."""
+    S = keys.numel()
+    K = min(max(K, 0), S)
+    if K == 0:
+        return torch.empty(0, dtype=torch.int64), 0
+    if K == S:
+        return torch.arange(S), 0
+    if S >= MIN_S:
+        t_lo, t_hi = sample_band(keys, K)
+        s = 0
+        while ((t_hi - t_lo) >> s) > 253:
+            s += 1
+        st = dict(mode=BAND, lo=t_lo, hi=M32, top=min(t_lo + (254 << s) - 1, M32), s=s, need=K,
+                  cnt=S, done=0)
+    else:
+        st = dict(lo=0, hi=M32, need=K, cnt=S, done=0)
+        plan(st)
+    passes = 0
+    while not st["done"]:
+        assert passes < MAX_PASSES, "no resolution within the pass bound"
+        if fold_gen is not None and st["mode"] == COLLECT and st["cnt"] <= FOLD_CAP:
+            return unfold(keys, K, st, fold_gen), passes
+        passes += 1
+        lo, hi, top, s, mode, need = (st[x] for x in ("lo", "hi", "top", "s", "mode", "need"))
+        inw = (keys >= lo) & (keys <= hi)
+        if mode == COLLECT:
+            vals = keys[inw]
+            assert vals.numel() == st["cnt"] <= CAP
+            T = int(torch.sort(vals, descending=True).values[need - 1])
+            st.update(lo=T, need=need - int((vals > T).sum()), done=1)
+            continue
+        h = inw & (keys <= top)
+        off = 1 if mode == BAND else 0
+        c = torch.bincount(off + ((keys[h] - lo) >> s), minlength=BINS)
+        assert c.numel() == BINS
+        if mode == BAND:
+            assert int(c[BINS - 1]) == 0 and int(c[0]) == 0
+            c[BINS - 1] = int((inw & (keys > top)).sum())
+            c[0] = S - int(c.sum())
+        b, above, cnt = find(c, need)
+        if mode == BAND and b == 0:
+            nlo, nhi = 0, lo - 1
+        elif mode == BAND and b == BINS - 1:
+            nlo, nhi = top + 1, hi
+        else:
+            nlo = lo + ((b - off) << s)
+            nhi = min(nlo + (1 << s) - 1, top)
+        nneed = need - above
+        st.update(lo=nlo, hi=nhi, need=nneed, cnt=cnt)
+        if cnt == nneed:
+            st["done"] = 2
+        elif nlo == nhi:
+            st["done"] = 1
+        else:
+            plan(st)
+    # compaction: {key > T} and the first q of {key == T}
+    T = st["lo"]
+    q = S if st["done"] == 2 else st["need"]
+    eq = keys == T
+    sel = (keys > T) | (eq & (torch.cumsum(eq.to(torch.int64), 0) <= q))
+    return torch.nonzero(sel).flatten()[:K], passes
+
+
+def reference(keys, K):
+    K = min(max(K, 0), keys.numel())
+    order = torch.sort(keys, descending=True, stable=True).indices[:K]
+    return torch.sort(order).values
+
+
+def check(keys, K):
+    got, passes = select(keys, K)
+    ref = reference(keys, K)
+    assert torch.equal(got, ref), f"S={keys.numel()} K={K}: list differs from the exact top-K"
+    folded, _ = select(keys, K, fold_gen=torch.Generator().manual_seed(K))
+    assert torch.equal(folded, ref), f"S={keys.numel()} K={K}: folded list differs"
+    return passes
+
+
+def test_float_keys_order():
+    x = torch.tensor([float("-inf"), -3.0, -0.0, 0.0, 1e-30, 2.0, float("inf")])
+    k = float_keys(x)
+    assert (k[1:] >= k[:-1]).all() and k[2] < k[3]
+    assert float_keys(torch.tensor([float("nan")]))[0] == k[0]  # NaN ties with -inf
+
+
+@pytest.mark.parametrize("S", [300, 4096, 5000, 20000])
+@pytest.mark.parametrize("frac", [0.05, 0.1, 0.2])
+def test_random_scores(S, frac, gen):
+    for _ in range(3):
+        keys = float_keys(torch.randn(S, generator=gen))
+        check(keys, math.ceil(frac * S))
+
+
+def test_typical_case_takes_band_and_collect(gen):
+    """Continuous scores at S = 64k, K = 10% / 5%: the band pass and at most one collect pass, no
+    fallback (what the kernel's prediction assumes)."""
+    S = 65536
+    for frac in (0.1, 0.05):
+        for _ in range(4):
+            keys = float_keys(torch.randn(S, generator=gen) * 3.0 + 0.5)
+            assert check(keys, math.ceil(frac * S)) <= 2
+    # a score pattern of period 16 (e.g. a frame row width): the hashed sample is not fooled
+    x = torch.randn(S, generator=gen)
+    x[torch.arange(S) % 16 == 0] += 2.0
+    assert check(float_keys(x), S // 10) <= 2
+
+
+def test_edge_counts(gen):
+    for S in (1, 7, 300, 4096, 9000):
+        keys = float_keys(torch.randn(S, generator=gen))
+        for K in (0, 1, 2, S - 1, S, S + 5, -3):
+            check(keys, K)
+
+
+@pytest.mark.parametrize("S", [300, 6000])
+def test_ties(S, gen):
+    """All equal; two values; few distinct values with the boundary inside a run of more than
+    CAP equal keys (the collect pass cannot take it: generic passes, then T = one value)."""
+    for K in (1, S // 10, S // 2, S - 1):
+        check(float_keys(torch.zeros(S)), K)
+        two = torch.where(torch.rand(S, generator=gen) < 0.3, 1.0, -1.0)
+        check(float_keys(two), K)
+        few = torch.randint(0, 5, (S,), generator=gen).float()
+        check(float_keys(few), K)
+
+
+def test_nan_and_inf(gen):
+    S = 8192
+    x = torch.randn(S, generator=gen)
+    x[torch.randperm(S, generator=gen)[:500]] = float("nan")
+    x[torch.randperm(S, generator=gen)[:300]] = float("inf")
+    x[torch.randperm(S, generator=gen)[:300]] = float("-inf")
+    for K in (1, 200, 819, 4000, S - 600, S - 1):
+        check(float_keys(x), K)
+    check(float_keys(torch.full((S,), float("nan"))), 100)
+
+
+def test_misleading_samples(gen):
+    """The sampled positions scored far above or below the rest: the K-th largest falls below
+    T_lo (bin 0) or above the band (bin 255); the fallback passes must still give the exact
+    list."""
+    S = 16384
+    idx = torch.arange(S)
+    sampled = torch.zeros(S, dtype=torch.bool)
+    sampled[sample_positions(-(-S // STRIDE), S)] = True
+    for shift in (10.0, -10.0, 0.3, -0.3):
+        x = torch.randn(S, generator=gen)
+        x[sampled] += shift
+        for K in (S // 20, S // 10, S // 5):
+            check(float_keys(x), K)
+    # a narrow band of ties around the K-th value, away from the sample's values
+    x = torch.randn(S, generator=gen)
+    x[~sampled & (idx % 3 == 0)] = 1.25
+    check(float_keys(x), S // 10)
+
+
+def test_pass_bound_worst_cases(gen):
+    """Adversarial spreads (scores over many binades, denormals, huge values) stay within the
+    kernel's TKS_MAX_PASSES (asserted in select)."""
+    S = 12000
+    x = torch.randn(S, generator=gen) * torch.exp2(torch.randint(-140, 120, (S,), generator=gen)
+                                                    .float())
+    for K in (1, 3, S // 10, S - 2):
+        check(float_keys(x), K)
+    y = torch.randn(S, generator=gen)
+    y[sample_positions(-(-S // STRIDE), S)] = float("-inf")
+    check(float_keys(y), S // 10)
