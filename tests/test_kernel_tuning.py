@@ -80,6 +80,7 @@ def test_defaults_from_the_device():
     assert t["l2_bytes"] == props.L2_cache_size
     assert t["wgmma"] in (0, 1) and (t["wgmma"] == 0 or t["cc"] == 90)
     assert t["km_ratio"] == pytest.approx(1.15) and t["bwd_ranges"] == 0 and t["bwd_rmax"] == 0
+    assert t["km_wgmma"] == 1
 
 
 @gpu
@@ -87,10 +88,11 @@ def test_override_is_reported_and_read_once():
     code = ("import os, json, dsv_ext.ops as o; a = o.kernel_tuning(0); "
             "os.environ['DSV_KERNEL_TUNING'] = 'km_ratio=5'; b = o.kernel_tuning(0); "
             "print(json.dumps([a, b]))")
-    out = _child(code, "km_ratio=0,bwd_ranges=3,wgmma=0,sm_count=7")
+    out = _child(code, "km_ratio=0,bwd_ranges=3,wgmma=0,sm_count=7,km_wgmma=0")
     assert out.returncode == 0, out.stderr
     a, b = json.loads(out.stdout)
     assert a["km_ratio"] == 0 and a["bwd_ranges"] == 3 and a["wgmma"] == 0 and a["sm_count"] == 7
+    assert a["km_wgmma"] == 0
     assert b["km_ratio"] == 0  # the kernels keep the tuning they started with
 
 
