@@ -364,11 +364,13 @@ def test_block_size_checks():
         assert e.value.status == want, (blk, e.value.status)
 
 
-@pytest.mark.parametrize("tuning", ["wgmma=0", "km_wgmma=0"])
-def test_mma_sync_kernels(tuning):
-    """The tests above in a child process with DSV_KERNEL_TUNING=wgmma=0 (the mma.sync forward,
-    dQ and key-major kernels where wgmma would run: G >= 64, D 64 / 128 on an H100 / H200) and
-    km_wgmma=0 (only the key-major dK / dV pass on mma.sync)."""
+@pytest.mark.parametrize("tuning", ["wgmma=0", "km_wgmma=0", "km_wgmma=2"])
+def test_kernel_choices(tuning):
+    """The tests above in a child process with another kernel choice (DSV_KERNEL_TUNING; the
+    choices differ where wgmma would run, G >= 64 and D 64 / 128 on an H100 / H200): wgmma=0 the
+    mma.sync forward, dQ and key-major kernels; km_wgmma=0 only the key-major dK / dV pass on
+    mma.sync (by default it runs on wgmma for kv_block 64 and on mma.sync for 16); km_wgmma=2
+    the key-major pass on wgmma for kv_block 16 too."""
     need_lib()
     if os.environ.get("DSV_KERNEL_TUNING"):
         pytest.skip("inside a tuning run")
@@ -376,7 +378,7 @@ def test_mma_sync_kernels(tuning):
     import sys
     env = dict(os.environ, DSV_KERNEL_TUNING=tuning)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        os.path.abspath(__file__), "-k", "not mma_sync and not km_kernels"],
+                        os.path.abspath(__file__), "-k", "not kernel_choices and not km_kernels"],
                        env=env, capture_output=True, text=True, timeout=3000, cwd=ROOT)
     assert r.returncode == 0, f"{tuning}:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
     assert " passed" in r.stdout, r.stdout[-2000:]
@@ -467,8 +469,8 @@ def _km_magnitudes(r, G, blk, scale):
 
 
 def test_km_kernels_agree(tmp_path):
-    """The key-major dK / dV pass on wgmma (km_wgmma=1, the default on an H100 / H200) and on
-    mma.sync (km_wgmma=0), each in a child process, on the same inputs (KM_CASES: block lists
+    """The key-major dK / dV pass on wgmma (km_wgmma=2: every case, kv_block 16 included) and
+    on mma.sync (km_wgmma=0), each in a child process, on the same inputs (KM_CASES: block lists
     16 / 64 with duplicates, padding, a partial last block and partial last groups; token lists
     with every head key-major): each run three times bit-identically; out, lse and dq (the same
     kernels in both) bit-identical across the two; dk, dv within
@@ -490,7 +492,7 @@ def test_km_kernels_agree(tmp_path):
     import subprocess
     import sys
     res = {}
-    for km in (1, 0):
+    for km in (2, 0):
         f = tmp_path / f"km{km}.pt"
         env = dict(os.environ, DSV_KERNEL_TUNING=f"km_ratio=1e9,bwd_ranges=1,km_wgmma={km}",
                    DSV_ROOT=ROOT)
@@ -498,7 +500,7 @@ def test_km_kernels_agree(tmp_path):
                            capture_output=True, text=True, timeout=900, cwd=ROOT)
         assert r.returncode == 0, f"km_wgmma={km}:\n{r.stderr[-3000:]}"
         res[km] = torch.load(f)
-    for (blk, D, G, dtype), a, b in zip(KM_CASES, res[1], res[0]):
+    for (blk, D, G, dtype), a, b in zip(KM_CASES, res[2], res[0]):
         case = f"kv_block {blk}, D {D}, G {G}, {dtype}"
         for name in ("q", "k", "v", "dout", "idx", "out", "lse", "dq"):
             assert torch.equal(a[name], b[name]), f"{case}: {name} differs"

@@ -8,7 +8,8 @@
  * Two kernels, the same entries, the same arithmetic (P^T and dS^T in fp32, rounded to the input
  * type for the products, fp32 sums in registers in entry order; dK scaled once at the end):
  *   bwd_kmajor_kernel     mma.sync (any sm_80+), D 64 / 96 / 128, query chunks of 64 or 32;
- *   bwd_kmajor_wg_kernel  wgmma (sm_90a, the tuning's wgmma and km_wgmma), D 64 / 128, G >= 64.
+ *   bwd_kmajor_wg_kernel  wgmma (sm_90a, the tuning's wgmma and km_wgmma), D 64 / 128, G >= 64;
+ *                         token lists and 64-key block lists (16-key ones with km_wgmma = 2).
  * They differ only in the order of the fp32 sums inside the tensor-core products.
  */
 #include "sparse_attention_bwd.cuh"
@@ -438,7 +439,10 @@ int bwd_kmajor_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
                       cudaStream_t stream) {
   if (!prm.km_enabled) return DSV_OK;
   const bool g64 = prm.G % 64 == 0;
-  if (wgmma) {
+  /* 16-key block lists stay on mma.sync unless wgmma is 2: their entries select 1.16 of the 4
+   * 16-key quarters on average (random blocks at 0.9), which the mma.sync kernel skips warp by
+   * warp, while the warpgroup computes all 64 keys of every entry (benchmarks/PERF_LOG.md v11) */
+  if (wgmma == 2 || (wgmma == 1 && prm.blk != 16)) {
     if (sh->head_dim == 64 && kmajor_wg_applies<64>(prm.G))
       return launch_kmajor_wg<T, 64>(sh, prm, stream);
     if (sh->head_dim == 128 && kmajor_wg_applies<128>(prm.G))

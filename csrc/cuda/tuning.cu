@@ -6,8 +6,8 @@
  *   sm_count, l2_bytes      what the device reports (for experiments with smaller devices)
  *   wgmma                   0 runs the mma.sync kernels where the wgmma ones would run
  *   km_wgmma                1 (default) the key-major dK / dV pass on wgmma where it applies
- *                           (with wgmma on: D 64 / 128, G >= 64; block lists and token lists),
- *                           0 its mma.sync kernel
+ *                           (with wgmma on: D 64 / 128, G >= 64; token lists and 64-key block
+ *                           lists), 2 also 16-key block lists, 0 its mma.sync kernel
  *   km_ratio                backward key-major ratio (0: never key-major, 1e9: wherever allowed)
  *   bwd_ranges              backward key ranges forced on every query-major head (0: automatic)
  *   bwd_rmax                the automatic rule's most key ranges (0: from the L2 size)
@@ -63,7 +63,7 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
     if (n != 0 && n != 1) return DSV_ERR_TUNING;
     t->wgmma = t->wgmma && n == 1; /* never on where it cannot run */
   } else if (DSV_KEY("km_wgmma")) {
-    if (n != 0 && n != 1) return DSV_ERR_TUNING;
+    if (n < 0 || n > 2) return DSV_ERR_TUNING;
     t->km_wgmma = (int)n; /* takes effect only where wgmma is on */
   } else if (DSV_KEY("bwd_ranges")) {
     if (n < 0 || n > 16) return DSV_ERR_TUNING;
