@@ -384,8 +384,9 @@ def test_kernel_choices(tuning):
     assert " passed" in r.stdout, r.stdout[-2000:]
 
 
-# (kv_block, D, G, dtype) of test_km_kernels_agree; kv_block 1: token lists (every head forced
-# key-major). G 100 and 128: chunks of 64 queries past the group's end.
+# (kv_block, D, G, dtype) of test_km_kernels_agree; kv_block 1: token lists in deterministic
+# mode (every head key-major, entries in ascending group order). G 100 and 128: chunks of 64
+# queries past the group's end.
 KM_CASES = ((64, 128, 64, torch.bfloat16), (16, 128, 128, torch.float16),
             (64, 64, 100, torch.float16), (16, 64, 64, torch.bfloat16),
             (1, 128, 64, torch.bfloat16), (1, 64, 128, torch.float16))
@@ -414,7 +415,8 @@ for blk, D, G, dtype in K.KM_CASES:
         runs = [K.blk_bwd(dout, q, k, v, out, lse, idx_d, cnt_d, G, scale, blk) for _ in range(3)]
     else:
         out, lse = T.attn_fwd(q, k, v, idx_d, cnt_d, G, scale)
-        runs = [T.attn_bwd(dout, q, k, v, out, lse, idx_d, cnt_d, G, scale) for _ in range(3)]
+        runs = [T.attn_bwd(dout, q, k, v, out, lse, idx_d, cnt_d, G, scale, deterministic=True)
+                for _ in range(3)]
     torch.cuda.synchronize()
     for r in runs[1:]:
         for a, b, name in zip(runs[0], r, ("dq", "dk", "dv")):
@@ -472,7 +474,7 @@ def test_km_kernels_agree(tmp_path):
     """The key-major dK / dV pass on wgmma (km_wgmma=2: every case, kv_block 16 included) and
     on mma.sync (km_wgmma=0), each in a child process, on the same inputs (KM_CASES: block lists
     16 / 64 with duplicates, padding, a partial last block and partial last groups; token lists
-    with every head key-major): each run three times bit-identically; out, lse and dq (the same
+    in deterministic mode): each run three times bit-identically; out, lse and dq (the same
     kernels in both) bit-identical across the two; dk, dv within
         ulp(max(|a|, |b|)) + (2^-7 + 2^-10) M   elementwise,
     M the float64 magnitude sum of the element's terms (_km_magnitudes). Why: both kernels form
