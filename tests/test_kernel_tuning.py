@@ -58,6 +58,8 @@ def test_malformed_override_is_named(monkeypatch, spec, msg):
         ops._check_tuning_env()
     monkeypatch.setenv("DSV_KERNEL_TUNING", "km_ratio=0,bwd_ranges=3,")
     ops._check_tuning_env()
+    monkeypatch.setenv("DSV_KERNEL_TUNING", "km_wgmma=0")
+    ops._check_tuning_env()
 
 
 def test_info_reports_tuning():
@@ -97,13 +99,14 @@ def test_override_is_reported_and_read_once():
 
 
 @gpu
-def test_malformed_override_fails_the_kernels():
+@pytest.mark.parametrize("spec", ["bwd_ranges=99", "km_wgmma=3"])
+def test_malformed_override_fails_the_kernels(spec):
     code = ("import torch, dsv_ext\n"
             "q = torch.randn(1, 64, 1, 64, device='cuda', dtype=torch.bfloat16)\n"
             "idx = torch.zeros(1, 1, 1, 4, dtype=torch.int32, device='cuda')\n"
             "cnt = torch.full((1, 1), 4, dtype=torch.int32, device='cuda')\n"
             "try:\n    torch.ops.dsv.sparse_attention_fwd(q, q, q, idx, cnt, 64, 0.1)\n"
             "except RuntimeError as e:\n    print('ERR', e)\n")
-    out = _child(code, "bwd_ranges=99")
+    out = _child(code, spec)
     assert out.returncode == 0, out.stderr
     assert "ERR" in out.stdout and "DSV_KERNEL_TUNING is malformed" in out.stdout
