@@ -7,7 +7,9 @@
 #              deterministic backward; the driver also fails when a case fails its own check
 #   paths      memcheck over the sparse attention section once per DSV_KERNEL_TUNING setting that
 #              forces a backward path (query-major with 1 / 3 key ranges, the automatic ranges,
-#              key-major; mma.sync instead of wgmma), the tuning being read once per process
+#              key-major; mma.sync instead of wgmma; the key-major dK / dV pass on mma.sync, or
+#              on wgmma for 16-key block lists too), the tuning being read once per process; the
+#              settings of wgmma / km_wgmma also rerun the block-list section
 # Needs a GPU (Firecracker machines: sanitizer works; gVisor: not).
 # Usage: tests/run_sanitizer.sh [logdir] [steps...]   (default steps: memcheck racecheck fuzz;
 #        `tests/run_sanitizer.sh /tmp/san fuzz` runs only the fuzz matrix under memcheck)
@@ -29,8 +31,11 @@ for step in $STEPS; do
     fuzz) tool=memcheck; extra="--leak-check no"; only="fuzz"; skip="";;
     paths)
       for t in km_ratio=0,bwd_ranges=1 km_ratio=0,bwd_ranges=3 km_ratio=0,bwd_rmax=4 \
-               km_ratio=1e9,bwd_ranges=1 km_ratio=0,wgmma=0 km_ratio=1e9,wgmma=0; do
-        DSV_KERNEL_TUNING=$t DSV_SANITIZER_SECTIONS=sparse_attention \
+               km_ratio=1e9,bwd_ranges=1 km_ratio=0,wgmma=0 km_ratio=1e9,wgmma=0 \
+               km_ratio=1e9,bwd_ranges=1,km_wgmma=1 km_ratio=1e9,bwd_ranges=1,km_wgmma=2; do
+        sec=sparse_attention
+        case $t in *wgmma=*) sec=sparse_attention,kv_blocks;; esac
+        DSV_KERNEL_TUNING=$t DSV_SANITIZER_SECTIONS=$sec \
           compute-sanitizer --tool memcheck --leak-check no --error-exitcode 99 \
           "$PY" tests/sanitizer_driver.py >"$LOG/paths_$t.log" 2>&1
         rc=$?

@@ -58,7 +58,9 @@ def run_sparse_attention():
 def run_kv_blocks():
     """The block-list kernels (kv_block 16 / 64): forward, backward (sort, key-major index, dQ,
     dK / dV), with -1 padding, duplicates, entries out of range, counts outside [0, kmax] and a
-    partial last block and group; D 256 forward only (its backward is unsupported)."""
+    partial last block and group; D 256 forward only (its backward is unsupported). D 64 / 128
+    with G >= 64 reach the key-major dK / dV pass on wgmma (H100 / H200; G 128 at S 170: the
+    last group's second 64-query chunk is empty)."""
     import test_kv_block_kernels_cuda as M
     if M._get_lib() is None:
         print("kv_blocks: no kernels, skipped")
@@ -67,6 +69,7 @@ def run_kv_blocks():
     gen = torch.Generator().manual_seed(3)
     for (S, H, D, G, blk, kmax, dtype) in [(150, 2, 64, 32, 16, 9, torch.bfloat16),
                                            (200, 2, 128, 64, 64, 4, torch.float16),
+                                           (170, 2, 64, 128, 16, 7, torch.bfloat16),
                                            (131, 1, 96, 128, 16, 12, torch.bfloat16),
                                            (90, 1, 256, 64, 64, 2, torch.bfloat16)]:
         q, k, v = M.ref.make_qkv(1, S, H, D, dtype=dtype, layout="packed", generator=gen,

@@ -58,6 +58,8 @@ def test_malformed_override_is_named(monkeypatch, spec, msg):
         ops._check_tuning_env()
     monkeypatch.setenv("DSV_KERNEL_TUNING", "km_ratio=0,bwd_ranges=3,")
     ops._check_tuning_env()
+    monkeypatch.setenv("DSV_KERNEL_TUNING", "km_wgmma=0")
+    ops._check_tuning_env()
 
 
 def test_info_reports_tuning():
@@ -80,6 +82,7 @@ def test_defaults_from_the_device():
     assert t["l2_bytes"] == props.L2_cache_size
     assert t["wgmma"] in (0, 1) and (t["wgmma"] == 0 or t["cc"] == 90)
     assert t["km_ratio"] == pytest.approx(1.15) and t["bwd_ranges"] == 0 and t["bwd_rmax"] == 0
+    assert t["km_wgmma"] == 0
 
 
 @gpu
@@ -87,21 +90,23 @@ def test_override_is_reported_and_read_once():
     code = ("import os, json, dsv_ext.ops as o; a = o.kernel_tuning(0); "
             "os.environ['DSV_KERNEL_TUNING'] = 'km_ratio=5'; b = o.kernel_tuning(0); "
             "print(json.dumps([a, b]))")
-    out = _child(code, "km_ratio=0,bwd_ranges=3,wgmma=0,sm_count=7")
+    out = _child(code, "km_ratio=0,bwd_ranges=3,wgmma=0,sm_count=7,km_wgmma=2")
     assert out.returncode == 0, out.stderr
     a, b = json.loads(out.stdout)
     assert a["km_ratio"] == 0 and a["bwd_ranges"] == 3 and a["wgmma"] == 0 and a["sm_count"] == 7
+    assert a["km_wgmma"] == 2
     assert b["km_ratio"] == 0  # the kernels keep the tuning they started with
 
 
 @gpu
-def test_malformed_override_fails_the_kernels():
+@pytest.mark.parametrize("spec", ["bwd_ranges=99", "km_wgmma=3"])
+def test_malformed_override_fails_the_kernels(spec):
     code = ("import torch, dsv_ext\n"
             "q = torch.randn(1, 64, 1, 64, device='cuda', dtype=torch.bfloat16)\n"
             "idx = torch.zeros(1, 1, 1, 4, dtype=torch.int32, device='cuda')\n"
             "cnt = torch.full((1, 1), 4, dtype=torch.int32, device='cuda')\n"
             "try:\n    torch.ops.dsv.sparse_attention_fwd(q, q, q, idx, cnt, 64, 0.1)\n"
             "except RuntimeError as e:\n    print('ERR', e)\n")
-    out = _child(code, "bwd_ranges=99")
+    out = _child(code, spec)
     assert out.returncode == 0, out.stderr
     assert "ERR" in out.stdout and "DSV_KERNEL_TUNING is malformed" in out.stdout

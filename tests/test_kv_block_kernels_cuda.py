@@ -364,17 +364,156 @@ def test_block_size_checks():
         assert e.value.status == want, (blk, e.value.status)
 
 
-def test_mma_sync_kernels():
-    """The tests above in a child process with DSV_KERNEL_TUNING=wgmma=0: the mma.sync forward
-    and dQ kernels where wgmma would run (G >= 64, D 64 / 128 on an H100 / H200)."""
+@pytest.mark.parametrize("tuning", ["wgmma=0", "km_wgmma=1", "km_wgmma=2"])
+def test_kernel_choices(tuning):
+    """The tests above in a child process with another kernel choice (DSV_KERNEL_TUNING; the
+    choices differ where wgmma would run, G >= 64 and D 64 / 128 on an H100 / H200): wgmma=0 the
+    mma.sync forward, dQ and key-major kernels; km_wgmma=1 the key-major dK / dV pass on wgmma
+    for kv_block 64 (by default it runs on mma.sync); km_wgmma=2 on wgmma for kv_block 16 too."""
     need_lib()
     if os.environ.get("DSV_KERNEL_TUNING"):
         pytest.skip("inside a tuning run")
     import subprocess
     import sys
-    env = dict(os.environ, DSV_KERNEL_TUNING="wgmma=0")
+    env = dict(os.environ, DSV_KERNEL_TUNING=tuning)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        os.path.abspath(__file__), "-k", "not mma_sync"],
+                        os.path.abspath(__file__), "-k", "not kernel_choices and not km_kernels"],
                        env=env, capture_output=True, text=True, timeout=3000, cwd=ROOT)
-    assert r.returncode == 0, f"wgmma=0:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, f"{tuning}:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
     assert " passed" in r.stdout, r.stdout[-2000:]
+
+
+# (kv_block, D, G, dtype) of test_km_kernels_agree; kv_block 1: token lists in deterministic
+# mode (every head key-major, entries in ascending group order). G 100 and 128: chunks of 64
+# queries past the group's end.
+KM_CASES = ((64, 128, 64, torch.bfloat16), (16, 128, 128, torch.float16),
+            (64, 64, 100, torch.float16), (16, 64, 64, torch.bfloat16),
+            (1, 128, 64, torch.bfloat16), (1, 64, 128, torch.float16))
+
+_KM_CHILD = r"""
+import os, sys, torch
+sys.path.insert(0, os.path.join(os.environ["DSV_ROOT"], "tests"))
+import test_kv_block_kernels_cuda as K
+T = K.T
+gen = torch.Generator().manual_seed(23)
+res = []
+for blk, D, G, dtype in K.KM_CASES:
+    B, H, S = 1, 2, 300
+    NG = -(-S // G)
+    scale = 1 / D ** 0.5
+    q, k, v = T.make_inputs(B, S, H, D, dtype, gen)
+    if blk > 1:
+        kmax = 7 if blk == 64 else 13
+        idx, cnt = K.random_blocks(B, H, NG, kmax, -(-S // blk), [[kmax, kmax - 2]], gen)
+    else:
+        idx, cnt = T.ref.random_index(B, H, S, G, 120, counts=[[120, 77]], generator=gen)
+    dout = torch.randn(q.shape, generator=gen).to(dtype).cuda()
+    idx_d, cnt_d = idx.cuda(), cnt.cuda()
+    if blk > 1:
+        out, lse = K.blk_fwd(q, k, v, idx_d, cnt_d, G, scale, blk)
+        runs = [K.blk_bwd(dout, q, k, v, out, lse, idx_d, cnt_d, G, scale, blk) for _ in range(3)]
+    else:
+        out, lse = T.attn_fwd(q, k, v, idx_d, cnt_d, G, scale)
+        runs = [T.attn_bwd(dout, q, k, v, out, lse, idx_d, cnt_d, G, scale, deterministic=True)
+                for _ in range(3)]
+    torch.cuda.synchronize()
+    for r in runs[1:]:
+        for a, b, name in zip(runs[0], r, ("dq", "dk", "dv")):
+            assert torch.equal(a, b), f"{(blk, D, G)} {name}: runs differ"
+    names = ("q", "k", "v", "dout", "out", "lse", "idx", "cnt", "dq", "dk", "dv")
+    res.append(dict(zip(names, (t.cpu() for t in (q, k, v, dout, out, lse, idx, cnt, *runs[0])))))
+torch.save(res, sys.argv[1])
+"""
+
+
+def _ulp(x, dtype):
+    """The spacing of `dtype` (bfloat16: 8 significant bits, float16: 11, subnormals from
+    2^-24) at |x| (float64)."""
+    mant, tiny = (8, 2.0 ** -133) if dtype == torch.bfloat16 else (11, 2.0 ** -24)
+    e = torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -126)))
+    return torch.maximum(torch.exp2(e - (mant - 1)), torch.full_like(x, tiny))
+
+
+def _km_magnitudes(r, G, blk, scale):
+    """Float64 magnitude sums of the terms of dK and dV in the key-major pass, (Mk, Mv), each
+    [B, S, H, D]: Mv = sum_q C P |dO|, Mk = |scale| sum_q C |dS| |Q|, with C the times the key is
+    listed for the query's group, P = exp(scale q.k - lse) (the kernel's lse), |dS| bounded by
+    P (|dP| + |delta|), delta = rowsum(dO out) (the kernel's out); P and |dS| raised by 2^-17 to
+    cover the absolute spacing of tiny float16 values."""
+    q, k, v, dout, out = (r[n].double() for n in ("q", "k", "v", "dout", "out"))
+    lse = r["lse"].double()
+    B, S, H, D = q.shape
+    if blk > 1:
+        tok, tcnt = expand_blocks(r["idx"], r["cnt"], S, blk)
+    else:
+        tok, tcnt = r["idx"], r["cnt"]
+    mv = torch.zeros(B, S, H, D, dtype=torch.float64)
+    mk = torch.zeros_like(mv)
+    for b in range(B):
+        for h in range(H):
+            C = torch.zeros(S, S, dtype=torch.float64)
+            n = int(tcnt[b, h].clamp(0, tok.shape[-1]))
+            for g in range(tok.shape[2]):
+                keys = tok[b, h, g, :n].long()
+                keys = keys[(keys >= 0) & (keys < S)]
+                C[g * G:min(S, g * G + G)] += torch.bincount(keys, minlength=S).double()
+            s = scale * (q[b, :, h] @ k[b, :, h].T) - lse[b, h][:, None]
+            P = torch.where(C > 0, torch.exp(torch.where(C > 0, s, torch.zeros_like(s))),
+                            torch.zeros_like(s))
+            dP = dout[b, :, h] @ v[b, :, h].T
+            delta = (dout[b, :, h] * out[b, :, h]).sum(-1)
+            W = C * (P + 2.0 ** -17)
+            mv[b, :, h] = W.T @ dout[b, :, h].abs()
+            Wk = C * (P * (dP.abs() + delta.abs()[:, None]) + 2.0 ** -17)
+            mk[b, :, h] = abs(scale) * (Wk.T @ q[b, :, h].abs())
+    return mk, mv
+
+
+def test_km_kernels_agree(tmp_path):
+    """The key-major dK / dV pass on wgmma (km_wgmma=2: every case, kv_block 16 included) and
+    on mma.sync (km_wgmma=0), each in a child process, on the same inputs (KM_CASES: block lists
+    16 / 64 with duplicates, padding, a partial last block and partial last groups; token lists
+    in deterministic mode): each run three times bit-identically; out, lse and dq (the same
+    kernels in both) bit-identical across the two; dk, dv within
+        ulp(max(|a|, |b|)) + (2^-7 + 2^-10) M   elementwise,
+    M the float64 magnitude sum of the element's terms (_km_magnitudes). Why: both kernels form
+    the same fp32 P and dS from fp32 scores, then round them to the input type and sum the
+    products in fp32 in different orders. Different score sums can move an fp32 P or dS across a
+    rounding boundary of the input type: one spacing, at most 2^-7 of the term (bf16; fp16 2^-10,
+    or 2^-24 absolute below 2^-14: the 2^-17 floor); the fp32 sum orders and scores differ by
+    far less than 2^-10 M (2 n 2^-24 M with n < 2^10 terms); the two roundings of the output to
+    the input type add one spacing. That bound assumes every term moved; in fact few do (a
+    score moves by ~1e-6 of itself), so the difference is about the output spacing: also
+    ||a - b|| <= 2^-6 ||a|| (bf16; fp16 2^-8), 2-4x the worst case of one spacing everywhere,
+    and far below what a lost or repeated work item gives (tens of %). Outputs are poisoned
+    (NaN) before each run."""
+    need_lib()
+    if os.environ.get("DSV_KERNEL_TUNING"):
+        pytest.skip("inside a tuning run")
+    import subprocess
+    import sys
+    res = {}
+    for km in (2, 0):
+        f = tmp_path / f"km{km}.pt"
+        env = dict(os.environ, DSV_KERNEL_TUNING=f"km_ratio=1e9,bwd_ranges=1,km_wgmma={km}",
+                   DSV_ROOT=ROOT)
+        r = subprocess.run([sys.executable, "-c", _KM_CHILD, str(f)], env=env,
+                           capture_output=True, text=True, timeout=900, cwd=ROOT)
+        assert r.returncode == 0, f"km_wgmma={km}:\n{r.stderr[-3000:]}"
+        res[km] = torch.load(f)
+    for (blk, D, G, dtype), a, b in zip(KM_CASES, res[2], res[0]):
+        case = f"kv_block {blk}, D {D}, G {G}, {dtype}"
+        for name in ("q", "k", "v", "dout", "idx", "out", "lse", "dq"):
+            assert torch.equal(a[name], b[name]), f"{case}: {name} differs"
+        mk, mv = _km_magnitudes(a, G, blk, 1 / D ** 0.5)
+        for name, m in (("dk", mk), ("dv", mv)):
+            x, y = a[name].double(), b[name].double()
+            assert torch.isfinite(x).all() and torch.isfinite(y).all(), f"{case}: {name} not finite"
+            bound = _ulp(torch.maximum(x.abs(), y.abs()), dtype) + (2.0 ** -7 + 2.0 ** -10) * m
+            err = (x - y).abs()
+            bad = err > bound
+            assert not bad.any(), (f"{case}: {name}: {int(bad.sum())} elements past the bound, "
+                                   f"worst {float((err - bound).max()):.3g}")
+            rel = float((x - y).norm() / x.norm())
+            assert rel <= (2.0 ** -6 if dtype == torch.bfloat16 else 2.0 ** -8), \
+                f"{case}: {name}: relative difference {rel:.3g}"

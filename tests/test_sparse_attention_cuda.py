@@ -64,8 +64,11 @@ PATHS = {
     "qmajor3": "km_ratio=0,bwd_ranges=3",     # the same split into 3 key ranges
     "qmajor_a4": "km_ratio=0,bwd_rmax=4",     # the automatic per-head ranges, at most 4 (scattered
                                               # lists 4, coherent 2: what long sequences get)
-    "kmajor": "km_ratio=1e9,bwd_ranges=1",    # key-major wherever allowed (dQ pass on wgmma where
-                                              # it applies: D 64 / 128, G >= 64, H100 / H200)
+    "kmajor": "km_ratio=1e9,bwd_ranges=1",    # key-major wherever allowed (dQ and dK / dV passes
+                                              # on wgmma where they apply: D 64 / 128, G >= 64,
+                                              # H100 / H200)
+    "kmajor_kwg": "km_ratio=1e9,bwd_ranges=1,km_wgmma=1",  # the same with the key-major dK / dV
+                                              # pass on wgmma (PERF_LOG v13)
     "kmajor_mma": "km_ratio=1e9,wgmma=0",     # the same on mma.sync only (forward included)
     "qmajor_mma": "km_ratio=0,wgmma=0",       # query-major on mma.sync only
 }
@@ -144,7 +147,8 @@ torch.save([t.cpu() for t in (dq, dk, dv)], sys.argv[1])
 
 
 def test_paths_agree(tmp_path):
-    """Key-major and query-major dK/dV (with 1 or 4 key ranges, mma.sync or wgmma dQ) agree with
+    """Key-major (dK/dV on wgmma or mma.sync) and query-major dK/dV (with 1 or 4 key ranges,
+    mma.sync or wgmma dQ) agree with
     each other on the same inputs; each tuning in a child process."""
     need_backend()
     if os.environ.get("DSV_TEST_PATH"):
@@ -152,14 +156,14 @@ def test_paths_agree(tmp_path):
     res = {}
     for key, tuning in (("q", "km_ratio=0,bwd_ranges=1"), ("q4", "km_ratio=0,bwd_ranges=4"),
                         ("k", "km_ratio=1e9,bwd_ranges=1"), ("kmma", "km_ratio=1e9,wgmma=0"),
-                        ("qmma", "km_ratio=0,wgmma=0")):
+                        ("kkm", "km_ratio=1e9,km_wgmma=1"), ("qmma", "km_ratio=0,wgmma=0")):
         f = tmp_path / f"{key}.pt"
         env = dict(os.environ, DSV_KERNEL_TUNING=tuning, DSV_ROOT=ROOT)
         r = subprocess.run([sys.executable, "-c", _AGREE_CHILD, str(f)], env=env,
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         res[key] = torch.load(f)
-    for other in ("q4", "k", "kmma", "qmma"):
+    for other in ("q4", "k", "kmma", "kkm", "qmma"):
         for a, b, name in zip(res[other], res["q"], ("dq", "dk", "dv")):
             check_close(f"{name} ({other} vs q)", a, b.double(), GTOL[torch.bfloat16])
 

@@ -36,7 +36,9 @@
  * summed in registers too: no float atomics, bit-identical results run to run. (With ranges
  * R > 1 the default path sums dQ over the ranges with fp32 reductions in an arbitrary order.)
  * Key tiles of the query-major kernels: 32 keys x 2 cp.async stages. On H100 / H200 the dQ-only
- * pass runs on wgmma (sparse_attention_bwd_wg.cuh).
+ * pass runs on wgmma (sparse_attention_bwd_wg.cuh), and so does the key-major pass (D 64 / 128,
+ * G >= 64, token lists and 64-key block lists; 16-key block lists only with km_wgmma = 2) unless
+ * the tuning's km_wgmma is 0.
  *
  * Block lists (dsv_attn_shape.kv_block 16 or 64) always take a deterministic path without
  * atomics, whatever the flags: the lists are sorted into the workspace, the key-major index is
@@ -346,7 +348,7 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
      * registers: no atomics, no fp32 accumulators */
     int st = bwd_blocks_index_launch<T>(prm, B, stream);
     if (st == DSV_OK) st = bwd_blocks_dq_launch<T>(sh, prm, tun->wgmma, stream);
-    if (st == DSV_OK) st = bwd_kmajor_launch<T>(sh, prm, stream);
+    if (st == DSV_OK) st = bwd_kmajor_launch<T>(sh, prm, tun->wgmma ? tun->km_wgmma : 0, stream);
     return st;
   }
   /* list checks (flags) for every head; counts, offsets and entries for key-major heads */
@@ -359,7 +361,7 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   }
   /* query-major passes, then the key-major pass */
   int st = qmajor(sh, prm, tun->wgmma, stream);
-  if (st == DSV_OK) st = bwd_kmajor_launch<T>(sh, prm, stream);
+  if (st == DSV_OK) st = bwd_kmajor_launch<T>(sh, prm, tun->wgmma ? tun->km_wgmma : 0, stream);
   if (st != DSV_OK) return st;
   {
     const int64_t n = (int64_t)B * prm.S * prm.H * (prm.D / 8);

@@ -85,9 +85,12 @@ int bwd_blocks_dq_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
 /* The most entries of a block list the backward sorts (in shared memory: 4 bytes each). */
 constexpr int BLK_SORT_MAX = 16384;
 
-/* Key-major pass (sparse_attention_bwd_kmajor.cu), head_dim <= 128. */
+/* Key-major pass (sparse_attention_bwd_kmajor.cu), head_dim <= 128; wgmma: the tuning's
+ * km_wgmma where its wgmma is on, else 0 (1: the wgmma kernel where it applies, D 64 / 128,
+ * G >= 64, not 16-key block lists; 2: 16-key block lists too). */
 template <typename T>
-int bwd_kmajor_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream);
+int bwd_kmajor_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
+                      cudaStream_t stream);
 
 }  // namespace dsv_attn
 

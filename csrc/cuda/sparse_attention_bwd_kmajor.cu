@@ -4,8 +4,16 @@
  * sparse_attention_bwd_index.cu), recomputes S^T, P^T, dP^T, dS^T for the group's queries
  * against its 64 keys (masked) and accumulates dK, dV in registers, written once, without
  * atomics (see sparse_attention_bwd.cu).
+ *
+ * Two kernels, the same entries, the same arithmetic (P^T and dS^T in fp32, rounded to the input
+ * type for the products, fp32 sums in registers in entry order; dK scaled once at the end):
+ *   bwd_kmajor_kernel     mma.sync (any sm_80+), D 64 / 96 / 128, query chunks of 64 or 32;
+ *   bwd_kmajor_wg_kernel  wgmma (sm_90a, the tuning's wgmma and km_wgmma), D 64 / 128, G >= 64;
+ *                         token lists and 64-key block lists (16-key ones with km_wgmma = 2).
+ * They differ only in the order of the fp32 sums inside the tensor-core products.
  */
 #include "sparse_attention_bwd.cuh"
+#include "sparse_attention_bwd_wg.cuh" /* bwg_scores, the swizzled-tile descriptors (sm_90a) */
 
 namespace dsv_attn {
 
@@ -192,6 +200,226 @@ __global__ void __launch_bounds__(128) bwd_kmajor_kernel(const BwdParams<T> p) {
   }
 }
 
+/* Key-major kernel on wgmma (sm_90a): one warpgroup (4 warps) per 64-key block, the same
+ * (group, mask) entries and work items (entry, chunk of 64 of the group's queries) as
+ * bwd_kmajor_kernel. K and V of the block are loaded once; Q and dO of the items go through 2
+ * cp.async stages; every tile is a 64-row swizzled tile (wgmma.cuh). Per item:
+ *   S^T = K Q^T, dP^T = V dO^T   m64n64k16 x D / 16 each, both operands K-major in shared memory
+ *                                (two commit groups: P^T is formed while dP^T is in flight)
+ *   P^T = exp2(S^T scale log2e - lse log2e) on the keys the entry's mask selects, else 0;
+ *   dS^T = P^T (dP^T - delta)    in registers (warp w holds keys 16 w .. 16 w + 15, the layout
+ *                                of the mma.sync kernel's fragments, so the same code)
+ *   dV += P^T dO, dK += dS^T Q   m64nDk16 x 4 each, A = P^T / dS^T from registers (the m16n8k16
+ *                                A fragments of the accumulators, as the forward's P V), B = dO /
+ *                                Q MN-major ("transposed") from the same swizzled tiles
+ * dK and dV (64 keys x D, fp32) stay in registers over all items (128 registers at D = 128) and
+ * are written once. No per-warp skip (the 4 warps issue each wgmma together): an item whose mask
+ * is 0 is skipped whole. Rows of a chunk past the group or S: Q / dO zero, lse +inf (P = 0).
+ * Shared memory (D = 128): K, V 2 x 16 KB, Q, dO 2 stages x 2 x 16 KB, 96 KB + 1.5 KB: 2 CTAs
+ * per SM. */
+template <typename T, int D>
+__global__ void __launch_bounds__(128, 2) bwd_kmajor_wg_kernel(const BwdParams<T> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int NT = 128, QC = 64, TE = KB * D; /* elements of one 64-row tile */
+  constexpr int CH = D / 8;
+  static_assert(QC == KB, "64-row tiles throughout");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  T* Ks = reinterpret_cast<T*>(smem);
+  T* Vs = Ks + TE;
+  T* Qs = Vs + TE;      /* [2][TE] */
+  T* dOs = Qs + 2 * TE; /* [2][TE] */
+  float* lse2 = reinterpret_cast<float*>(dOs + 2 * TE); /* [2][QC] */
+  float* dlt = lse2 + 2 * QC;                             /* [2][QC] */
+  int* kidx = reinterpret_cast<int*>(dlt + 2 * QC);       /* [KB] */
+
+  const int kblk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const size_t bh = (size_t)b * p.H + h;
+  if (p.path[bh] != 1) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int key0 = kblk * KB;
+  const int nent = p.kbcount[bh * p.nkb + kblk];
+  const int eoff = p.kboff[bh * p.nkb + kblk];
+  const int* eg = p.entg + bh * p.cap + eoff;
+  const unsigned long long* em = p.entmask + bh * p.cap + eoff;
+  const int cpg = (p.G + QC - 1) / QC;
+  const int nitems = nent * cpg;
+
+  const T* qbase = p.q + b * p.qb + h * p.qh;
+  const T* gbase = p.dout + b * p.gb + h * p.gh;
+  const float* lrow = p.lse + bh * p.S;
+  const float* drow = p.delta + bh * p.S;
+
+  for (int r = tid; r < KB; r += NT) kidx[r] = key0 + r < p.S ? key0 + r : -1;
+  __syncthreads();
+  gather_rows_async<T, D, NT, KB, true>(Ks, p.k + b * p.kb + h * p.kh, p.ks, kidx, KB);
+  gather_rows_async<T, D, NT, KB, true>(Vs, p.v + b * p.vb + h * p.vh, p.vs, kidx, KB);
+
+  /* issue the loads of work item `it` (entry it / cpg, query chunk it % cpg) into stage bf */
+  auto issue = [&](int it, int bf) {
+    const int e = it / cpg, c = it - e * cpg;
+    const int g = __ldg(eg + e);
+    const int q0 = g * p.G + c * QC;
+    const int qend = min(g * p.G + p.G, p.S);
+    T* qt = Qs + bf * TE;
+    T* gt = dOs + bf * TE;
+    for (int i = tid; i < QC * CH; i += NT) {
+      const int r = i / CH, cc = i - r * CH;
+      const int row = q0 + r;
+      const bool valid = row < qend;
+      const T* qs = valid ? qbase + (int64_t)row * p.qs + cc * 8 : qbase;
+      const T* gs = valid ? gbase + (int64_t)row * p.gs + cc * 8 : gbase;
+      const int off = tile_off<D, QC, true>(r, cc);
+      cp_async16(qt + off, qs, valid);
+      cp_async16(gt + off, gs, valid);
+    }
+    for (int r = tid; r < QC; r += NT) {
+      const int row = q0 + r;
+      const bool valid = row < qend;
+      const float l = valid ? lrow[row] : INFINITY;
+      lse2[bf * QC + r] = l == -INFINITY ? INFINITY : l * DSV_LOG2E;
+      dlt[bf * QC + r] = valid ? drow[row] : 0.f;
+    }
+  };
+
+  if (nitems > 0) issue(0, 0);
+  cp_async_commit();
+
+  float dk[D / 8][4], dv[D / 8][4];
+  float st[QC / 8][4], dpt[QC / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+#pragma unroll
+  for (int i = 0; i < QC / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.f;
+  const int kr0 = warp * 16 + (lane >> 2), kr1 = kr0 + 8;
+  /* K, V, Q, dO K-major (the scores); Q, dO MN-major (B of dK, dV); stage offsets in bytes */
+  const uint64_t kdesc = wg_desc(smem_u32(Ks), 16, 1024);
+  const uint64_t vdesc = wg_desc(smem_u32(Vs), 16, 1024);
+  const uint64_t qdesc0 = wg_desc(smem_u32(Qs), 16, 1024);
+  const uint64_t gdesc0 = wg_desc(smem_u32(dOs), 16, 1024);
+  const uint64_t qtdesc0 = wg_desc(smem_u32(Qs), QC * 128, 1024);
+  const uint64_t gtdesc0 = wg_desc(smem_u32(dOs), QC * 128, 1024);
+
+  for (int it = 0; it < nitems; ++it) {
+    const int bf = it & 1;
+    if (it + 1 < nitems) {
+      issue(it + 1, bf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async_smem(); /* this thread's cp.async writes -> visible to the tensor cores */
+    __syncthreads();
+    const unsigned long long mask = __ldg(em + it / cpg);
+    if (mask != 0ull) { /* uniform over the CTA */
+      const uint32_t toff = bf * TE * 2;
+      const float* ls = lse2 + bf * QC;
+      const float* dl = dlt + bf * QC;
+      const bool kv0 = (mask >> kr0) & 1ull, kv1 = (mask >> kr1) & 1ull;
+      wg_fence();
+      bwg_scores<T, D, QC>(st, kdesc, wg_desc_add(qdesc0, toff));
+      wg_commit();
+      bwg_scores<T, D, QC>(dpt, vdesc, wg_desc_add(gdesc0, toff));
+      wg_commit();
+      wg_wait<1>();
+      wg_fence_regs<QC / 2>(&st[0][0]);
+      /* P^T (keys x queries) */
+#pragma unroll
+      for (int nt = 0; nt < QC / 8; ++nt) {
+        const int col = nt * 8 + (lane & 3) * 2;
+        const float l0 = ls[col], l1 = ls[col + 1];
+        st[nt][0] = kv0 ? fast_exp2(st[nt][0] * p.scale_log2 - l0) : 0.f;
+        st[nt][1] = kv0 ? fast_exp2(st[nt][1] * p.scale_log2 - l1) : 0.f;
+        st[nt][2] = kv1 ? fast_exp2(st[nt][2] * p.scale_log2 - l0) : 0.f;
+        st[nt][3] = kv1 ? fast_exp2(st[nt][3] * p.scale_log2 - l1) : 0.f;
+      }
+      wg_wait<0>();
+      wg_fence_regs<QC / 2>(&dpt[0][0]);
+      /* dS^T, and both as A fragments (m16n8k16: columns 16 kq .. 16 kq + 15) */
+      uint32_t pa[QC / 16][4], sa[QC / 16][4];
+#pragma unroll
+      for (int nt = 0; nt < QC / 8; ++nt) {
+        const int col = nt * 8 + (lane & 3) * 2;
+        const float d0 = dl[col], d1 = dl[col + 1];
+        const float s0 = st[nt][0] * (dpt[nt][0] - d0);
+        const float s1 = st[nt][1] * (dpt[nt][1] - d1);
+        const float s2 = st[nt][2] * (dpt[nt][2] - d0);
+        const float s3 = st[nt][3] * (dpt[nt][3] - d1);
+        const int kq = nt >> 1, hf = (nt & 1) * 2;
+        pa[kq][hf] = Elem<T>::pack(st[nt][0], st[nt][1]);
+        pa[kq][hf + 1] = Elem<T>::pack(st[nt][2], st[nt][3]);
+        sa[kq][hf] = Elem<T>::pack(s0, s1);
+        sa[kq][hf + 1] = Elem<T>::pack(s2, s3);
+      }
+      /* dV += P^T dO, dK += dS^T Q */
+      wg_fence();
+#pragma unroll
+      for (int kq = 0; kq < QC / 16; ++kq)
+        Wgmma<T, D>::rs_bt(&dv[0][0], pa[kq], wg_desc_add(gtdesc0, toff + kq * 2048), 1);
+#pragma unroll
+      for (int kq = 0; kq < QC / 16; ++kq)
+        Wgmma<T, D>::rs_bt(&dk[0][0], sa[kq], wg_desc_add(qtdesc0, toff + kq * 2048), 1);
+      wg_commit();
+      wg_wait<0>(); /* before the barrier after which this stage is refilled */
+      wg_fence_regs<D / 2>(&dv[0][0]);
+      wg_fence_regs<D / 2>(&dk[0][0]);
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  const int key_a = key0 + kr0, key_b = key0 + kr1;
+  T* dkb = p.dk + b * p.dkb + h * p.dkh;
+  T* dvb = p.dv + b * p.dvb + h * p.dvh;
+  const int c0 = (lane & 3) * 2;
+  if (key_a < p.S) {
+    T* rk = dkb + (int64_t)key_a * p.dks + c0;
+    T* rv = dvb + (int64_t)key_a * p.dvs + c0;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      *reinterpret_cast<uint32_t*>(rk + i * 8) =
+          Elem<T>::pack(dk[i][0] * p.scale, dk[i][1] * p.scale);
+      *reinterpret_cast<uint32_t*>(rv + i * 8) = Elem<T>::pack(dv[i][0], dv[i][1]);
+    }
+  }
+  if (key_b < p.S) {
+    T* rk = dkb + (int64_t)key_b * p.dks + c0;
+    T* rv = dvb + (int64_t)key_b * p.dvs + c0;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      *reinterpret_cast<uint32_t*>(rk + i * 8) =
+          Elem<T>::pack(dk[i][2] * p.scale, dk[i][3] * p.scale);
+      *reinterpret_cast<uint32_t*>(rv + i * 8) = Elem<T>::pack(dv[i][2], dv[i][3]);
+    }
+  }
+#endif
+}
+
+/* Whether bwd_kmajor_wg_kernel applies (the device side, an sm_90a build on a 9.0 device with
+ * km_wgmma on, is the caller's): D 64 or 128, G >= 64. */
+template <int D>
+static bool kmajor_wg_applies(int G) {
+  return (D == 64 || D == 128) && G >= 64;
+}
+
+template <typename T, int D>
+static int launch_kmajor_wg(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
+  const size_t smem = 1024 + (size_t)6 * KB * D * sizeof(T) + (size_t)4 * KB * sizeof(float) +
+                      (size_t)KB * sizeof(int);
+  auto kern = bwd_kmajor_wg_kernel<T, D>;
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+      cudaSuccess)
+    return DSV_ERR_CUDA;
+  dim3 grid((unsigned)prm.nkb, (unsigned)sh->heads, (unsigned)sh->batch);
+  kern<<<grid, 128, smem, stream>>>(prm);
+  return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
+}
+
 template <typename T, int D, int QC>
 static int launch_kmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
   constexpr int LD = D + 8;
@@ -207,9 +435,19 @@ static int launch_kmajor(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream
 }
 
 template <typename T>
-int bwd_kmajor_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
+int bwd_kmajor_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
+                      cudaStream_t stream) {
   if (!prm.km_enabled) return DSV_OK;
   const bool g64 = prm.G % 64 == 0;
+  /* 16-key block lists stay on mma.sync unless wgmma is 2: their entries select 1.16 of the 4
+   * 16-key quarters on average (random blocks at 0.9), which the mma.sync kernel skips warp by
+   * warp, while the warpgroup computes all 64 keys of every entry (benchmarks/PERF_LOG.md v13) */
+  if (wgmma == 2 || (wgmma == 1 && prm.blk != 16)) {
+    if (sh->head_dim == 64 && kmajor_wg_applies<64>(prm.G))
+      return launch_kmajor_wg<T, 64>(sh, prm, stream);
+    if (sh->head_dim == 128 && kmajor_wg_applies<128>(prm.G))
+      return launch_kmajor_wg<T, 128>(sh, prm, stream);
+  }
   switch (sh->head_dim) {
     case 64: return g64 ? launch_kmajor<T, 64, 64>(sh, prm, stream) : launch_kmajor<T, 64, 32>(sh, prm, stream);
     case 96: return g64 ? launch_kmajor<T, 96, 64>(sh, prm, stream) : launch_kmajor<T, 96, 32>(sh, prm, stream);
@@ -219,8 +457,9 @@ int bwd_kmajor_launch(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t 
   }
 }
 
-template int bwd_kmajor_launch<__half>(const dsv_attn_shape*, BwdParams<__half>&, cudaStream_t);
+template int bwd_kmajor_launch<__half>(const dsv_attn_shape*, BwdParams<__half>&, int,
+                                       cudaStream_t);
 template int bwd_kmajor_launch<__nv_bfloat16>(const dsv_attn_shape*, BwdParams<__nv_bfloat16>&,
-                                              cudaStream_t);
+                                              int, cudaStream_t);
 
 }  // namespace dsv_attn
