@@ -3,15 +3,28 @@
 # (git-excluded) for device calls: carry ".devso" and benchmarks/device_session.sh uses it when
 # it loads there and was built from the same csrc/ and setup.py (checked by a hash), else it
 # builds on the device. About 1-1.5 min on 2 cores.
-#   usage: bash benchmarks/build_devso.sh
+#   usage: bash benchmarks/build_devso.sh          (the working tree -> .devso/)
+#          bash benchmarks/build_devso.sh REV      (commit REV -> .devso-before/: the "before" of
+#          a kernel change, timed against the tree by device_session.sh's "ab" step)
 set -eu
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
-git ls-files -co --exclude-standard | grep -v '^\.devso/' | tar cf - -T - | tar xf - -C "$tmp"
+if [ $# -ge 1 ]; then
+  git archive "$1" | tar xf - -C "$tmp"
+  dest=.devso-before
+else
+  git ls-files -co --exclude-standard | grep -v '^\.devso' | tar cf - -T - | tar xf - -C "$tmp"
+  dest=.devso
+fi
 (cd "$tmp" && MAX_JOBS=${MAX_JOBS:-2} DSV_BUILD_CUDA=1 python3 setup.py -q build_ext --inplace > build.log 2>&1) ||
   { tail -30 "$tmp/build.log"; exit 1; }
-mkdir -p .devso
-cp "$tmp/dsv_ext/_C.abi3.so" .devso/
-bash benchmarks/csrc_hash.sh > .devso/csrc.sha256
+mkdir -p $dest
+cp "$tmp/dsv_ext/_C.abi3.so" $dest/
+if [ $# -ge 1 ]; then
+  git rev-parse --short "$1" > $dest/commit
+  echo "built $dest/_C.abi3.so from commit $(cat $dest/commit)"
+else
+  bash benchmarks/csrc_hash.sh > $dest/csrc.sha256
+  echo "built $dest/_C.abi3.so for csrc $(cat $dest/csrc.sha256)"
+fi
 rm -rf "$tmp"
-echo "built .devso/_C.abi3.so for csrc $(cat .devso/csrc.sha256)"

@@ -6,7 +6,7 @@
 # on the attention kernels, and compute-sanitizer. Each step has its own time limit so the call
 # ends in time; all logs are packed into $OUT/logs.tgz (the device tool returns at most 8 files).
 #   usage: bash benchmarks/device_session.sh   (carry .dsvwheels for diffusers, .devso if built)
-#   env:   STEPS="tests bench ncu san" (default; also compare infer train grid det soak), BUILD_LIMIT,
+#   env:   STEPS="tests bench ncu san" (default; also ab compare infer train grid det soak), BUILD_LIMIT,
 #          TEST_LIMIT, BENCH_LIMIT, ...
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,6 +33,16 @@ esac
 case " $STEPS " in *" bench "*)
   timeout ${BENCH_LIMIT:-90} python3 benchmarks/bench_kernels.py ${BENCH_ARGS:---quick} --out "$OUT/results" > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"; grep -v '^{' "$OUT/bench.log" | tail -12;;
+esac
+case " $STEPS " in *" ab "*)  # the attention kernels before (.devso-before) and after, interleaved, same call
+  if [ -f .devso-before/_C.abi3.so ]; then
+    AB="python3 benchmarks/bench_kernels.py ${AB_ARGS:---S 65536 --D 128 --G 64 --sparsity 0.9 --dist random smooth --dense cudnn} --reps 5"
+    for r in 1 2; do for w in before after; do
+      lib=$PWD/dsv_ext/_C.abi3.so; [ $w = before ] && lib=$PWD/.devso-before/_C.abi3.so
+      DSV_ATTN_LIB=$lib timeout ${AB_LIMIT:-100} $AB --out "$OUT/ab/$w$r" > "$OUT/ab_$w$r.log" 2>&1
+      echo "ab $w$r rc=$?"; grep -E "^\| [0-9]" "$OUT/ab/$w$r/kernels.md" 2>/dev/null | cut -c1-160
+    done; done
+  else echo "ab: no .devso-before (bash benchmarks/build_devso.sh REV)"; fi;;
 esac
 case " $STEPS " in *" grid "*)
   bash benchmarks/device_kernel_grid.sh;;
