@@ -239,15 +239,16 @@ def test_other_head_dims(D, blk, gen):
 
 @pytest.mark.parametrize("blk", [16, 64])
 def test_counts_and_padding(blk, gen):
-    """Head counts 0, 1, 3 (not a multiple of the tile), kmax, and above kmax (clamped), with a
-    group whose list is all -1 and one listing the last (partial) block only."""
+    """Head counts 0, 1, 3 (not a multiple of the tile), kmax, above kmax (clamped to kmax) and
+    negative (clamped to 0), with a group whose list is all -1 and one listing the last (partial)
+    block only."""
     need_lib()
-    B, H, S, D, G = 1, 5, 250, 64, 64
+    B, H, S, D, G = 1, 6, 250, 64, 64
     nblk = -(-S // blk)
     NG = -(-S // G)
     kmax = 6
     q, k, v = T.make_inputs(B, S, H, D, torch.float16, gen)
-    idx, cnt = random_blocks(B, H, NG, kmax, nblk, [[0, 1, 3, kmax, kmax + 4]], gen)
+    idx, cnt = random_blocks(B, H, NG, kmax, nblk, [[0, 1, 3, kmax, kmax + 4, -3]], gen)
     idx[0, :, 1] = -1
     idx[0, :, 2, 0] = nblk - 1
     run_and_check(q, k, v, idx, cnt, G, 1 / math.sqrt(D), blk, gen)
@@ -266,7 +267,7 @@ def test_duplicates_and_bad_entries(blk, gen):
     idx, cnt = random_blocks(B, H, NG, kmax, nblk, [[kmax, 5], [2, kmax]], gen, bad=True)
     idx[0, 0, 0] = nblk - 1                      # the partial last block, kmax times
     idx[1, 1, 1, :4] = 0                         # block 0 four times
-    idx[1, 1, 2] = torch.tensor([3, 3, 1, 3, -1, 1, 2, 3], dtype=torch.int32) % nblk
+    idx[1, 1, 2] = torch.tensor([3, 3, 1, 3, -1, 1, 2, 3], dtype=torch.int32)  # 3 < nblk
     run_and_check(q, k, v, idx, cnt, G, 1 / math.sqrt(D), blk, gen)
 
 
@@ -341,6 +342,43 @@ def test_forward_nan_reaches_output(blk, gen):
                          blk)
     assert torch.isnan(dq[0, 5]).any()
     assert torch.isnan(dk[0, :blk]).any(dim=-1).all() and torch.isnan(dv[0, :blk]).any(dim=-1).all()
+
+
+@pytest.mark.parametrize("blk", [16, 64])
+def test_nan_value_stays_in_its_lists(blk, gen):
+    """A NaN in v at a key of group 0's list makes group 0's outputs NaN (and so its delta =
+    rowsum(dout out)) and its dq and the dk of its keys, but nothing that is not computed from
+    that key: the other groups' results stay finite and the keys that no group lists keep
+    exactly zero dk and dv, also those in the same 64-key block as group 0's keys (with kv_block
+    16 the key-major kernels see group 0's entry there: its unselected keys must get dS = 0, not
+    0 x NaN). The C reference of the CPU op gives the same pattern (the dense float64 reference
+    does not: its P V and dS^T Q products spread the NaN through zero probabilities)."""
+    need_lib()
+    B, H, S, D, G = 1, 1, 256, 64, 64
+    q, k, v = T.make_inputs(B, S, H, D, torch.bfloat16, gen)
+    v[0, 3, 0, 5] = float("nan")
+    lists = [[0], [5], [-1], [12]] if blk == 16 else [[0], [2], [-1], [3]]
+    idx = torch.tensor([[lists]], dtype=torch.int32)
+    cnt = torch.tensor([[1]], dtype=torch.int32)
+    tok, _ = expand_blocks(idx, cnt, S, blk)
+    listed = torch.zeros(S, dtype=torch.bool)
+    listed[tok[tok >= 0].long()] = True
+    out, lse = blk_fwd(q, k, v, idx.cuda(), cnt.cuda(), G, 0.125, blk)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype).cuda()
+    dq, dk, dv = blk_bwd(dout, q, k, v, out, lse, idx.cuda(), cnt.cuda(), G, 0.125, blk)
+    torch.cuda.synchronize()
+    assert torch.isnan(out[0, :G]).any(dim=-1).all() and torch.isfinite(out[0, G:]).all()
+    assert torch.isfinite(lse[0, 0, :2 * G]).all() and torch.isfinite(lse[0, 0, 3 * G:]).all()
+    assert (lse[0, 0, 2 * G:3 * G] == -math.inf).all()  # group 2's empty list
+    assert torch.isnan(dq[0, :G]).any(dim=-1).all() and torch.isfinite(dq[0, G:]).all()
+    own = tok[0, 0, 0][tok[0, 0, 0] >= 0].long()  # group 0's keys: dS = P (dP - NaN)
+    assert torch.isnan(dk[0, own]).any(dim=-1).all()
+    others = listed.clone()
+    others[own] = False
+    assert torch.isfinite(dk[0, others]).all() and torch.isfinite(dv[0, listed]).all()
+    for name, t in (("dk", dk), ("dv", dv)):
+        z = t[0, ~listed]
+        assert torch.equal(z, torch.zeros_like(z)), f"{name}: keys no group lists are not 0"
 
 
 def test_block_size_checks():

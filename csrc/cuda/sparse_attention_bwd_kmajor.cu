@@ -10,7 +10,9 @@
  *   bwd_kmajor_kernel     mma.sync (any sm_80+), D 64 / 96 / 128, query chunks of 64 or 32;
  *   bwd_kmajor_wg_kernel  wgmma (sm_90a, the tuning's wgmma and km_wgmma), D 64 / 128, G >= 64;
  *                         token lists and 64-key block lists (16-key ones with km_wgmma = 2).
- * They differ only in the order of the fp32 sums inside the tensor-core products.
+ * They differ in the order of the fp32 sums inside the tensor-core products, and where a query's
+ * delta is NaN: the wgmma kernel sets dS^T of the keys an entry does not select to 0, while
+ * mma.sync forms 0 x (dP^T - delta) = NaN there for the keys of a warp's 16 that it computes.
  */
 #include "sparse_attention_bwd.cuh"
 #include "sparse_attention_bwd_wg.cuh" /* bwg_scores, the swizzled-tile descriptors (sm_90a) */
@@ -346,10 +348,13 @@ __global__ void __launch_bounds__(128, 2) bwd_kmajor_wg_kernel(const BwdParams<T
       for (int nt = 0; nt < QC / 8; ++nt) {
         const int col = nt * 8 + (lane & 3) * 2;
         const float d0 = dl[col], d1 = dl[col + 1];
-        const float s0 = st[nt][0] * (dpt[nt][0] - d0);
-        const float s1 = st[nt][1] * (dpt[nt][1] - d1);
-        const float s2 = st[nt][2] * (dpt[nt][2] - d0);
-        const float s3 = st[nt][3] * (dpt[nt][3] - d1);
+        /* keys the entry does not select: dS^T exactly 0, not 0 x (dP^T - delta), which is NaN
+         * when a query's delta is (a NaN key elsewhere in its list) and would reach dK of keys
+         * that the group never selected */
+        const float s0 = kv0 ? st[nt][0] * (dpt[nt][0] - d0) : 0.f;
+        const float s1 = kv0 ? st[nt][1] * (dpt[nt][1] - d1) : 0.f;
+        const float s2 = kv1 ? st[nt][2] * (dpt[nt][2] - d0) : 0.f;
+        const float s3 = kv1 ? st[nt][3] * (dpt[nt][3] - d1) : 0.f;
         const int kq = nt >> 1, hf = (nt & 1) * 2;
         pa[kq][hf] = Elem<T>::pack(st[nt][0], st[nt][1]);
         pa[kq][hf + 1] = Elem<T>::pack(st[nt][2], st[nt][3]);
