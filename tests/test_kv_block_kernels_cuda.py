@@ -272,6 +272,21 @@ def test_duplicates_and_bad_entries(blk, gen):
 
 
 @pytest.mark.parametrize("blk", [16, 64])
+def test_group_longer_than_sequence(blk, gen):
+    """group_size 2^29 through the C API (one group of all S queries): the reference's result.
+    The kernels clamp G to S; unclamped, the key-major pass would walk G / 64 = 2^23 empty query
+    chunks per (group, mask) entry (minutes per key block) and the entry x chunk count would
+    overflow int with 256 entries of a key block."""
+    need_lib()
+    B, H, S, D, G = 1, 1, 200, 64, 1 << 29
+    nblk = -(-S // blk)
+    kmax = 6
+    q, k, v = T.make_inputs(B, S, H, D, torch.bfloat16, gen)
+    idx, cnt = random_blocks(B, H, 1, kmax, nblk, [[kmax]], gen)
+    run_and_check(q, k, v, idx, cnt, G, 1 / math.sqrt(D), blk, gen)
+
+
+@pytest.mark.parametrize("blk", [16, 64])
 def test_strided_inputs_and_negative_scale(blk, gen):
     """q, k, v as strided views of one packed buffer, a negative scale."""
     need_lib()

@@ -36,9 +36,9 @@
  * summed in registers too: no float atomics, bit-identical results run to run. (With ranges
  * R > 1 the default path sums dQ over the ranges with fp32 reductions in an arbitrary order.)
  * Key tiles of the query-major kernels: 32 keys x 2 cp.async stages. On H100 / H200 the dQ-only
- * pass runs on wgmma (sparse_attention_bwd_wg.cuh), and so does the key-major pass (D 64 / 128,
- * G >= 64, token lists and 64-key block lists; 16-key block lists only with km_wgmma = 2) unless
- * the tuning's km_wgmma is 0.
+ * pass runs on wgmma (sparse_attention_bwd_wg.cuh); the key-major pass does where the tuning's
+ * km_wgmma asks for it (D 64 / 128, G >= 64; 1: token lists and 64-key block lists, 2: 16-key
+ * block lists too; the default 0 keeps it on mma.sync until measured).
  *
  * Block lists (dsv_attn_shape.kv_block 16 or 64) always take a deterministic path without
  * atomics, whatever the flags: the lists are sorted into the workspace, the key-major index is
@@ -311,7 +311,10 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   prm.blk = (int)sh->kv_block;
   prm.S = (int)sh->seqlen;
   prm.H = (int)sh->heads;
-  prm.G = (int)sh->group_size;
+  /* a group longer than the sequence is one group of S queries (num_groups 1, the same
+   * result): clamped, so that grids and the key-major pass's query chunks per entry
+   * (G / 64) follow S, not a huge G of the C API */
+  prm.G = (int)(sh->group_size < sh->seqlen ? sh->group_size : sh->seqlen);
   prm.NG = (int)sh->num_groups;
   prm.kmax = (int)sh->kmax;
   prm.chunks = 1;

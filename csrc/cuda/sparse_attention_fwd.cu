@@ -516,7 +516,10 @@ static FwdParams<T> fwd_params(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k,
   prm.kv_count = kv_count;
   prm.S = (int)sh->seqlen;
   prm.H = (int)sh->heads;
-  prm.G = (int)sh->group_size;
+  /* a group longer than the sequence is one group of S queries (num_groups 1, the same
+   * result): clamped, so that grids and the key-major pass's query chunks per entry
+   * (G / 64) follow S, not a huge G of the C API */
+  prm.G = (int)(sh->group_size < sh->seqlen ? sh->group_size : sh->seqlen);
   prm.NG = (int)sh->num_groups;
   prm.kmax = (int)sh->kmax;
   prm.chunks = 1;
