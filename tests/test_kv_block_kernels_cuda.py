@@ -271,6 +271,29 @@ def test_duplicates_and_bad_entries(blk, gen):
     run_and_check(q, k, v, idx, cnt, G, 1 / math.sqrt(D), blk, gen)
 
 
+@pytest.mark.parametrize("blk,kmax", [(16, 700), (64, 700), (16, 16384)])
+def test_long_lists(blk, kmax, gen):
+    """Lists longer than the sort's 256 threads (700 entries: 1024 sort slots, 4 per thread and
+    step) and of the backward's most entries, 16384 (64 KB of shared memory, the sort kernel's
+    attribute), random blocks with many duplicates; kmax 16385: the backward says
+    DSV_ERR_UNSUPPORTED and its workspace size is 0."""
+    need_lib()
+    B, H, S, D, G = 1, 1, 300, 64, 128
+    nblk = -(-S // blk)
+    NG = -(-S // G)
+    q, k, v = T.make_inputs(B, S, H, D, torch.bfloat16, gen)
+    idx, cnt = random_blocks(B, H, NG, kmax, nblk, [[kmax - 1]], gen, pad=0.05)
+    run_and_check(q, k, v, idx, cnt, G, 1 / math.sqrt(D), blk, gen)
+    if kmax == 16384:
+        idx = torch.zeros(B, H, NG, kmax + 1, dtype=torch.int32)
+        out, lse = blk_fwd(q, k, v, idx.cuda(), cnt.cuda(), G, 0.1, blk)
+        sh = _shape(q, idx, G, 0.1, blk)
+        assert _get_lib().dsv_sparse_attention_bwd_workspace_cuda(ctypes.byref(sh)) == 0
+        with pytest.raises(KernelError) as e:
+            blk_bwd(torch.zeros_like(q), q, k, v, out, lse, idx.cuda(), cnt.cuda(), G, 0.1, blk)
+        assert e.value.status == DSV_ERR_UNSUPPORTED
+
+
 @pytest.mark.parametrize("blk", [16, 64])
 def test_group_longer_than_sequence(blk, gen):
     """group_size 2^29 through the C API (one group of all S queries): the reference's result.
