@@ -20,7 +20,7 @@ t0=$(date +%s)
 # the attention library: forward, the backward's files and the per-device tuning, one job each
 pids=""
 for f in csrc/cuda/sparse_attention_*.cu csrc/cuda/tuning.cu; do
-  timeout 150 nvcc $FL -c $f -o $B/attn_$(basename $f .cu).o & pids="$pids $!"
+  timeout 300 nvcc $FL -c $f -o $B/attn_$(basename $f .cu).o & pids="$pids $!"
 done
 timeout 150 nvcc $FL -c csrc/cuda/topk_estimate.cu -o $B/topk.o 2> $B/topk.err & p3=$!
 p4=$p3
