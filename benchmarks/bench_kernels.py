@@ -446,10 +446,13 @@ def _blk_call(lib, M, q, k, v, idx, cnt, G, scale, blk, bufs):
 
 def block_estimate_ms(S, H, G, blk, K, reps, rank=16, gen=None):
     """Time of the block-list estimation (dsv_ext.topk_estimate with kv_block: pooled low-rank
-    keys, a [groups x blocks] score matrix and its top-K) at one shape; None without dsv_ext."""
+    keys, a [groups x blocks] score matrix and its top-K) at one shape; None without dsv_ext or
+    its CUDA kernels (the attention kernels may come from DSV_ATTN_LIB alone)."""
     try:
         import dsv_ext
     except ImportError:
+        return None
+    if not dsv_ext.has_cuda_kernels():
         return None
     ql, kl = (torch.randn(1, S, H, rank, generator=gen).to(torch.bfloat16).cuda() for _ in range(2))
     cnt = torch.full((1, H), K, dtype=torch.int32, device="cuda")

@@ -13,13 +13,14 @@ STEPS=${2:-"micro tests bench"}
 date -u
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 ARCH="-gencode=arch=compute_90a,code=sm_90a"
-FL="-std=c++17 -O3 $ARCH -Xcompiler -fPIC -Icsrc -lineinfo --split-compile=0"
+# the extension's flags (setup.py): DSV_WGMMA, else the library's tuning has wgmma=0 (mma.sync only)
+FL="-std=c++17 -O3 $ARCH --expt-relaxed-constexpr -DDSV_WGMMA -Xcompiler -fPIC -Icsrc -lineinfo --split-compile=0"
 B=/tmp/dsvb; mkdir -p $B
 t0=$(date +%s)
 # the attention library: forward, the backward's files and the per-device tuning, one job each
 pids=""
 for f in csrc/cuda/sparse_attention_*.cu csrc/cuda/tuning.cu; do
-  timeout 150 nvcc $FL -c $f -o $B/attn_$(basename $f .cu).o & pids="$pids $!"
+  timeout 300 nvcc $FL -c $f -o $B/attn_$(basename $f .cu).o & pids="$pids $!"
 done
 timeout 150 nvcc $FL -c csrc/cuda/topk_estimate.cu -o $B/topk.o 2> $B/topk.err & p3=$!
 p4=$p3

@@ -20,12 +20,13 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 ARCH="-gencode=arch=compute_90a,code=sm_90a"
 t0=$(date +%s)
 B=/tmp/tks; mkdir -p $B
+# wait on the build jobs by id: a bare `wait` also waits for the tee above and never returns
 nvcc -std=c++17 -O3 --expt-relaxed-constexpr $ARCH -DDSV_WGMMA -Xcompiler -fPIC -Icsrc -lineinfo \
-  -c csrc/dev/topk_sampled.cu -o $B/topk_sampled.o &
+  -c csrc/dev/topk_sampled.cu -o $B/topk_sampled.o & pids=$!
 for f in predictor_loss profile_attention rows; do
-  nvcc -std=c++17 -O3 $ARCH -Xcompiler -fPIC -Icsrc -lineinfo -c csrc/cuda/$f.cu -o $B/$f.o &
+  nvcc -std=c++17 -O3 $ARCH -Xcompiler -fPIC -Icsrc -lineinfo -c csrc/cuda/$f.cu -o $B/$f.o & pids="$pids $!"
 done
-wait
+wait $pids
 nvcc -shared $B/*.o -o $B/libtopk_sampled.so -lcudart || { echo "build failed"; exit 1; }
 echo "lib: $B/libtopk_sampled.so ($(( $(date +%s) - t0 )) s)"
 export DSV_TOPK_VARIANT_LIB=$B/libtopk_sampled.so

@@ -18,7 +18,9 @@ BENCH=${2:-"--S 65536 --D 128 --G 32 64 --sparsity 0.9 --dist random smooth --de
 TESTS=${3-"tests/test_attn_fwd_pairs_cuda.py tests/test_sparse_attention.py tests/test_sparse_attention_cuda.py"}
 date -u
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-FL="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -Icsrc -lineinfo --split-compile=0"
+# the extension's flags (setup.py): sm_90a with DSV_WGMMA, so that the shipped library runs the
+# wgmma kernels as the extension does (without it its tuning reports wgmma=0: mma.sync only)
+FL="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DDSV_WGMMA -Xcompiler -fPIC -Icsrc -lineinfo --split-compile=0"
 B=/tmp/dsvvar; mkdir -p $B
 t0=$(date +%s)
 gcc -O2 -fPIC -Icsrc -c csrc/cpu/status.c -o $B/status.o
@@ -26,7 +28,7 @@ pids=""
 for f in csrc/cuda/sparse_attention_*.cu csrc/cuda/tuning.cu; do
   timeout 300 nvcc $FL -c $f -o $B/ship_$(basename $f .cu).o & pids="$pids $!"
 done
-timeout 400 nvcc $FL --expt-relaxed-constexpr -DDSV_WGMMA -Xptxas -v -c $VAR -o $B/variant.o \
+timeout 400 nvcc $FL -Xptxas -v -c $VAR -o $B/variant.o \
   > $OUT/variant_ptxas.log 2>&1 & pids="$pids $!"
 wait $pids
 nvcc -shared $B/ship_*.o $B/status.o -o $B/ship.so -lcudart || exit 1

@@ -595,7 +595,7 @@ def attn_bwd(dout, q, k, v, out, lse, kv_index, kv_count, G, scale, deterministi
                   for _ in range(3))
     sh = attn_shape(q, kv_index, G, scale, int(deterministic))
     ws = lib.dsv_sparse_attention_bwd_workspace_cuda(ctypes.byref(sh))
-    work = torch.full((max(ws, 16) // 4,), float("nan"), dtype=torch.float32, device=q.device)
+    work = torch.full(((max(ws, 16) + 3) // 4,), float("nan"), dtype=torch.float32, device=q.device)
     st = lib.dsv_sparse_attention_bwd_cuda(
         ctypes.byref(sh), bshd(q), bshd(k), bshd(v), bshd(out), bshd(dout), lse.data_ptr(),
         kv_index.data_ptr(), kv_count.data_ptr(), bshd(dq), bshd(dk), bshd(dv),

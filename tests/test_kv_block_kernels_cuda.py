@@ -96,7 +96,7 @@ def blk_fwd(q, k, v, kv_index, kv_count, G, scale, blk):
     lse = torch.full((B, H, S), float("nan"), dtype=torch.float32, device=q.device)
     sh = _shape(q, kv_index, G, scale, blk)
     ws = lib.dsv_sparse_attention_fwd_workspace_cuda(ctypes.byref(sh))
-    work = torch.full((max(ws, 16) // 4,), float("nan"), dtype=torch.float32, device=q.device)
+    work = torch.full(((max(ws, 16) + 3) // 4,), float("nan"), dtype=torch.float32, device=q.device)
     st = lib.dsv_sparse_attention_fwd_cuda(
         ctypes.byref(sh), T._bshd(q), T._bshd(k), T._bshd(v), kv_index.data_ptr(),
         kv_count.data_ptr(), T._bshd(out), lse.data_ptr(), work.data_ptr(), ws,
@@ -114,7 +114,7 @@ def blk_bwd(dout, q, k, v, out, lse, kv_index, kv_count, G, scale, blk, flags=0)
                   for _ in range(3))
     sh = _shape(q, kv_index, G, scale, blk, flags)
     ws = lib.dsv_sparse_attention_bwd_workspace_cuda(ctypes.byref(sh))
-    work = torch.full((max(ws, 16) // 4,), float("nan"), dtype=torch.float32, device=q.device)
+    work = torch.full(((max(ws, 16) + 3) // 4,), float("nan"), dtype=torch.float32, device=q.device)
     st = lib.dsv_sparse_attention_bwd_cuda(
         ctypes.byref(sh), T._bshd(q), T._bshd(k), T._bshd(v), T._bshd(out), T._bshd(dout),
         lse.data_ptr(), kv_index.data_ptr(), kv_count.data_ptr(), T._bshd(dq), T._bshd(dk),

@@ -160,7 +160,7 @@ def test_paths_agree(tmp_path):
         f = tmp_path / f"{key}.pt"
         env = dict(os.environ, DSV_KERNEL_TUNING=tuning, DSV_ROOT=ROOT)
         r = subprocess.run([sys.executable, "-c", _AGREE_CHILD, str(f)], env=env,
-                           capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-3000:]
         res[key] = torch.load(f)
     for other in ("q4", "k", "kmma", "kkm", "qmma"):
