@@ -27,7 +27,7 @@ else
 fi
 python3 -c "import dsv_ext, torch; print('torch', torch.__version__, 'CUDA kernels:', dsv_ext.has_cuda_kernels())"
 case " $STEPS " in *" tests "*)
-  DSV_TEST_FAST=1 timeout ${TEST_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rf ${TESTS:-tests} > "$OUT/tests.log" 2>&1
+  DSV_TEST_FAST=1 timeout ${TEST_LIMIT:-420} python3 -m pytest -q -p no:cacheprovider -rf ${TESTS:-tests} > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20; tail -1 "$OUT/tests.log";;
 esac
 case " $STEPS " in *" bench "*)
