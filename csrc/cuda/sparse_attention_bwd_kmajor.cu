@@ -19,6 +19,37 @@
 
 namespace dsv_attn {
 
+/* Each thread's two key rows (key_a, key_b: the accumulator rows of its lane) of dK (scaled) and
+ * dV, written in the input dtype; keys >= S are not written. Both key-major kernels end here. */
+template <typename T, int D>
+static __device__ __forceinline__ void kmajor_store(const BwdParams<T>& p, int b, int h, int key_a,
+                                                    int key_b, int lane, const float (&dk)[D / 8][4],
+                                                    const float (&dv)[D / 8][4]) {
+  T* dkb = p.dk + b * p.dkb + h * p.dkh;
+  T* dvb = p.dv + b * p.dvb + h * p.dvh;
+  const int c0 = (lane & 3) * 2;
+  if (key_a < p.S) {
+    T* rk = dkb + (int64_t)key_a * p.dks + c0;
+    T* rv = dvb + (int64_t)key_a * p.dvs + c0;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      *reinterpret_cast<uint32_t*>(rk + i * 8) =
+          Elem<T>::pack(dk[i][0] * p.scale, dk[i][1] * p.scale);
+      *reinterpret_cast<uint32_t*>(rv + i * 8) = Elem<T>::pack(dv[i][0], dv[i][1]);
+    }
+  }
+  if (key_b < p.S) {
+    T* rk = dkb + (int64_t)key_b * p.dks + c0;
+    T* rv = dvb + (int64_t)key_b * p.dvs + c0;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      *reinterpret_cast<uint32_t*>(rk + i * 8) =
+          Elem<T>::pack(dk[i][2] * p.scale, dk[i][3] * p.scale);
+      *reinterpret_cast<uint32_t*>(rv + i * 8) = Elem<T>::pack(dv[i][2], dv[i][3]);
+    }
+  }
+}
+
 /* Key-major kernel: one CTA per 64-key block of a key-major head; dK, dV in registers. */
 template <typename T, int D, int QC>
 __global__ void __launch_bounds__(128) bwd_kmajor_kernel(const BwdParams<T> p) {
@@ -176,30 +207,7 @@ __global__ void __launch_bounds__(128) bwd_kmajor_kernel(const BwdParams<T> p) {
   }
   cp_async_wait<0>();
 
-  const int key_a = key0 + kr0, key_b = key0 + kr1;
-  T* dkb = p.dk + b * p.dkb + h * p.dkh;
-  T* dvb = p.dv + b * p.dvb + h * p.dvh;
-  const int c0 = (lane & 3) * 2;
-  if (key_a < p.S) {
-    T* rk = dkb + (int64_t)key_a * p.dks + c0;
-    T* rv = dvb + (int64_t)key_a * p.dvs + c0;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      *reinterpret_cast<uint32_t*>(rk + i * 8) =
-          Elem<T>::pack(dk[i][0] * p.scale, dk[i][1] * p.scale);
-      *reinterpret_cast<uint32_t*>(rv + i * 8) = Elem<T>::pack(dv[i][0], dv[i][1]);
-    }
-  }
-  if (key_b < p.S) {
-    T* rk = dkb + (int64_t)key_b * p.dks + c0;
-    T* rv = dvb + (int64_t)key_b * p.dvs + c0;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      *reinterpret_cast<uint32_t*>(rk + i * 8) =
-          Elem<T>::pack(dk[i][2] * p.scale, dk[i][3] * p.scale);
-      *reinterpret_cast<uint32_t*>(rv + i * 8) = Elem<T>::pack(dv[i][2], dv[i][3]);
-    }
-  }
+  kmajor_store<T, D>(p, b, h, key0 + kr0, key0 + kr1, lane, dk, dv);
 }
 
 /* Key-major kernel on wgmma (sm_90a): one warpgroup (4 warps) per 64-key block, the same
@@ -378,30 +386,7 @@ __global__ void __launch_bounds__(128, 2) bwd_kmajor_wg_kernel(const BwdParams<T
   }
   cp_async_wait<0>();
 
-  const int key_a = key0 + kr0, key_b = key0 + kr1;
-  T* dkb = p.dk + b * p.dkb + h * p.dkh;
-  T* dvb = p.dv + b * p.dvb + h * p.dvh;
-  const int c0 = (lane & 3) * 2;
-  if (key_a < p.S) {
-    T* rk = dkb + (int64_t)key_a * p.dks + c0;
-    T* rv = dvb + (int64_t)key_a * p.dvs + c0;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      *reinterpret_cast<uint32_t*>(rk + i * 8) =
-          Elem<T>::pack(dk[i][0] * p.scale, dk[i][1] * p.scale);
-      *reinterpret_cast<uint32_t*>(rv + i * 8) = Elem<T>::pack(dv[i][0], dv[i][1]);
-    }
-  }
-  if (key_b < p.S) {
-    T* rk = dkb + (int64_t)key_b * p.dks + c0;
-    T* rv = dvb + (int64_t)key_b * p.dvs + c0;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      *reinterpret_cast<uint32_t*>(rk + i * 8) =
-          Elem<T>::pack(dk[i][2] * p.scale, dk[i][3] * p.scale);
-      *reinterpret_cast<uint32_t*>(rv + i * 8) = Elem<T>::pack(dv[i][2], dv[i][3]);
-    }
-  }
+  kmajor_store<T, D>(p, b, h, key0 + kr0, key0 + kr1, lane, dk, dv);
 #endif
 }
 
