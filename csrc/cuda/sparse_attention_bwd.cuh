@@ -60,6 +60,16 @@ __device__ __forceinline__ int clamp_count(int c, int kmax) {
   return c < 0 ? 0 : (c > kmax ? kmax : c);
 }
 
+/* First position in [a, e) of an ascending list whose entry is >= key (e if none): the part of a
+ * group's list inside one key range of the query-major backward. */
+__device__ __forceinline__ int list_lower_bound(const int* list, int a, int e, int key) {
+  while (a < e) {
+    const int m = (a + e) >> 1;
+    if (__ldg(list + m) < key) a = m + 1; else e = m;
+  }
+  return a;
+}
+
 /* Index building (sparse_attention_bwd_index.cu): list checks (flags) and the path and key
  * ranges of every head; counts, offsets and (group, mask) entries of key-major heads. */
 template <typename T>

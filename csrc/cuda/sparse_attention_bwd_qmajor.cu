@@ -64,18 +64,8 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
     klo = rr * rlen;
     khi = min(p.S, klo + rlen);
     if (p.flags[bh] == 0) { /* strictly ascending, in range: binary search */
-      int a = 0, e = count;
-      while (a < e) {
-        const int m = (a + e) >> 1;
-        if (__ldg(list + m) < klo) a = m + 1; else e = m;
-      }
-      j0 = a;
-      e = count;
-      while (a < e) {
-        const int m = (a + e) >> 1;
-        if (__ldg(list + m) < khi) a = m + 1; else e = m;
-      }
-      j1 = a;
+      j0 = list_lower_bound(list, 0, count, klo);
+      j1 = list_lower_bound(list, j0, count, khi);
     }
     if (j1 <= j0) return; /* nothing of this group in this range (uniform per CTA) */
   }
