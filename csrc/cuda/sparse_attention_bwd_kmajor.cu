@@ -19,6 +19,24 @@
 
 namespace dsv_attn {
 
+/* The (group, mask) entries of key block kblk of head bh (ascending group order) and the work
+ * items they give: each entry's group in chunks of QC queries. */
+template <int QC>
+struct KmajorEntries {
+  int nent, cpg, nitems;
+  const int* eg;
+  const unsigned long long* em;
+  template <typename T>
+  __device__ __forceinline__ KmajorEntries(const BwdParams<T>& p, size_t bh, int kblk) {
+    nent = p.kbcount[bh * p.nkb + kblk];
+    const int eoff = p.kboff[bh * p.nkb + kblk];
+    eg = p.entg + bh * p.cap + eoff;
+    em = p.entmask + bh * p.cap + eoff;
+    cpg = (p.G + QC - 1) / QC;
+    nitems = nent * cpg;
+  }
+};
+
 /* Each thread's two key rows (key_a, key_b: the accumulator rows of its lane) of dK (scaled) and
  * dV, written in the input dtype; keys >= S are not written. Both key-major kernels end here. */
 template <typename T, int D>
@@ -70,12 +88,10 @@ __global__ void __launch_bounds__(128) bwd_kmajor_kernel(const BwdParams<T> p) {
   if (p.path[bh] != 1) return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int key0 = kblk * KB;
-  const int nent = p.kbcount[bh * p.nkb + kblk];
-  const int eoff = p.kboff[bh * p.nkb + kblk];
-  const int* eg = p.entg + bh * p.cap + eoff;
-  const unsigned long long* em = p.entmask + bh * p.cap + eoff;
-  const int cpg = (p.G + QC - 1) / QC;
-  const int nitems = nent * cpg;
+  const KmajorEntries<QC> E(p, bh, kblk);
+  const int nent = E.nent, cpg = E.cpg, nitems = E.nitems;
+  const int* eg = E.eg;
+  const unsigned long long* em = E.em;
 
   const T* qbase = p.q + b * p.qb + h * p.qh;
   const T* gbase = p.dout + b * p.gb + h * p.gh;
@@ -248,12 +264,10 @@ __global__ void __launch_bounds__(128, 2) bwd_kmajor_wg_kernel(const BwdParams<T
   if (p.path[bh] != 1) return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int key0 = kblk * KB;
-  const int nent = p.kbcount[bh * p.nkb + kblk];
-  const int eoff = p.kboff[bh * p.nkb + kblk];
-  const int* eg = p.entg + bh * p.cap + eoff;
-  const unsigned long long* em = p.entmask + bh * p.cap + eoff;
-  const int cpg = (p.G + QC - 1) / QC;
-  const int nitems = nent * cpg;
+  const KmajorEntries<QC> E(p, bh, kblk);
+  const int nent = E.nent, cpg = E.cpg, nitems = E.nitems;
+  const int* eg = E.eg;
+  const unsigned long long* em = E.em;
 
   const T* qbase = p.q + b * p.qb + h * p.qh;
   const T* gbase = p.dout + b * p.gb + h * p.gh;
