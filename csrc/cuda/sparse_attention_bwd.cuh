@@ -60,6 +60,29 @@ __device__ __forceinline__ int clamp_count(int c, int kmax) {
   return c < 0 ? 0 : (c > kmax ? kmax : c);
 }
 
+/* Each thread's two query rows (row0 + lr0, row0 + lr1: the accumulator rows of its lane) of dQ
+ * (scaled), written in the input dtype; rows past nrows are not written. The query-major
+ * kernels end here when dQ is not reduced across key ranges. */
+template <typename T, int D>
+__device__ __forceinline__ void dq_store(const BwdParams<T>& p, int b, int h, int row0, int lr0, int lr1,
+                                         int nrows, int lane, const float (&dq)[D / 8][4]) {
+  T* dqb = p.dq + b * p.dqb + h * p.dqh;
+  if (lr0 < nrows) {
+    T* r = dqb + (int64_t)(row0 + lr0) * p.dqs + (lane & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      *reinterpret_cast<uint32_t*>(r + i * 8) =
+          Elem<T>::pack(dq[i][0] * p.scale, dq[i][1] * p.scale);
+  }
+  if (lr1 < nrows) {
+    T* r = dqb + (int64_t)(row0 + lr1) * p.dqs + (lane & 3) * 2;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      *reinterpret_cast<uint32_t*>(r + i * 8) =
+          Elem<T>::pack(dq[i][2] * p.scale, dq[i][3] * p.scale);
+  }
+}
+
 /* First position in [a, e) of an ascending list whose entry is >= key (e if none): the part of a
  * group's list inside one key range of the query-major backward. */
 __device__ __forceinline__ int list_lower_bound(const int* list, int a, int e, int key) {

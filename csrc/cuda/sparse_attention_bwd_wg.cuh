@@ -309,21 +309,7 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
     }
     return;
   }
-  T* dqb = p.dq + b * p.dqb + h * p.dqh;
-  if (lr0 < nrows) {
-    T* r = dqb + (int64_t)(row0 + lr0) * p.dqs + (lane & 3) * 2;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-      *reinterpret_cast<uint32_t*>(r + i * 8) =
-          Elem<T>::pack(dq[i][0] * p.scale, dq[i][1] * p.scale);
-  }
-  if (lr1 < nrows) {
-    T* r = dqb + (int64_t)(row0 + lr1) * p.dqs + (lane & 3) * 2;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-      *reinterpret_cast<uint32_t*>(r + i * 8) =
-          Elem<T>::pack(dq[i][2] * p.scale, dq[i][3] * p.scale);
-  }
+  dq_store<T, D>(p, b, h, row0, lr0, lr1, nrows, lane, dq);
 #endif
 }
 
