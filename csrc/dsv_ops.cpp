@@ -145,16 +145,12 @@ void check_lists(const Tensor& q, const Tensor& kv_index, const Tensor& kv_count
   check_plain_tensor(kv_count, "kv_count", q, ScalarType::Int, {B, H});
 }
 
-// Whether the ops hand block lists (dsv_attn_shape.kv_block > 1) to the CUDA kernels. The CUDA
-// block-list kernels (kv_block 16 / 64, head_dim <= 128 for the backward; dsv.h) are reached
-// through the C API only until their GPU tests pass; while this is false, block lists on CUDA
-// tensors are refused here and dsv_ext.sparse_attention expands them to token lists first
-// (dsv_ext/ops.py, _native_kv_block, is the Python side of this switch).
-constexpr bool kCudaKvBlocks = false;
-
 // kv_block: keys per list entry (1: token lists; b > 1: entry e is the block of keys e*b ..
-// min(e*b+b, S)-1, dsv.h). The kernels skip entries outside [0, ceil(S/b)); a block larger than
-// the sequence is one block of S keys (same lists, same result), so b is clamped to max(S, 1).
+// min(e*b+b, S)-1, dsv.h). The kernels skip entries outside [0, ceil(S/b)). On the CPU a block
+// larger than the sequence is one block of S keys (same lists, same result), so b is clamped to
+// max(S, 1) there; the CUDA kernels take b = 1, 16 or 64 and cut the last block at S themselves
+// (dsv_ext.sparse_attention runs 64-key lists on them and expands other block lists to token
+// lists first, dsv_ext/ops.py, _native_kv_block).
 dsv_attn_shape check_sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                       const Tensor& kv_index, const Tensor& kv_count,
                                       int64_t group_size, double scale, bool deterministic,
@@ -167,9 +163,10 @@ dsv_attn_shape check_sparse_attention(const Tensor& q, const Tensor& k, const Te
   STD_TORCH_CHECK(group_size > 0, "group_size: must be positive, got ", group_size);
   STD_TORCH_CHECK(std::isfinite(scale), "scale: must be finite");
   STD_TORCH_CHECK(kv_block >= 1, "kv_block: must be >= 1 (1: token lists), got ", kv_block);
-  STD_TORCH_CHECK(kCudaKvBlocks || kv_block == 1 || !q.device().is_cuda(),
-                  "kv_block: the CUDA kernels of this build take token lists only (kv_block=1), got ", kv_block,
-                  "; dsv_ext.sparse_attention expands block lists to token lists");
+  const bool cuda = q.device().is_cuda();
+  STD_TORCH_CHECK(!cuda || kv_block == 1 || kv_block == 16 || kv_block == 64,
+                  "kv_block: the CUDA kernels take 1, 16 or 64, got ", kv_block,
+                  "; dsv_ext.expand_block_lists turns other block lists into token lists");
   check_lists(q, kv_index, kv_count, group_size);
   dsv_attn_shape p;
   p.batch = B; p.seqlen = S; p.heads = H; p.head_dim = D;
@@ -178,7 +175,7 @@ dsv_attn_shape check_sparse_attention(const Tensor& q, const Tensor& k, const Te
   p.scale = scale;
   p.dtype = dsv_dtype_of(q.scalar_type());
   p.flags = deterministic ? DSV_FLAG_DETERMINISTIC : 0;
-  p.kv_block = kv_block < S ? kv_block : (S > 0 ? S : 1);
+  p.kv_block = (cuda || kv_block < S) ? kv_block : (S > 0 ? S : 1);
   return p;
 }
 
@@ -195,6 +192,9 @@ dsv_attn_shape check_sparse_attention_bwd(const Tensor& dout, const Tensor& q, c
   const ScalarType at = acc_type(q.scalar_type());
   STD_TORCH_CHECK(lse.scalar_type() == at, "lse: expected the accumulator dtype (float32, or float64 for float64 inputs)");
   check_plain_tensor(lse, "lse", q, at, {B, H, S});
+  STD_TORCH_CHECK(!q.device().is_cuda() || p.kv_block == 1 || (D <= 128 && p.kmax <= 16384),
+                  "kv_block: the CUDA backward of block lists needs head_dim <= 128 and Kmax <= 16384, got head_dim ",
+                  D, ", Kmax ", p.kmax);
   return p;
 }
 

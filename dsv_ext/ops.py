@@ -90,7 +90,7 @@ def kernel_tuning(device=None) -> dict:
     ``torch.device``; default the current device): ``sm_count``, ``l2_bytes``, ``cc`` (compute
     capability, 10 major + minor), ``wgmma`` (1: the Hopper warpgroup-MMA kernels run),
     ``km_wgmma`` (1: the backward's key-major dK / dV pass among them where it applies, 2: for
-    ``kv_block`` 16 too, 0: never, the default), ``km_ratio`` (the backward's key-major threshold),
+    ``kv_block`` 16 too, the default, 0: never), ``km_ratio`` (the backward's key-major threshold),
     ``bwd_ranges`` / ``bwd_rmax`` (the backward's key ranges: forced count / the automatic
     rule's most; 0 = automatic). It is chosen once per device; the
     environment variable ``DSV_KERNEL_TUNING="key=value,..."`` overrides keys for experiments.
@@ -341,13 +341,21 @@ def _check_kv_block(kv_block, seqlen: int) -> int:
     return min(kv_block, max(int(seqlen), 1))
 
 
-def _native_kv_block(device: torch.device) -> bool:
-    """Whether the sparse-attention kernels of ``device`` read block lists themselves. The CPU
-    reference does; on CUDA the ops take token lists only (the block-list kernels of csrc/cuda are
-    reached through the C API until their GPU tests pass), so :func:`sparse_attention` expands
-    block lists there first (:func:`expand_block_lists`). This condition and ``kCudaKvBlocks`` in
-    csrc/dsv_ops.cpp switch CUDA to the native block kernels."""
-    return torch.device(device).type != "cuda"
+# The CUDA block-list kernels that sparse_attention runs: 64-key blocks (head_dim <= 128, Kmax <=
+# 16384: the block backward's limits). 16-key lists run faster expanded to token lists (their
+# block kernels do ~1.3x worse at S = 64k, benchmarks/PERF_LOG.md, kernels v14), so they are
+# expanded, as every other block size is.
+_CUDA_NATIVE_KV_BLOCKS = (64,)
+
+
+def _native_kv_block(device: torch.device, kv_block: int, head_dim: int, kmax: int) -> bool:
+    """Whether the sparse-attention kernels of ``device`` read these block lists themselves: the
+    CPU reference always does; on CUDA 64-key lists run on the block kernels (head_dim <= 128,
+    Kmax <= 16384) and :func:`sparse_attention` expands every other block list to token lists
+    first (:func:`expand_block_lists`)."""
+    if torch.device(device).type != "cuda":
+        return True
+    return kv_block in _CUDA_NATIVE_KV_BLOCKS and head_dim <= 128 and kmax <= 16384
 
 
 def expand_block_lists(kv_index: torch.Tensor, kv_count: torch.Tensor, kv_block: int,
@@ -554,7 +562,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
             ``e*b .. min(e*b+b, S)-1`` (the last block may be partial), ``kv_count`` counts
             blocks and Kmax is in blocks; -1 padding, skipping and duplicates work per key as for
             token lists (docs/API.md, "Key blocks"). The CPU kernels read block lists natively;
-            on CUDA they are expanded to token lists first (:func:`expand_block_lists`).
+            on CUDA 64-key lists run on the block kernels (head_dim <= 128; their backward is
+            deterministic) and other block sizes are expanded to token lists first
+            (:func:`expand_block_lists`), which runs faster there.
 
     Returns:
         ``[B, S, H, D]``, the same dtype as q; differentiable in q, k and v. A query row whose
@@ -582,10 +592,10 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
     _check_index(kv_index, kv_count, B, S, H, group_size, check_index, kv_block)
     scale = _scale_of(scale, D)
     deterministic = _deterministic_of(deterministic)
-    if kv_block > 1 and not _native_kv_block(q.device):
+    if kv_block > 1 and not _native_kv_block(q.device, kv_block, D, kv_index.shape[3]):
         kv_index, kv_count = expand_block_lists(kv_index, kv_count, kv_block, S)
         kv_block = 1
-    if deterministic and q.is_cuda:
+    if deterministic and q.is_cuda and kv_block == 1:  # the block backward sorts its lists itself
         if D > 128:
             raise ValueError(f"deterministic: the deterministic CUDA backward needs head_dim <= 128, got {D}")
         # the deterministic backward needs ascending lists (topk_estimate's are); with

@@ -583,6 +583,7 @@ def test_joint_core_cuda_bf16_matches_cpu_float64(text_first):
 def test_diffusers_joint_model_cuda_stage2(sparse_calls):
     """HunyuanVideo (joint attention, text padding) with head dim 64 on the GPU in bf16: stage 2
     runs the sparse kernels and trains with finite gradients."""
+    pytest.importorskip("diffusers")
     from diffusers import HunyuanVideoTransformer3DModel
     torch.manual_seed(0)
     model = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2,

@@ -374,3 +374,17 @@ def test_random_lists_and_sizes_match_reference(gen):
         dq, dk, dv = torch.ops.dsv.sparse_attention_bwd(torch.ones_like(out), q, k, v, out, lse, idx, cnt, G, 0.5,
                                                         False, b)
         assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+
+
+def test_cuda_runs_64_key_lists_natively_and_expands_others():
+    """sparse_attention's choice on CUDA: 64-key lists on the block kernels within their limits
+    (head_dim <= 128, Kmax <= 16384), every other block size expanded; the CPU reads all."""
+    from dsv_ext.ops import _native_kv_block
+
+    cuda = torch.device("cuda")
+    assert _native_kv_block(cuda, 64, 128, 1024)
+    assert not _native_kv_block(cuda, 16, 128, 1024)
+    assert not _native_kv_block(cuda, 32, 64, 8)
+    assert not _native_kv_block(cuda, 64, 256, 8)
+    assert not _native_kv_block(cuda, 64, 64, 16385)
+    assert all(_native_kv_block(torch.device("cpu"), b, 256, 10**6) for b in (2, 16, 64))

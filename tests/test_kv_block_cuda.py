@@ -5,9 +5,9 @@ deterministic backward (bit-identical dq, dk, dv over 10 runs), the block top-K,
 Skipped without a GPU. The tolerances, the reference gradients and their rounding slack are those
 of tests/test_sparse_attention_cuda.py (see its docstring): block lists are checked through the
 token lists of their keys (dsv_ext.expand_block_lists, which the CPU tests check exactly), whose
-reference is the same dense masked softmax. Until CUDA kernels read block lists natively
-(dsv_ext.ops._native_kv_block), sparse_attention expands them before the token kernels; these
-tests hold for both.
+reference is the same dense masked softmax. sparse_attention runs 64-key lists on the CUDA block
+kernels and expands 16-key lists to token lists (dsv_ext.ops._native_kv_block); the raw-op tests
+run both sizes on the block kernels.
 """
 from __future__ import annotations
 
@@ -147,22 +147,46 @@ def test_block_topk_on_cuda_is_a_top_k(b, gen):
             assert (got - best[:c]).abs().max() <= 1e-3 * best.abs().max(), (h, g)
 
 
-def test_raw_op_with_block_lists(gen):
-    """The raw CUDA op: without native block kernels it refuses kv_block > 1 with a message naming
-    kv_block; with them, out and lse match the reference."""
+@pytest.mark.parametrize("b", [16, 64])
+def test_raw_op_with_block_lists(b, gen):
+    """The raw CUDA ops run block lists of 16 and 64 keys on the block kernels (sparse_attention
+    runs 64-key lists there and expands 16-key ones): out, lse and dq, dk, dv match the float64
+    reference of the expanded lists."""
     dsv_ext = _need_kernels()
-    from dsv_ext.ops import _native_kv_block
-
-    B, H, S, D, G, b = 1, 2, 500, 64, 64, 16
+    B, H, S, D, G = 1, 2, 500, 64, 64
     idx, cnt = _block_lists(B, H, S, G, b, 8, [[8, 3]], gen)
     q, k, v = ref.make_qkv(B, S, H, D, dtype=torch.bfloat16, generator=gen, device="cuda")
     scale = 1 / math.sqrt(D)
-    if not _native_kv_block(q.device):
-        with pytest.raises(RuntimeError, match="kv_block"):
-            torch.ops.dsv.sparse_attention_fwd(q, k, v, idx, cnt, G, scale, False, b)
-        return
     out, lse = torch.ops.dsv.sparse_attention_fwd(q, k, v, idx, cnt, G, scale, False, b)
     tok, tcnt = dsv_ext.expand_block_lists(idx.cpu(), cnt.cpu(), b, S)
-    out_ref, lse_ref = ref.sparse_attention_lse_ref(q.cpu(), k.cpu(), v.cpu(), tok, tcnt, G, scale)
-    check_close("out", out, out_ref, TOL[torch.bfloat16])
-    check_lse(lse, lse_ref)
+    qr, kr, vr = (t.detach().double().cpu().requires_grad_(True) for t in (q, k, v))
+    out_ref, lse_ref = ref.sparse_attention_lse_ref(qr, kr, vr, tok, tcnt, G, scale)
+    check_close("out", out, out_ref.detach(), TOL[torch.bfloat16])
+    check_lse(lse, lse_ref.detach())
+    dout = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(q.dtype)
+    dq, dk, dv = torch.ops.dsv.sparse_attention_bwd(dout.cuda(), q, k, v, out, lse, idx, cnt, G, scale, False, b)
+    out_ref.backward(dout.double())
+    targets = grad_targets(q, k, v, dout, out, out_ref, lse_ref, (qr.grad, kr.grad, vr.grad), tok, tcnt, G,
+                           scale, q.dtype)
+    for g_, (t, sl), name in zip((dq, dk, dv), targets, ("dq", "dk", "dv")):
+        check_close(name, g_, t, GTOL[q.dtype], sl)
+
+
+def test_raw_op_refuses_unsupported_block_sizes(gen):
+    """kv_block other than 1 / 16 / 64 on CUDA, and a block backward with head_dim > 128, raise
+    errors naming kv_block; sparse_attention expands such lists and runs them."""
+    dsv_ext = _need_kernels()
+    B, H, S, G = 1, 1, 300, 64
+    idx, cnt = _block_lists(B, H, S, G, 32, 4, [[4]], gen)
+    q, k, v = ref.make_qkv(B, S, H, 64, dtype=torch.bfloat16, generator=gen, device="cuda")
+    with pytest.raises(RuntimeError, match="kv_block"):
+        torch.ops.dsv.sparse_attention_fwd(q, k, v, idx, cnt, G, 0.125, False, 32)
+    assert torch.isfinite(dsv_ext.sparse_attention(q, k, v, idx, cnt, G, kv_block=32)).all()
+    idx, cnt = _block_lists(B, H, S, G, 64, 3, [[3]], gen)
+    q, k, v = ref.make_qkv(B, S, H, 256, dtype=torch.bfloat16, generator=gen, device="cuda")
+    out, lse = torch.ops.dsv.sparse_attention_fwd(q, k, v, idx, cnt, G, 0.0625, False, 64)
+    with pytest.raises(RuntimeError, match="kv_block"):
+        torch.ops.dsv.sparse_attention_bwd(out, q, k, v, out, lse, idx, cnt, G, 0.0625, False, 64)
+    qq = q.detach().clone().requires_grad_(True)
+    dsv_ext.sparse_attention(qq, k, v, idx, cnt, G, kv_block=64).float().sum().backward()
+    assert torch.isfinite(qq.grad).all()

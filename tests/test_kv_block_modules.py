@@ -190,7 +190,10 @@ def test_profile_measures_block_recall():
 # ------------------------------------------------------------------------------------------------
 # "auto": the dispatcher's choice and the controller
 
-def test_choose_kv_block_without_table():
+def test_choose_kv_block_without_table(monkeypatch):
+    # the rule under fixed per-key cost ratios (the shipped ones are measured, PERF_LOG v14)
+    for b, r in ((16, 0.75), (64, 0.5)):
+        monkeypatch.setitem(BLOCK_COST_RATIO, b, r)
     d = Dispatcher(DSVConfig(use_calibration=False, recall_max_density=0.5))
     # head 0: every granularity reaches the target at 0.25 -> the cheapest per key (64)
     # head 1: blocks need 0.4 / 0.45 -> 0.45 * 0.5 < 0.4 * 0.75 < 0.3 -> 64

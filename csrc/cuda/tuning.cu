@@ -7,7 +7,7 @@
  *   wgmma                   0 runs the mma.sync kernels where the wgmma ones would run
  *   km_wgmma                1 the key-major dK / dV pass on wgmma where it applies
  *                           (with wgmma on: D 64 / 128, G >= 64; token lists and 64-key block
- *                           lists), 2 also 16-key block lists, 0 (default) its mma.sync kernel
+ *                           lists; the default), 2 also 16-key block lists, 0 its mma.sync kernel
  *   km_ratio                backward key-major ratio (0: never key-major, 1e9: wherever allowed)
  *   bwd_ranges              backward key ranges forced on every query-major head (0: automatic)
  *   bwd_rmax                the automatic rule's most key ranges (0: from the L2 size)
@@ -114,7 +114,7 @@ int fill(int device, dsv_tuning* t) {
 #else
   t->wgmma = 0;
 #endif
-  t->km_wgmma = 0; /* the wgmma key-major kernel (PERF_LOG v13) until it is measured */
+  t->km_wgmma = 1; /* measured on the H200 at S = 64k: benchmarks/PERF_LOG.md, kernels v13 */
   /* measured crossover on the H200 at S = 64k, D = 128 (benchmarks/PERF_LOG.md, kernels v3) */
   t->km_ratio = 1.15f;
   t->bwd_ranges = 0;

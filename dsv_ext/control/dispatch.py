@@ -44,10 +44,12 @@ from ..config import KV_BLOCKS, DSVConfig
 
 __all__ = ["Dispatcher", "default_calibration_path", "calibrate", "BLOCK_COST_RATIO"]
 
-# Assumed cost per key of block lists relative to token lists (contiguous key tiles), used where
-# the calibration table has no entries for a block size: provisional values until the block
-# kernels are measured (calibrate(kv_blocks=...) adds measured entries, which then take over).
-BLOCK_COST_RATIO = {1: 1.0, 16: 0.75, 64: 0.5}
+# Cost per key of block lists relative to token lists, used where the calibration table has no
+# entries for a block size (calibrate(kv_blocks=...) adds measured entries, which then take over).
+# Measured on the H200 (S = 64k, H = 24, D = 128, G = 64, density 0.1, forward + backward,
+# benchmarks/PERF_LOG.md kernels v14): token lists 95.3 ms, 16-key lists 101.9 ms (run as token
+# lists: faster than their block kernels), 64-key lists 61.9 ms on the block kernels.
+BLOCK_COST_RATIO = {1: 1.0, 16: 1.07, 64: 0.65}
 
 
 def default_calibration_path() -> str:
