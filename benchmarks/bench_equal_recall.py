@@ -23,8 +23,9 @@ then the attention time of each at that density.
 3. **Time** at the long shape (S = 64k, H = 24, D = 128, bf16, CUDA): each method's estimate +
    forward + backward at its mean density (DSV token lists through benchmarks/bench_kernels.py's
    `run_shape` with spatially smooth lists; FlexAttention block-sparse at its density;
-   cuDNN dense), all in the same run; key blocks on the block-list kernels (kv_block b,
-   through the C API) with the block estimation (dsv_ext.topk_estimate with kv_block).
+   cuDNN dense), all in the same run; key blocks as dsv_ext.sparse_attention runs them on CUDA
+   (64-key lists on the block-list kernels, 16-key lists expanded to token lists; through the C
+   API) with the block estimation (dsv_ext.topk_estimate with kv_block).
 
 Writes `equal_recall.json` / `.md` / `.png` to --out. The curve code runs on the CPU too (tests).
 """
@@ -212,6 +213,7 @@ def analyse(captures, cube=(2, 4, 4), groups=(32, 64), blocks=(16, 64), targets=
 
 def time_methods(analysis: Dict, S: int, H: int, D: int, reps: int, log=print) -> List[Dict]:
     import bench_kernels as BK
+    from dsv_ext.ops import _CUDA_NATIVE_KV_BLOCKS
 
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
@@ -237,10 +239,12 @@ def time_methods(analysis: Dict, S: int, H: int, D: int, reps: int, log=print) -
                 if blocks is None:
                     blocks = BK.block_lib() + (BK.block_buffers(S, H, D, dtype),)
                 lib, M, bufs = blocks
-                r = BK.block_case(lib, M, bufs, 64, 1.0 - d, b, reps, gen, token=False)
+                native = b in _CUDA_NATIVE_KV_BLOCKS  # else sparse_attention expands to token lists
+                r = BK.block_case(lib, M, bufs, 64, 1.0 - d, b, reps, gen, token=not native)
+                fwd, both = (r["fwd_ms"], r["fwdbwd_ms"]) if native else (r["token_fwd_ms"], r["token_fwdbwd_ms"])
                 est_ms = BK.block_estimate_ms(S, H, 64, b, r["K_blocks"], reps, gen=gen)
-                rec.update(total_ms=r["fwdbwd_ms"] + (est_ms or 0.0), fwd_ms=r["fwd_ms"],
-                           bwd_ms=r["fwdbwd_ms"] - r["fwd_ms"], est_ms=est_ms, K=r["K_blocks"] * b)
+                rec.update(total_ms=both + (est_ms or 0.0), fwd_ms=fwd, bwd_ms=both - fwd, est_ms=est_ms,
+                           K=r["K_blocks"] * b, kernels="block" if native else "token (expanded)")
             else:  # the per-query oracle: no kernel (one list per query)
                 rec.update(total_ms=None, note="no kernel")
             if rec.get("total_ms"):
