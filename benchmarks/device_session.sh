@@ -27,8 +27,8 @@ else
 fi
 python3 -c "import dsv_ext, torch; print('torch', torch.__version__, 'CUDA kernels:', dsv_ext.has_cuda_kernels())"
 case " $STEPS " in *" tests "*)
-  DSV_TEST_FAST=1 timeout ${TEST_LIMIT:-420} python3 -m pytest -q -p no:cacheprovider -rf ${TESTS:-tests} > "$OUT/tests.log" 2>&1
-  echo "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20; tail -1 "$OUT/tests.log";;
+  DSV_TEST_FAST=1 timeout ${TEST_LIMIT:-420} python3 -m pytest -q -p no:cacheprovider -rf --durations=30 ${TESTS:-tests} > "$OUT/tests.log" 2>&1
+  echo "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20; grep -E "^[0-9.]+s (call|setup)" "$OUT/tests.log" | head -8; tail -1 "$OUT/tests.log";;
 esac
 case " $STEPS " in *" bench "*)
   timeout ${BENCH_LIMIT:-90} python3 benchmarks/bench_kernels.py ${BENCH_ARGS:---quick} --out "$OUT/results" > "$OUT/bench.log" 2>&1

@@ -605,12 +605,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
             used = torch.arange(1, kv_index.shape[3], device=q.device) < kv_count[:, :, None, None]
             if bool((used & (kv_index[..., 1:] <= kv_index[..., :-1])).any()):
                 kv_index = _sorted_lists(kv_index, kv_count, S)
-    if kv_block == 1:  # the schema's default: the token-list call exactly as before
-        out, _ = _ops.sparse_attention_fwd(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), kv_index,
-                                           kv_count, group_size, scale, deterministic)
-    else:
-        out, _ = _ops.sparse_attention_fwd(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), kv_index,
-                                           kv_count, group_size, scale, deterministic, kv_block)
+    out, _ = _ops.sparse_attention_fwd(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), kv_index, kv_count,
+                                       group_size, scale, deterministic, kv_block)
     return out
 
 

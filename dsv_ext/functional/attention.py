@@ -127,8 +127,6 @@ def estimate_index(qp: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torc
     with torch.no_grad():
         q_lr = torch.einsum("bshd,hdr->bshr", qp.detach(), wq.detach().to(qp.dtype)).contiguous()
         k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), wk.detach().to(k.dtype)).contiguous()
-    if kv_block == 1:
-        return need_ops().topk_estimate(q_lr, k_lr, counts, group_size, kmax)
     return need_ops().topk_estimate(q_lr, k_lr, counts, group_size, kmax, kv_block=kv_block)
 
 
@@ -164,12 +162,8 @@ def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Ten
     counts = kv_count.view(1, H).expand(B, H).contiguous()
     if index is None:
         index = estimate_index(qp, k, wq, wk, counts, group_size, kmax, kv_block)
-    if kv_block == 1:
-        out = ops.sparse_attention(qp, k, v, index, counts, group_size, scale, check_index=False,
-                                   deterministic=deterministic)
-    else:
-        out = ops.sparse_attention(qp, k, v, index, counts, group_size, scale, check_index=False,
-                                   deterministic=deterministic, kv_block=kv_block)
+    out = ops.sparse_attention(qp, k, v, index, counts, group_size, scale, check_index=False,
+                               deterministic=deterministic, kv_block=kv_block)
     out = out.index_select(1, inv) if inv is not None else out
     out = out.to(out_dtype)
     return (out, index) if return_index else out
