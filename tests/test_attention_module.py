@@ -399,6 +399,35 @@ def test_cuda_stage2_matches_reference_with_its_index():
 
 
 @needs_cuda
+@pytest.mark.parametrize("grid", [(2, 6, 10), (1, 4, 6)])  # S = 120 = 64 + 56 on 2 frames; S = 24 < G
+def test_cuda_default_groups_on_short_grids(grid):
+    """The default groups (64 queries, 4x4x4 cubes) on grids of fewer than 4 frames and sequences
+    that are not a multiple of 64 or shorter than it: forward and gradients against the float64
+    reference with the module's index (bf16 tolerances as above)."""
+    cfg = DSVConfig()
+    Sg = grid[0] * grid[1] * grid[2]
+    m = SparseAttention(4, 128, grid=grid, config=cfg).cuda()
+    m.stage, m.use_sparse = 2, True
+    m.set_density([0.1, 0.3, 0.6, 1.0], Sg)
+    assert m.head_k == ([64, 64, 120, 120] if Sg == 120 else [24] * 4)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = [torch.randn(2, Sg, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3)]
+    out = m(q, k, v)
+    perm, inv = cube_permutation(grid, cfg.cube, Sg, "cuda")
+    qp = q.detach().index_select(1, perm)
+    q_lr = torch.einsum("bshd,hdr->bshr", qp, m.predictor.wq.to(torch.bfloat16)).contiguous()
+    k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), m.predictor.wk.to(torch.bfloat16)).contiguous()
+    counts = m.kv_count.view(1, 4).expand(2, 4).contiguous()
+    index = dsv_ext.topk_estimate(q_lr, k_lr, counts, 64, m.kmax)
+    assert index.shape[2] == -(-Sg // 64)
+    want = ref.sparse_attention_ref(q[:, perm], k, v, index, counts, 64)[:, inv]
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=1e-2)
+    for a, b in zip(_grads(out.double(), (q, k, v)), _grads(want, (q, k, v))):
+        torch.testing.assert_close(a.double(), b.double(), rtol=5e-2, atol=2e-2)
+
+
+@needs_cuda
 def test_cuda_training_step_compiled_bf16():
     torch._dynamo.reset()
     torch.manual_seed(0)
