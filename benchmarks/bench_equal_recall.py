@@ -9,12 +9,14 @@ then the attention time of each at that density.
    attention block sees (raster order, with the token grid).
 2. **Recall curves** per block and head, from the exact softmax of every query row (float32):
    - `token`: each query its own top keys (the per-query oracle);
-   - `token G=32`, `token G=64`: one list per group of G queries in cube order (2x4x4 / 4x4x4
-     cubes), the group's top keys by summed probability (oracle) -- DSV's token lists;
+   - `token G=32`, `token G=64`: one list per group of G queries in cube order, the group's top
+     keys by summed probability (oracle) -- DSV's token lists. The cube is the checkpoint's DSV
+     cube or --cube: with 4x4x4 cubes the groups are 2x4x4 (G = 32) and 4x4x4 (G = 64) regions;
+     with 2x4x4 cubes, G = 64 groups are two neighbouring cubes (2x4x8);
    - `predictor G=32/64`: the lists the checkpoint's trained low-rank predictors produce
      (`dsv_ext.recall.recall_curve` on sampled rows) -- what DSV actually runs;
-   - `block b=16/64`: groups of 64 queries choosing whole key blocks of b keys in cube order
-     (1x4x4 patches / 4x4x4 cubes), oracle;
+   - `block b=16/64`: groups of 64 queries (as `token G=64`) choosing whole key blocks of b keys
+     in cube order (1x4x4 patches / 64-key regions shaped as the groups of 64), oracle;
    - `flex 128x128`: FlexAttention's block-sparse tiles, 128 queries x 128 keys in raster order,
      oracle tiles from the same scores.
    Recall of a row: the fraction of its softmax mass inside the keys its list covers. Every method
@@ -165,7 +167,7 @@ def capture_qk(model, x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor):
     return got
 
 
-def analyse(captures, cube=(2, 4, 4), groups=(32, 64), blocks=(16, 64), targets=TARGETS,
+def analyse(captures, cube=(4, 4, 4), groups=(32, 64), blocks=(16, 64), targets=TARGETS,
             per_query=True, predictor_rows=2048, log=print) -> Dict:
     """Densities per method, block and head for each target, averaged over the captures."""
     from dsv_ext.grouping import cube_permutation
@@ -264,7 +266,9 @@ def write_outputs(res: Dict, out: str) -> None:
     L = ["# Speed at equal recall", "",
          f"Measured {prov.get('date', '?')}, commit {prov.get('commit', '?')}, {prov.get('card', '?')}. "
          f"Recall from {res.get('captures', '?')} captures of `{res.get('source', '?')}` "
-         f"(S = {a['seq_len']}, every block and head); times at S = {res.get('time_shape', {}).get('S', '-')}, "
+         f"(S = {a['seq_len']}, every block and head"
+         + (f", cube {'x'.join(map(str, a['cube']))}" if a.get("cube") else "")
+         + f"); times at S = {res.get('time_shape', {}).get('S', '-')}, "
          f"H = {res.get('time_shape', {}).get('H', '-')}, D = {res.get('time_shape', {}).get('D', '-')}, bf16 "
          "(estimate + forward + backward).", "",
          "Density each method needs (mean over blocks and heads of the smallest list reaching the target):", "",
@@ -322,6 +326,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--train-steps", type=int, default=0, help="train --config this long first (DSV)")
     ap.add_argument("--videos", type=int, default=2, help="held-out clips to capture")
     ap.add_argument("--timesteps", type=float, nargs="+", default=[0.3, 0.6, 0.9])
+    ap.add_argument("--cube", type=int, nargs=3, default=None, metavar=("T", "H", "W"),
+                    help="query / key order for the curves (default: the checkpoint's DSV cube)")
     ap.add_argument("--no-per-query", action="store_true", help="skip the per-query oracle (one sort per row)")
     ap.add_argument("--time", action="store_true", help="time every method at --S/--H/--D (CUDA)")
     ap.add_argument("--S", type=int, default=65536)
@@ -361,7 +367,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sl = slice(i, i + 1)
         captures += capture_qk(model, vs.x[sl].to(dev), vs.t[sl].to(dev), vs.noise[sl].to(dev))
     print(f"captured {len(captures)} attention inputs; recall curves ...", flush=True)
-    analysis = analyse(captures, cube=tuple(dsv_cfg.cube), per_query=not a.no_per_query)
+    cube = tuple(a.cube) if a.cube is not None else tuple(dsv_cfg.cube)
+    if len(cube) != 3 or min(cube) < 1:
+        ap.error(f"--cube: expected three positive integers, got {list(cube)}")
+    analysis = analyse(captures, cube=cube, per_query=not a.no_per_query)
+    analysis["cube"] = list(cube)
     del captures
     res = {"source": f"{cfg.get('name')} step {ck.get('step')}", "captures": vs.x.shape[0], "analysis": analysis}
     if a.time:

@@ -66,6 +66,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from dsv_ext.app.models.dit import DiTConfig, VideoDiT  # noqa: E402
+from dsv_ext.config import DSVConfig  # noqa: E402
 
 sys.path.insert(0, HERE)
 from bench_common import add_seq_grid_args, provenance, provenance_line, cuda_time_ms, resolve_grids  # noqa: E402
@@ -86,8 +87,6 @@ class BenchDiT(VideoDiT):
 
 
 def _dsv_config(args):
-    from dsv_ext.config import DSVConfig
-
     return DSVConfig(group_size=args.group_size, rank=args.rank, k_multiple=args.k_multiple,
                      cube=tuple(args.cube), use_calibration=False, measure_recall=False)
 
@@ -291,10 +290,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--channels", type=int, default=16, help="latent channels")
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--group-size", type=int, default=DSVConfig.group_size)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--k-multiple", type=int, default=64)
-    p.add_argument("--cube", type=int, nargs=3, default=[2, 4, 4])
+    p.add_argument("--cube", type=int, nargs=3, default=list(DSVConfig.cube))
     p.add_argument("--modes", nargs="+", default=["full", "dsv_0.9", "dsv_0.95"])
     p.add_argument("--steps", type=int, default=5, help="timed sampling steps per mode")
     p.add_argument("--warmup", type=int, default=1, help="untimed sampling steps first")

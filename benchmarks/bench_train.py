@@ -47,6 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from dsv_ext.app.models.dit import DiTBlock, DiTConfig, SelfAttention  # noqa: E402
+from dsv_ext.config import DSVConfig  # noqa: E402
 
 sys.path.insert(0, HERE)
 from bench_common import add_seq_grid_args, provenance, provenance_line, cuda_time_ms, resolve_grids  # noqa: E402
@@ -166,8 +167,6 @@ class BlockStack(nn.Module):
 
 
 def _dsv_config(**kw):
-    from dsv_ext.config import DSVConfig
-
     base = dict(profile_every=10**6, profile_until=10**9, train_every_stage1=1,
                 train_every_stage2=0, use_calibration=False, dispatch_threshold=0.0,
                 memory_fraction=1.0, measure_recall=False, k_rule="theta")  # K follows the set sparsity
@@ -368,7 +367,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--group-size", type=int, default=DSVConfig.group_size)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--modes", nargs="+",
                    default=["dense", "window", "dsv_stage1", "dsv_prof", "dsv_0.9", "dsv_0.95"])

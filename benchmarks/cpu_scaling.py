@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import dsv_ext  # noqa: F401  (registers torch.ops.dsv)
+from dsv_ext.config import DSVConfig
 from dsv_ext.reference import random_index
 
 
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--group", type=int, default=32)
+    ap.add_argument("--group", type=int, default=DSVConfig.group_size)
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--backward", action="store_true", help="also time the sparse backward")

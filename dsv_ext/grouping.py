@@ -2,7 +2,8 @@
 
 Tokens of a video DiT are usually in raster order (t, h, w). DSV groups G consecutive queries
 to share one critical-KV list; grouping works best when consecutive queries are spatially close,
-so tokens are first reordered so that each small 3D cube (default 2x4x4) is contiguous.
+so tokens are first reordered so that each small 3D cube (default 4x4x4, DSVConfig.cube) is
+contiguous.
 
 Order produced by `cube_permutation(grid, cube)`: cubes are enumerated in raster order of the
 cube grid (ceil(T/ct), ceil(H/ch), ceil(W/cw)); inside a cube, tokens in raster order. Grids not
@@ -10,7 +11,7 @@ divisible by the cube get smaller edge cubes (only existing tokens are listed, n
 Sequences longer than the grid (S > T*H*W, e.g. extra register/text tokens appended after the
 video tokens) keep the extra tokens at the end, in their order.
 
-    perm, inv = cube_permutation((T, H, W), (2, 4, 4), seq_len=S, device=x.device)
+    perm, inv = cube_permutation((T, H, W), (4, 4, 4), seq_len=S, device=x.device)
     x_cube = x.index_select(1, perm)           # x_cube[:, i] = x[:, perm[i]]
     x_back = x_cube.index_select(1, inv)       # == x
 
@@ -65,7 +66,7 @@ def _build(grid: Tuple[int, int, int], cube: Tuple[int, int, int], seq_len: int)
     return perm
 
 
-def cube_permutation(grid: Sequence[int], cube: Sequence[int] = (2, 4, 4), seq_len: Optional[int] = None,
+def cube_permutation(grid: Sequence[int], cube: Sequence[int] = (4, 4, 4), seq_len: Optional[int] = None,
                      device: Optional[torch.device] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(perm, inv) int64 [S]: x.index_select(1, perm) puts each cube contiguous; inv undoes it."""
     g = check_grid(grid, seq_len)

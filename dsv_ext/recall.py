@@ -1,6 +1,6 @@
 """Recall of the predicted key lists as a function of K, and the recall-targeted K rule.
 
-    curve = recall_curve(q, k, wq, wk, rows, group_size=32, k_multiple=64)   # [B, H, bins]
+    curve = recall_curve(q, k, wq, wk, rows, group_size=64, k_multiple=64)   # [B, H, bins]
     K = k_for_recall(curve.mean(0)[h], target=0.95, seq_len=S, k_multiple=64)
 
 ``recall_curve`` answers, for every sampled query row and every K on the kernel's K grid

@@ -31,10 +31,13 @@ B = 2
 pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")
 
 
-def _cfg():
-    return DSVConfig(group_size=8, k_multiple=8, rank=4, row_sample_stride=4, force_stage2_step=2,
+def _cfg(group_size=8):
+    """group_size None: DSVConfig's default groups (64 queries, 4x4x4 cubes: one partial group
+    and partial cubes on these 2 x 4 x 6 token grids)."""
+    kw = {} if group_size is None else {"group_size": group_size}
+    return DSVConfig(k_multiple=8, rank=4, row_sample_stride=4, force_stage2_step=2,
                      dispatch_threshold=0.0, use_calibration=False,
-                     k_rule="theta")  # untrained predictors: the theta rule's K < S
+                     k_rule="theta", **kw)  # untrained predictors: the theta rule's K < S
 
 
 @pytest.fixture
@@ -184,13 +187,15 @@ def test_diffusers_stage1_bitwise_equal(name):
     assert all(m.grid == (2, 4, 6) for _, m in sparse_modules(model))
 
 
+@pytest.mark.parametrize("G", [8, None])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_diffusers_stage2_sparse_and_save_load(name, sparse_calls, tmp_path):
+def test_diffusers_stage2_sparse_and_save_load(name, G, sparse_calls, tmp_path):
     model, args = _build(name)
     with torch.no_grad():
         dense = _run(model, args)
-    convert(model, config=_cfg())
+    convert(model, config=_cfg(G))
     ctl = DSVController(model)
+    assert all(m.config.group_size == (G or 64) for _, m in ctl.modules)
     _train(model, args, ctl, 3)
     assert ctl.stage == 2 and all(m.use_sparse for _, m in ctl.modules)
     assert all(len(m.head_k) == 2 for _, m in ctl.modules)
@@ -209,6 +214,7 @@ def test_diffusers_stage2_sparse_and_save_load(name, sparse_calls, tmp_path):
     cls = type(model)
     model2, ctl2 = dsv_ext.from_pretrained(cls, str(tmp_path))
     assert ctl2.stage == 2 and ctl2.step_count == ctl.step_count
+    assert ctl2.config.group_size == ctl.config.group_size and ctl2.config.cube == ctl.config.cube
     assert [m.use_sparse for _, m in ctl2.modules] == [m.use_sparse for _, m in ctl.modules]
     assert [m.head_k for _, m in ctl2.modules] == [m.head_k for _, m in ctl.modules]
     model2.eval()
@@ -287,13 +293,14 @@ def _ref_attention(q, k, v, allow):
     return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
 
 
+@pytest.mark.parametrize("G", [8, 64])  # 64: one partial group of the 48 video tokens
 @pytest.mark.parametrize("text_first", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_joint_core_matches_float64_reference(text_first, masked):
+def test_joint_core_matches_float64_reference(text_first, masked, G):
     """Video queries see their group's top-K video keys and every valid text key, text queries
     every valid key; forward and gradients against an explicit float64 masked softmax."""
     torch.manual_seed(0)
-    H, D, grid, St, G = 2, 16, (2, 4, 6), 5, 8
+    H, D, grid, St = 2, 16, (2, 4, 6), 5
     Sv = 48
     S = Sv + St
     cfg = DSVConfig(group_size=G, k_multiple=8, rank=4)

@@ -100,6 +100,50 @@ def test_stage2_without_grid_groups_raster_order():
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
 
 
+def test_defaults_are_g64_cubes_and_partial_groups_work():
+    """The defaults are G = 64 in 4x4x4 cubes; a grid of 2 frames (partial edge cubes: 2x4x4 and
+    smaller) and sequences that are not a multiple of G, or shorter than it, run stage 2 as the
+    float64 reference with the module's own index, and the side tasks run on them."""
+    cfg = DSVConfig(k_multiple=8)
+    assert (DSVConfig().group_size, DSVConfig().cube) == (64, (4, 4, 4))
+    assert (cfg.group_size, cfg.cube) == (64, (4, 4, 4))
+    for grid in ((2, 6, 10), (2, 4, 8), (1, 4, 6)):  # S = 120 (64 + 56), 64 (one group), 24 (< G)
+        Sg = grid[0] * grid[1] * grid[2]
+        perm, inv = cube_permutation(grid, cfg.cube, Sg)
+        # fewer than 4 frames: the 4x4x4 cubes are cut to the frames there are, which is the
+        # order of the 2x4x4 cubes; every token once
+        assert torch.equal(perm, cube_permutation(grid, (2, 4, 4), Sg)[0])
+        assert torch.equal(perm.sort().values, torch.arange(Sg))
+        m = SparseAttention(H, D, grid=grid, config=cfg).double()
+        m.stage, m.use_sparse = 2, True
+        m.set_density([0.3, 0.7], Sg)
+        Ks = [min(Sg, -(-math.ceil(d * Sg - 1e-9) // 8) * 8) for d in (0.3, 0.7)]
+        assert m.head_k == Ks
+        g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+        q, k, v = (torch.randn(2, Sg, H, D, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3))
+        out = m(q, k, v)
+        qp = q.detach()[:, perm]
+        q_lr = torch.einsum("bshd,hdr->bshr", qp, m.predictor.wq.double())
+        k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), m.predictor.wk.double())
+        counts = torch.tensor([Ks] * 2, dtype=torch.int32)
+        index = ref.topk_ref(q_lr, k_lr, counts, 64, max(Ks))
+        assert index.shape[2] == -(-Sg // 64)  # the last group is partial unless 64 divides S
+        want = ref.sparse_attention_ref(q[:, perm], k, v, index, counts, 64)[:, inv]
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        for a, b in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v))):
+            torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+        if Sg > 32:  # the test can fail: groups of 32 select other keys
+            idx32 = ref.topk_ref(q_lr, k_lr, counts, 32, max(Ks))
+            assert not torch.allclose(ref.sparse_attention_ref(q[:, perm], k, v, idx32, counts, 32)[:, inv], want)
+        # predictor step and profiling (stage 1) on the same grid
+        m.stage = 1
+        m.train().plan_step(replace(m.plan, train=True, profile=True, row_offset=1))
+        torch.testing.assert_close(m(q, k, v), _sdpa(q, k, v), rtol=0, atol=0)
+        st = m.take_stats()
+        assert st.grads is not None and all(torch.isfinite(x).all() for x in st.grads)
+        assert torch.isfinite(st.loss).all() and torch.isfinite(st.sparsity).all()
+
+
 def test_side_tasks_train_predictor_without_touching_the_model_graph():
     cfg = DSVConfig(group_size=8, row_sample_stride=4)
     m = SparseAttention(H, D, grid=GRID, config=cfg).double().train()
@@ -290,7 +334,7 @@ def test_training_step_under_bf16_autocast(stage, density):
 
 needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and dsv_ext.has_cuda_kernels()),
                                 reason="needs a GPU and the CUDA kernels")
-CGRID = (3, 10, 10)  # S = 300: partial cubes and a partial last group of 32
+CGRID = (3, 10, 10)  # S = 300: partial cubes (3 frames < 4) and a partial last group (300 = 4 x 64 + 44)
 CS = 300
 
 
@@ -316,7 +360,7 @@ def test_cuda_stage1_equals_sdpa():
 @needs_cuda
 @pytest.mark.parametrize("D", [64, 128])
 def test_cuda_stage2_full_k_equals_dense(D):
-    cfg = DSVConfig()  # G = 32, K rounded to 64 and capped at S
+    cfg = DSVConfig()  # the defaults (G = 64, 4x4x4 cubes), K rounded to 64 and capped at S
     m = SparseAttention(4, D, grid=CGRID, config=cfg).cuda()
     m.stage, m.use_sparse = 2, True
     m.set_density([1.0] * 4, CS)
@@ -344,13 +388,43 @@ def test_cuda_stage2_matches_reference_with_its_index():
     q_lr = torch.einsum("bshd,hdr->bshr", qp, m.predictor.wq.to(torch.bfloat16)).contiguous()
     k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), m.predictor.wk.to(torch.bfloat16)).contiguous()
     counts = m.kv_count.view(1, 4).expand(2, 4).contiguous()
-    index = dsv_ext.topk_estimate(q_lr, k_lr, counts, 32, m.kmax)
-    want = ref.sparse_attention_ref(q[:, perm], k, v, index, counts, 32)[:, inv]
+    assert cfg.group_size == 64  # the default: 4 full groups and a partial one of 44 queries
+    index = dsv_ext.topk_estimate(q_lr, k_lr, counts, cfg.group_size, m.kmax)
+    want = ref.sparse_attention_ref(q[:, perm], k, v, index, counts, cfg.group_size)[:, inv]
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=1e-2)
     # float32 inputs run the kernels in bf16 and come back as float32
     out32 = m(q.float(), k.float(), v.float())
     assert out32.dtype == torch.float32
     torch.testing.assert_close(out32.double(), want, rtol=2e-2, atol=1e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("grid", [(2, 6, 10), (1, 4, 6)])  # S = 120 = 64 + 56 on 2 frames; S = 24 < G
+def test_cuda_default_groups_on_short_grids(grid):
+    """The default groups (64 queries, 4x4x4 cubes) on grids of fewer than 4 frames and sequences
+    that are not a multiple of 64 or shorter than it: forward and gradients against the float64
+    reference with the module's index (bf16 tolerances as above)."""
+    cfg = DSVConfig()
+    Sg = grid[0] * grid[1] * grid[2]
+    m = SparseAttention(4, 128, grid=grid, config=cfg).cuda()
+    m.stage, m.use_sparse = 2, True
+    m.set_density([0.1, 0.3, 0.6, 1.0], Sg)
+    assert m.head_k == ([64, 64, 120, 120] if Sg == 120 else [24] * 4)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = [torch.randn(2, Sg, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3)]
+    out = m(q, k, v)
+    perm, inv = cube_permutation(grid, cfg.cube, Sg, "cuda")
+    qp = q.detach().index_select(1, perm)
+    q_lr = torch.einsum("bshd,hdr->bshr", qp, m.predictor.wq.to(torch.bfloat16)).contiguous()
+    k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), m.predictor.wk.to(torch.bfloat16)).contiguous()
+    counts = m.kv_count.view(1, 4).expand(2, 4).contiguous()
+    index = dsv_ext.topk_estimate(q_lr, k_lr, counts, 64, m.kmax)
+    assert index.shape[2] == -(-Sg // 64)
+    want = ref.sparse_attention_ref(q[:, perm], k, v, index, counts, 64)[:, inv]
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=1e-2)
+    for a, b in zip(_grads(out.double(), (q, k, v)), _grads(want, (q, k, v))):
+        torch.testing.assert_close(a.double(), b.double(), rtol=5e-2, atol=2e-2)
 
 
 @needs_cuda

@@ -75,6 +75,21 @@ def test_curves_are_ordered_and_reach_one():
     assert torch.all(g64[keys - 1] >= b64 - 1e-7)
 
 
+def test_g32_curves_are_the_same_in_both_cube_orders():
+    """With 4x4x4 cubes a group of 32 is half a cube: the same 2x4x4 regions as the 2x4x4 cube
+    order's groups (in another order), so the G = 32 curve does not change (nor the per-query and
+    raster ones); groups of 64 (token G=64, the key-block lists) become 4x4x4 cubes instead of two
+    neighbouring 2x4x4 cubes."""
+    q, k, _, scale = _inputs(grid=(4, 8, 8), seed=2)
+    a = ER.head_curves(q, k, cube_permutation((4, 8, 8), (2, 4, 4))[0], scale, chunk=128)
+    b = ER.head_curves(q, k, cube_permutation((4, 8, 8), (4, 4, 4))[0], scale, chunk=128)
+    for name in ("token", "token G=32", "flex 128x128"):
+        # float32 probabilities summed in another row order: ~1e-9 apart
+        torch.testing.assert_close(a[name][1], b[name][1], rtol=0, atol=1e-6)
+    for name in ("token G=64", "block b=16", "block b=64"):
+        assert (a[name][1] - b[name][1]).abs().max() > 1e-3, name
+
+
 def test_density_rule():
     c = torch.tensor([0.5, 0.8, 0.9, 0.97, 1.0], dtype=torch.float64)
     assert ER.density_for(c, 16, 80, 0.9) == pytest.approx(3 * 16 / 80)
@@ -99,7 +114,7 @@ def test_end_to_end_on_the_cpu(tmp_path):
     train(load_config(base=d), out_dir=str(ck_dir), attention="dsv", device="cpu", progress=False)
     out = tmp_path / "er"
     assert ER.main(["--checkpoint", str(ck_dir / "ckpt_last.pt"), "--videos", "1", "--timesteps", "0.5",
-                    "--device", "cpu", "--out", str(out)]) == 0
+                    "--device", "cpu", "--out", str(out), "--cube", "4", "4", "4"]) == 0
     import json
 
     res = json.load(open(out / "equal_recall.json"))
@@ -110,4 +125,5 @@ def test_end_to_end_on_the_cpu(tmp_path):
         dens = [per_t[str(t)]["mean_density"] for t in res["analysis"]["targets"]]
         assert all(0 < x <= 1 for x in dens) and dens == sorted(dens), name
         assert per_t["0.9"]["heads"] == 2 * 2  # 2 blocks x 2 heads, one capture
-    assert (out / "equal_recall.md").exists()
+    assert res["analysis"]["cube"] == [4, 4, 4]  # --cube over the checkpoint's [2, 4, 4]
+    assert "cube 4x4x4" in (out / "equal_recall.md").read_text()

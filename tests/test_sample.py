@@ -167,6 +167,24 @@ def test_full_and_dsv_agree_when_k_equals_s(active_ckpt, tmp_path, monkeypatch):
 
 
 @needs_dsv
+def test_sampling_with_the_default_groups(active_ckpt, tmp_path, monkeypatch):
+    """The tiny checkpoint (trained with G = 8 in 2x2x2 cubes) samples with the library's default
+    groups, 64 queries in 4x4x4 cubes (8 groups on its 8x8x8 grid): with K = S as full attention,
+    with the trained K differently from its own groups."""
+    spy = _CountSparse(monkeypatch)
+    ov = {"group_size": 64, "cube": [4, 4, 4]}
+    full = _run(active_ckpt, tmp_path / "full", full_attention=True, seed=1)
+    allk = _run(active_ckpt, tmp_path / "all", seed=1, dsv_overrides={**ov, "min_density": 1.0})
+    assert allk["mode"] == "dsv" and spy.calls == STEPS * 4
+    torch.testing.assert_close(allk["latents"], full["latents"], atol=2e-5, rtol=2e-5)
+    g64 = _run(active_ckpt, tmp_path / "g64", seed=1, dsv_overrides=ov)
+    g8 = _run(active_ckpt, tmp_path / "g8", seed=1)
+    assert g64["sparse_blocks"] == g8["sparse_blocks"] == 4 and spy.calls == 3 * STEPS * 4
+    assert torch.isfinite(g64["latents"]).all()
+    assert (g64["latents"] - g8["latents"]).abs().max() > 1e-3  # (measured: 5.6e-3)
+
+
+@needs_dsv
 def test_load_for_sampling_restores_controller(ckpt):
     sm = load_for_sampling(ckpt, "cpu")
     ck = load_checkpoint(ckpt, map_location="cpu")

@@ -17,7 +17,7 @@ $DSV_EXT_CACHE); for devices that file has no entries for, the tables shipped in
 dsv_ext/calibration/ are used (an H200's). The format:
 
     {"version": 1, "entries": [{"device": "NVIDIA H200", "dtype": "bfloat16", "heads": 16,
-      "head_dim": 128, "group_size": 32, "seq_len": 32768, "dense_ms": ..,
+      "head_dim": 128, "group_size": 64, "seq_len": 32768, "dense_ms": ..,
       "sparse_ms": {"0.5": .., "0.8": .., "0.9": .., "0.95": ..}}, ...]}
 
 Times are per block forward+backward at batch 1; lookups scale linearly with batch x heads and

@@ -315,7 +315,7 @@ class VideoDiT(nn.Module):
         self._cp = None  # context parallelism: (group, cube) or None
         self.initialize_weights(seed)
 
-    def set_context_parallel(self, enabled: bool, group=None, cube: Sequence[int] = (2, 4, 4)) -> None:
+    def set_context_parallel(self, enabled: bool, group=None, cube: Sequence[int] = (4, 4, 4)) -> None:
         """Split each sequence over the ranks of ``group`` (default: the world). Every rank passes
         the same ``x`` and ``t`` and gets the whole output; in between the tokens are put in
         ``cube`` order once (use the DSV config's cube), each rank runs the blocks on its
