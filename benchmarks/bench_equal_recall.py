@@ -9,11 +9,12 @@ then the attention time of each at that density.
    attention block sees (raster order, with the token grid).
 2. **Recall curves** per block and head, from the exact softmax of every query row (float32):
    - `token`: each query its own top keys (the per-query oracle);
-   - `token G=32`, `token G=64`: one list per group of G queries in cube order, the group's top
-     keys by summed probability (oracle) -- DSV's token lists. The cube is the checkpoint's DSV
-     cube or --cube: with 4x4x4 cubes the groups are 2x4x4 (G = 32) and 4x4x4 (G = 64) regions;
-     with 2x4x4 cubes, G = 64 groups are two neighbouring cubes (2x4x8);
-   - `predictor G=32/64`: the lists the checkpoint's trained low-rank predictors produce
+   - `token G=32`, `token G=64`, `token G=128`: one list per group of G queries in cube order,
+     the group's top keys by summed probability (oracle) -- DSV's token lists. The cube is the
+     checkpoint's DSV cube or --cube: with 4x4x4 cubes the groups are 2x4x4 (G = 32), 4x4x4
+     (G = 64) and 4x4x8 (G = 128) regions; with 2x4x4 cubes, G = 64 groups are two neighbouring
+     cubes (2x4x8);
+   - `predictor G=32/64/128`: the lists the checkpoint's trained low-rank predictors produce
      (`dsv_ext.recall.recall_curve` on sampled rows) -- what DSV actually runs;
    - `block b=16/64`: groups of 64 queries (as `token G=64`) choosing whole key blocks of b keys
      in cube order (1x4x4 patches / 64-key regions shaped as the groups of 64), oracle;
@@ -67,7 +68,7 @@ def _group_curve(p: torch.Tensor, rows_per_list: int, key_block: int = 1) -> tor
 
 @torch.no_grad()
 def head_curves(q: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, scale: float,
-                groups: Sequence[int] = (32, 64), blocks: Sequence[int] = (16, 64),
+                groups: Sequence[int] = (32, 64, 128), blocks: Sequence[int] = (16, 64),
                 block_group: int = 64, tile: int = 128, per_query: bool = True,
                 chunk: int = 1024) -> Dict[str, Tuple[int, torch.Tensor]]:
     """Mean recall curves of one head: name -> (keys per item, float64 [n_items] curve), where
@@ -120,7 +121,7 @@ def density_for(curve: torch.Tensor, keys_per_item: int, seq_len: int, target: f
 
 
 def predictor_curves(q: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, wq: torch.Tensor,
-                     wk: torch.Tensor, scale: float, groups: Sequence[int] = (32, 64),
+                     wk: torch.Tensor, scale: float, groups: Sequence[int] = (32, 64, 128),
                      rows: int = 2048, k_multiple: int = 16) -> Dict[str, Tuple[int, torch.Tensor]]:
     """The trained predictors' lists (dsv_ext.recall.recall_curve): name -> (k_multiple, float64
     [H, n_bins]) for q, k [S, H, D] in raster order on ``rows`` evenly spaced rows."""
@@ -167,7 +168,7 @@ def capture_qk(model, x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor):
     return got
 
 
-def analyse(captures, cube=(4, 4, 4), groups=(32, 64), blocks=(16, 64), targets=TARGETS,
+def analyse(captures, cube=(4, 4, 4), groups=(32, 64, 128), blocks=(16, 64), targets=TARGETS,
             per_query=True, predictor_rows=2048, log=print) -> Dict:
     """Densities per method, block and head for each target, averaged over the captures."""
     from dsv_ext.grouping import cube_permutation

@@ -7,6 +7,7 @@
 # ends in time; all logs are packed into $OUT/logs.tgz (the device tool returns at most 8 files).
 #   usage: bash benchmarks/device_session.sh   (carry .dsvwheels for diffusers, .devso if built)
 #   env:   STEPS="tests bench ncu san" (default; also ab compare infer train grid det soak), BUILD_LIMIT,
+#          TEST_ARGS (e.g. "-m cuda": the GPU tests alone; the CPU ones run in CI),
 #          TEST_LIMIT, BENCH_LIMIT, ...
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -27,7 +28,7 @@ else
 fi
 python3 -c "import dsv_ext, torch; print('torch', torch.__version__, 'CUDA kernels:', dsv_ext.has_cuda_kernels())"
 case " $STEPS " in *" tests "*)
-  DSV_TEST_FAST=1 timeout ${TEST_LIMIT:-420} python3 -m pytest -q -p no:cacheprovider -rf --durations=30 ${TESTS:-tests} > "$OUT/tests.log" 2>&1
+  DSV_TEST_FAST=1 timeout ${TEST_LIMIT:-420} python3 -m pytest -q -p no:cacheprovider -rf --durations=30 ${TEST_ARGS:-} ${TESTS:-tests} > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20; grep -E "^[0-9.]+s (call|setup)" "$OUT/tests.log" | head -8; tail -1 "$OUT/tests.log";;
 esac
 case " $STEPS " in *" bench "*)

@@ -23,7 +23,7 @@ README_END = "<!-- end of results table -->"
 
 # The project's targets (measured at the shapes named in each row of the summary).
 TARGETS = {"kernels": 4.5, "train": 2.0, "sampling": 2.0, "cp": 2.5, "quality_pct": 1.0,
-           "train_real_video": 1.8}
+           "train_real_video": 1.8, "equal_recall": 1.2}
 
 
 def _load(rel):
@@ -100,6 +100,14 @@ def _frontier(d):
     return out
 
 
+def _equal_recall_best(d, target):
+    """The fastest DSV method at a recall target and its speed-up over FlexAttention's tiles."""
+    rows = [r for r in d["timing"] if abs(r["target"] - target) < 1e-9 and r.get("total_ms")]
+    flex = next(r for r in rows if r["method"].startswith("flex"))
+    best = min((r for r in rows if not r["method"].startswith("flex")), key=lambda r: r["total_ms"])
+    return {"method": best["method"], "speedup": flex["total_ms"] / best["total_ms"], "flex": flex, "best": best}
+
+
 # ---------------------------------------------------------------------------- summary
 def summary_rows():
     krows, _ = _kernels()
@@ -115,6 +123,7 @@ def summary_rows():
     q = next(f for f in _frontier(ev) if abs(f[0] - 0.95) < 1e-9)[1]
     sd = _load("compare-seeds-small-video/compare_seeds.json")
     gap, sp = sd["rel_gap"], sd["speedup_after_switch"]
+    er = _equal_recall_best(_load("equal_recall/equal_recall.json"), 0.9)
     t_speed = tdense["median_ms"] / t9["median_ms"]
     i_speed = ifull["median_step_ms"] / i9["median_step_ms"]
     rows = [
@@ -126,6 +135,10 @@ def summary_rows():
          f"{TARGETS['train']:g}x", t_speed >= TARGETS["train"], "#training-step"),
         (f"sampling step vs full attention, {inf['layers']} blocks of the 2.7B shape, 64k tokens, sparsity 0.9",
          f"**{i_speed:.2f}x**", f"{TARGETS['sampling']:g}x", i_speed >= TARGETS["sampling"], "#sampling"),
+        ("speed at equal quality: best DSV setting vs FlexAttention block-sparse at the density each needs "
+         "for recall 0.9 (attention of the reference DiT on real video), timed at 64k tokens",
+         f"**{er['speedup']:.2f}x** ({er['method']})", f"{TARGETS['equal_recall']:g}x",
+         er["speedup"] >= TARGETS["equal_recall"], "#speed-at-equal-recall"),
         ("two GPUs: the solver's plan vs dense Ulysses, one attention layer, 128k tokens",
          f"**{lo:.2f}-{hi:.2f}x**", f"{TARGETS['cp']:g}x", lo >= TARGETS["cp"], "#two-gpus"),
         ("quality: validation loss change with every block sparse, real video, paired, recall target 0.95",
@@ -316,6 +329,49 @@ entries are in `bench_cp_2gpu.md`. {_prov(p['date'], p['commit'], f"{m['world']}
 """
 
 
+def section_equal_recall():
+    d = _load("equal_recall/equal_recall.json")
+    prov = d["provenance"]
+    a = d["analysis"]
+    methods = sorted(a["methods"])
+    targets = sorted({r["target"] for r in d["timing"]})
+    dens = _table(["method"] + [f"recall {t:g}" for t in targets],
+                  [(m,) + tuple(f"{a['methods'][m][str(t)]['mean_density']:.3f}" for t in targets) for m in methods])
+    rows = []
+    for t in targets:
+        flex = _equal_recall_best(d, t)["flex"]["total_ms"]
+        for r in d["timing"]:
+            if abs(r["target"] - t) < 1e-9 and r.get("total_ms"):
+                rows.append((r["method"], f"{t:g}", f"{r['density']:.3f}", f"{r['total_ms']:.1f}",
+                             _x(r["cudnn_fwdbwd_ms"] / r["total_ms"]), _x(flex / r["total_ms"])))
+    times = _table(["method", "recall", "density", "ms", "vs cuDNN", "vs Flex"], rows)
+    S, H, D = (d["time_shape"][k] for k in ("S", "H", "D"))
+    c = a["cube"]
+    cube = "x".join(map(str, c))
+    n = c[0] * c[1] * c[2]
+    shape = (f"G = {n} groups and {n}-key blocks are one cube, G = {n // 2} groups half of one" if n == 64 else
+             f"G = 32 groups are one cube, G = 64 groups and 64-key blocks two neighbouring cubes "
+             f"({c[0]}x{c[1]}x{2 * c[2]})" if n == 32 else f"{n} tokens per cube")
+    return f"""## Speed at equal recall
+
+`python benchmarks/bench_equal_recall.py --train-steps 800 --time`
+([results/equal_recall/](../benchmarks/results/equal_recall/equal_recall.md)). {_prov(prov['date'], prov['commit'], prov['card'])}
+The reference DiT trained on real video (configs/small-video.yaml, 16k tokens); the q and k of
+every attention block captured on held-out clips. Density: the mean share of the keys each
+method's lists need so that the listed keys hold the target share of every query row's softmax
+mass (`token`: each query its own list; `token G`: DSV's lists per query group, oracle;
+`predictor G`: the trained predictors' lists; `block b`: lists of b-key blocks; `flex 128x128`:
+FlexAttention's tiles, oracle). Queries and keys in {cube} cube order: {shape}.
+
+{dens}
+
+Estimate + forward + backward at that density, {_tok(S)} tokens, H = {H}, D = {D}, bf16, cuDNN and
+FlexAttention block-sparse in the same run:
+
+{times}
+"""
+
+
 def section_quality():
     cs = _load("compare-small/compare.json")
     cp = cs["provenance"]
@@ -441,7 +497,7 @@ kernel numbers came about: [benchmarks/PERF_LOG.md](../benchmarks/PERF_LOG.md).
 
 {summary_table('')}
 """, section_kernels(), section_bwd(), section_det(), section_train(), section_sampling(), section_cp(),
-             section_quality(), section_soak(), section_cpu()]
+             section_equal_recall(), section_quality(), section_soak(), section_cpu()]
     return "\n".join(parts)
 
 

@@ -43,3 +43,26 @@ def pytest_runtest_makereport(item, call):
     reason = str(rep.longrepr[2])
     if item.path.name.endswith("_cuda.py") or _GPU_SKIP.search(reason):
         rep.longrepr = (__file__, _GPU_SKIP_LINE, "GPU tests: no CUDA GPU on this machine")
+
+
+_NEEDS_GPU = re.compile(r"\bneeds\b.*\b(GPUs?|CUDA)\b")
+
+
+def _needs_gpu(item) -> bool:
+    """A test of the GPU: in a *_cuda.py file, marked cuda, skipped by a skipif whose reason says
+    it needs a GPU / CUDA, or parametrized with a CUDA device."""
+    if item.path.name.endswith("_cuda.py") or item.get_closest_marker("cuda"):
+        return True
+    for m in item.iter_markers("skipif"):
+        if _NEEDS_GPU.search(str(m.kwargs.get("reason", ""))):
+            return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(str(v).startswith("cuda") for v in params.values())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks every GPU test `cuda`, so `pytest -m cuda` runs the GPU tests alone (the CPU ones
+    run in CI anyway)."""
+    for item in items:
+        if _needs_gpu(item) and not item.get_closest_marker("cuda"):
+            item.add_marker(pytest.mark.cuda)
