@@ -63,6 +63,7 @@ def _check_public(op, names, ref, moved, x, other):
         assert re.match(rf"{moved}: on {x[moved].device}, but \w+ is on {x[ref].device}", msg), msg
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("op,moved,ref", PUBLIC_CASES, ids=[f"{c[0]}-{c[1]}" for c in PUBLIC_CASES])
 def test_public_ops_name_the_argument_on_another_device(op, moved, ref):
     names = dict((o, n) for o, n, _ in PUBLIC)[op]
@@ -116,6 +117,7 @@ def _raw_args(x):
 RAW_REF = dict(topk_estimate="q_lr", gather_rows="src", scatter_add_rows="src")
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("op", ["sparse_attention_fwd", "sparse_attention_bwd", "topk_estimate",
                                 "predictor_loss_fwd", "predictor_loss_bwd", "profile_attention",
                                 "gather_rows", "scatter_add_rows"])
