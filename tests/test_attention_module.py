@@ -375,6 +375,20 @@ def test_cuda_stage2_full_k_equals_dense(D):
         torch.testing.assert_close(a.double(), b.double(), rtol=5e-2, atol=2e-2)
 
 
+def _with_module_index(m, q, k, v, grid):
+    """(index, float64 reference output) of a stage-2 module on [B, S, H, D] CUDA inputs: the
+    top-K lists of its predictors in its cube order, and dense masked attention over them."""
+    cfg = m.config
+    B, S, H = q.shape[:3]
+    perm, inv = cube_permutation(grid, cfg.cube, S, "cuda")
+    qp = q.detach().index_select(1, perm)
+    q_lr = torch.einsum("bshd,hdr->bshr", qp, m.predictor.wq.to(torch.bfloat16)).contiguous()
+    k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), m.predictor.wk.to(torch.bfloat16)).contiguous()
+    counts = m.kv_count.view(1, H).expand(B, H).contiguous()
+    index = dsv_ext.topk_estimate(q_lr, k_lr, counts, cfg.group_size, m.kmax)
+    return index, ref.sparse_attention_ref(q[:, perm], k, v, index, counts, cfg.group_size)[:, inv]
+
+
 @needs_cuda
 def test_cuda_stage2_matches_reference_with_its_index():
     cfg = DSVConfig()
@@ -383,14 +397,8 @@ def test_cuda_stage2_matches_reference_with_its_index():
     m.set_density([0.1, 0.2, 0.3, 0.5], CS)
     q, k, v = _cuda_qkv(128, seed=3)
     out = m(q, k, v)
-    perm, inv = cube_permutation(CGRID, cfg.cube, CS, "cuda")
-    qp = q.detach().index_select(1, perm)
-    q_lr = torch.einsum("bshd,hdr->bshr", qp, m.predictor.wq.to(torch.bfloat16)).contiguous()
-    k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), m.predictor.wk.to(torch.bfloat16)).contiguous()
-    counts = m.kv_count.view(1, 4).expand(2, 4).contiguous()
     assert cfg.group_size == 64  # the default: 4 full groups and a partial one of 44 queries
-    index = dsv_ext.topk_estimate(q_lr, k_lr, counts, cfg.group_size, m.kmax)
-    want = ref.sparse_attention_ref(q[:, perm], k, v, index, counts, cfg.group_size)[:, inv]
+    _, want = _with_module_index(m, q, k, v, CGRID)
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=1e-2)
     # float32 inputs run the kernels in bf16 and come back as float32
     out32 = m(q.float(), k.float(), v.float())
@@ -414,14 +422,8 @@ def test_cuda_default_groups_on_short_grids(grid):
     q, k, v = [torch.randn(2, Sg, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
                for _ in range(3)]
     out = m(q, k, v)
-    perm, inv = cube_permutation(grid, cfg.cube, Sg, "cuda")
-    qp = q.detach().index_select(1, perm)
-    q_lr = torch.einsum("bshd,hdr->bshr", qp, m.predictor.wq.to(torch.bfloat16)).contiguous()
-    k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), m.predictor.wk.to(torch.bfloat16)).contiguous()
-    counts = m.kv_count.view(1, 4).expand(2, 4).contiguous()
-    index = dsv_ext.topk_estimate(q_lr, k_lr, counts, 64, m.kmax)
+    index, want = _with_module_index(m, q, k, v, grid)
     assert index.shape[2] == -(-Sg // 64)
-    want = ref.sparse_attention_ref(q[:, perm], k, v, index, counts, 64)[:, inv]
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=1e-2)
     for a, b in zip(_grads(out.double(), (q, k, v)), _grads(want, (q, k, v))):
         torch.testing.assert_close(a.double(), b.double(), rtol=5e-2, atol=2e-2)
