@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(128, 2) bwd_kmajor_wg_kernel(const BwdParams<T
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int key0 = kblk * KB;
   const KmajorEntries<QC> E(p, bh, kblk);
-  const int nent = E.nent, cpg = E.cpg, nitems = E.nitems;
+  const int cpg = E.cpg, nitems = E.nitems;
   const int* eg = E.eg;
   const unsigned long long* em = E.em;
 
