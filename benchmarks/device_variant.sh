@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call for a csrc/dev/ attention variant: build it and the shipped kernels
-# (csrc/cuda/sparse_attention_*.cu + tuning.cu) into two ctypes libraries, run the attention GPU
+# (csrc/cuda/sparse_attention_*.cu + tuning.cu) into two ctypes libraries (benchmarks/
+# build_devvar.sh; carry ".devvar" to use libraries built beforehand), run the attention GPU
 # tests with DSV_ATTN_LIB = the variant (the variant's own test file, the first of the test files,
 # also on the query-major path only and with key ranges), then time both with bench_kernels.py in
 # the same
@@ -29,21 +30,14 @@ case "$VAR" in # the variant's kernels in the ptxas summary
 esac
 date -u
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-# the extension's flags (setup.py): sm_90a with DSV_WGMMA, so that the shipped library runs the
-# wgmma kernels as the extension does (without it its tuning reports wgmma=0: mma.sync only)
-FL="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DDSV_WGMMA -Xcompiler -fPIC -Icsrc -lineinfo --split-compile=0"
 B=/tmp/dsvvar; mkdir -p $B
 t0=$(date +%s)
-gcc -O2 -fPIC -Icsrc -c csrc/cpu/status.c -o $B/status.o
-pids=""
-for f in csrc/cuda/sparse_attention_*.cu csrc/cuda/tuning.cu; do
-  timeout 300 nvcc $FL -c $f -o $B/ship_$(basename $f .cu).o & pids="$pids $!"
-done
-timeout 400 nvcc $FL -Xptxas -v -c $VAR -o $B/variant.o \
-  > $OUT/variant_ptxas.log 2>&1 & pids="$pids $!"
-wait $pids
-nvcc -shared $B/ship_*.o $B/status.o -o $B/ship.so -lcudart || exit 1
-nvcc -shared $B/variant.o $B/status.o -o $B/variant.so -lcudart || exit 1
+# the libraries: prebuilt in .devvar/ when carried (benchmarks/build_devvar.sh; same csrc hash),
+# else built here
+bash benchmarks/build_devvar.sh "$VAR" > $OUT/build.log 2>&1 || { tail -30 $OUT/build.log; exit 1; }
+name=$(basename "$VAR" .cu)
+cp .devvar/ship.so $B/ship.so && cp .devvar/$name.so $B/variant.so || exit 1
+cp .devvar/${name}_ptxas.log $OUT/variant_ptxas.log 2>/dev/null
 echo "build: $(( $(date +%s) - t0 )) s"
 awk '/Compiling entry function/ {k = $7} /spill stores/ {sp = $5 " spill stores"}
      /Used [0-9]+ registers/ && k ~ pat {print k ": " $5 " registers, " sp}' pat="$KPAT" \
