@@ -89,8 +89,8 @@ def kernel_tuning(device=None) -> dict:
     """The kernel tuning the CUDA kernels use on ``device`` (an index, ``"cuda:N"`` or a
     ``torch.device``; default the current device): ``sm_count``, ``l2_bytes``, ``cc`` (compute
     capability, 10 major + minor), ``wgmma`` (1: the Hopper warpgroup-MMA kernels run),
-    ``km_wgmma`` (1: the backward's key-major dK / dV pass among them where it applies, 2: for
-    ``kv_block`` 16 too, the default, 0: never), ``km_ratio`` (the backward's key-major threshold),
+    ``km_wgmma`` (1, the default: the backward's key-major dK / dV pass among them where it
+    applies, 2: for ``kv_block`` 16 too, 0: never), ``km_ratio`` (the backward's key-major threshold),
     ``bwd_ranges`` / ``bwd_rmax`` (the backward's key ranges: forced count / the automatic
     rule's most; 0 = automatic). It is chosen once per device; the
     environment variable ``DSV_KERNEL_TUNING="key=value,..."`` overrides keys for experiments.
