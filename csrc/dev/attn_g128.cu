@@ -33,7 +33,8 @@
  * entries outside [0, S) and past the count, trailing -1 trimmed, duplicates count twice, empty
  * lists give zeros and lse -inf, an all -inf row NaN, NaN in means NaN out as in the shipped
  * kernels; in the backward the rows past a partial last group's end give P = dS = 0 by selects,
- * so a non-finite K / V row cannot reach dK / dV through them). Not bit-equal to the shipped kernels (dK / dV sum 128 rows per reduction).
+ * so a non-finite K / V row cannot reach dK / dV through them). Not bit-equal to the shipped
+ * kernels (dK / dV sum 128 rows per reduction).
  *
  * The library exports the shipped C API (dsv_sparse_attention_fwd_cuda / _bwd_cuda run the
  * variant; the workspaces are the shipped ones) and
@@ -352,18 +353,20 @@ __global__ void __launch_bounds__(256, MINB) g128_bwd_kernel(const BwdParams<T> 
       da[kk][hf] = rv0 ? Elem<T>::pack(p0 * (dp[nt][0] - dl0), p1 * (dp[nt][1] - dl0)) : 0u;
       da[kk][hf + 1] = rv1 ? Elem<T>::pack(p2 * (dp[nt][2] - dl1), p3 * (dp[nt][3] - dl1)) : 0u;
     }
-    /* dQ += dS K (this warpgroup's rows) */
+    /* this warpgroup's halves of P and dS to shared memory (the previous tile's readers
+     * finished before this tile's top barrier), before dQ += dS K is issued: da is that MMA's A
+     * operand, and a wgmma's A registers may not be accessed (read either) until a wait_group
+     * covers it (PTX ISA, wgmma.mma_async) */
+    bwg_store_frag<T, BN>(Ps + wg * PE, pa, wl0, lane);
+    bwg_store_frag<T, BN>(dSs + wg * PE, da, wl0, lane);
+    fence_proxy_async_smem();
+    /* dQ += dS K (this warpgroup's rows), in flight across the barrier */
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
       Wgmma<T, D>::rs_bt(&dq[0][0], da[kk], wg_desc_add(ktdesc0, toff + kk * 2048), 1);
     wg_commit();
-    /* both halves of P and dS to shared memory (the previous tile's readers finished before
-     * this tile's top barrier), then one CTA barrier */
-    bwg_store_frag<T, BN>(Ps + wg * PE, pa, wl0, lane);
-    bwg_store_frag<T, BN>(dSs + wg * PE, da, wl0, lane);
-    fence_proxy_async_smem();
-    __syncthreads();
+    __syncthreads(); /* both warpgroups' halves written */
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk)
