@@ -16,10 +16,10 @@
  *    2 CTAs per SM (registers capped at 128, as the shipped 4 x 128 threads).
  *  - backward, query-major pass with reductions (g128_bwd_kernel, heads of path 0): the shipped
  *    wgmma kernel of v8 (bwd_wg_kernel: 64-key tiles x 2 stages) with one key pipeline for both
- *    warpgroups; each computes S, dP, P, dS and dQ += dS K for its rows, writes P and dS to its
- *    half of two shared [128 query][64 key] tiles, and after one CTA barrier warpgroup 0 forms
- *    dV_t = P^T dO and warpgroup 1 dK_t = dS^T Q over all 128 rows (8 k16 steps: the sum of the
- *    two halves happens in the tensor cores), each then adds its 64 x D tile to the fp32
+ *    warpgroups; each computes S, dP, P and dS for its rows, writes P and dS to its half of two
+ *    shared [128 query][64 key] tiles, issues dQ += dS K, and after one CTA barrier warpgroup 0
+ *    forms dV_t = P^T dO and warpgroup 1 dK_t = dS^T Q over all 128 rows (8 k16 steps: the sum
+ *    of the two halves happens in the tensor cores), each then adds its 64 x D tile to the fp32
  *    accumulator once (16-byte red.global.add from registers, bwg_reduce_rows): one reduction
  *    per key and 128 rows instead of two. The dK / dV MMA work per warpgroup is that of the
  *    shipped kernel (8 k16 steps), the registers fewer (one 64 x D tile instead of two).
