@@ -248,8 +248,9 @@ def test_g128_nan_as_shipped(where, gen):
     else:
         v[0, key, 0, 2] = float("nan")
     idx, cnt = idx.cuda(), cnt.cuda()
-    o1, l1, _ = fwd(q, k, v, idx, cnt, G, 0.1, g128=1)
+    o1, l1, ran = fwd(q, k, v, idx, cnt, G, 0.1, g128=1)
     o0, l0, _ = fwd(q, k, v, idx, cnt, G, 0.1, g128=0)
+    assert ran or not _is_h100_class(), "the variant's forward did not run"
     if where != "dout_nan":
         assert torch.isnan(o0).any(), "the case must put a NaN somewhere"
     _same_nan_then_close("out", o1, o0, TOL2[torch.bfloat16])
@@ -257,7 +258,8 @@ def test_g128_nan_as_shipped(where, gen):
     if where.startswith("q_nan"):
         row = 128 + 10 if where == "q_nan_wg0" else 128 + 64 + 3
         assert torch.isnan(o1[0, :, 0]).any(-1).nonzero().flatten().tolist() == [row]
-    got = bwd(dout, q, k, v, o0, l0, idx, cnt, G, 0.1, g128=1)[:3]
+    *got, ran_b = bwd(dout, q, k, v, o0, l0, idx, cnt, G, 0.1, g128=1)
+    assert ran_b or not _is_h100_class() or _km_forced(), "the variant's backward did not run"
     want = bwd(dout, q, k, v, o0, l0, idx, cnt, G, 0.1, g128=0)[:3]
     assert any(torch.isnan(w).any() for w in want), "the case must put a NaN somewhere"
     for name, g_, w_ in zip(("dq", "dk", "dv"), got, want):

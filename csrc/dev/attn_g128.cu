@@ -16,10 +16,10 @@
  *    2 CTAs per SM (registers capped at 128, as the shipped 4 x 128 threads).
  *  - backward, query-major pass with reductions (g128_bwd_kernel, heads of path 0): the shipped
  *    wgmma kernel of v8 (bwd_wg_kernel: 64-key tiles x 2 stages) with one key pipeline for both
- *    warpgroups; each computes S, dP, P, dS and dQ += dS K for its rows, writes P and dS to its
- *    half of two shared [128 query][64 key] tiles, and after one CTA barrier warpgroup 0 forms
- *    dV_t = P^T dO and warpgroup 1 dK_t = dS^T Q over all 128 rows (8 k16 steps: the sum of the
- *    two halves happens in the tensor cores), each then adds its 64 x D tile to the fp32
+ *    warpgroups; each computes S, dP, P and dS for its rows, writes P and dS to its half of two
+ *    shared [128 query][64 key] tiles, issues dQ += dS K, and after one CTA barrier warpgroup 0
+ *    forms dV_t = P^T dO and warpgroup 1 dK_t = dS^T Q over all 128 rows (8 k16 steps: the sum
+ *    of the two halves happens in the tensor cores), each then adds its 64 x D tile to the fp32
  *    accumulator once (16-byte red.global.add from registers, bwg_reduce_rows): one reduction
  *    per key and 128 rows instead of two. The dK / dV MMA work per warpgroup is that of the
  *    shipped kernel (8 k16 steps), the registers fewer (one 64 x D tile instead of two).
@@ -33,7 +33,8 @@
  * entries outside [0, S) and past the count, trailing -1 trimmed, duplicates count twice, empty
  * lists give zeros and lse -inf, an all -inf row NaN, NaN in means NaN out as in the shipped
  * kernels; in the backward the rows past a partial last group's end give P = dS = 0 by selects,
- * so a non-finite K / V row cannot reach dK / dV through them). Not bit-equal to the shipped kernels (dK / dV sum 128 rows per reduction).
+ * so a non-finite K / V row cannot reach dK / dV through them). Not bit-equal to the shipped
+ * kernels (dK / dV sum 128 rows per reduction).
  *
  * The library exports the shipped C API (dsv_sparse_attention_fwd_cuda / _bwd_cuda run the
  * variant; the workspaces are the shipped ones) and
@@ -352,18 +353,20 @@ __global__ void __launch_bounds__(256, MINB) g128_bwd_kernel(const BwdParams<T> 
       da[kk][hf] = rv0 ? Elem<T>::pack(p0 * (dp[nt][0] - dl0), p1 * (dp[nt][1] - dl0)) : 0u;
       da[kk][hf + 1] = rv1 ? Elem<T>::pack(p2 * (dp[nt][2] - dl1), p3 * (dp[nt][3] - dl1)) : 0u;
     }
-    /* dQ += dS K (this warpgroup's rows) */
+    /* this warpgroup's halves of P and dS to shared memory (the previous tile's readers
+     * finished before this tile's top barrier), before dQ += dS K is issued: da is that MMA's A
+     * operand, and a wgmma's A registers may not be accessed (read either) until a wait_group
+     * covers it (PTX ISA, wgmma.mma_async) */
+    bwg_store_frag<T, BN>(Ps + wg * PE, pa, wl0, lane);
+    bwg_store_frag<T, BN>(dSs + wg * PE, da, wl0, lane);
+    fence_proxy_async_smem();
+    /* dQ += dS K (this warpgroup's rows), in flight across the barrier */
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
       Wgmma<T, D>::rs_bt(&dq[0][0], da[kk], wg_desc_add(ktdesc0, toff + kk * 2048), 1);
     wg_commit();
-    /* both halves of P and dS to shared memory (the previous tile's readers finished before
-     * this tile's top barrier), then one CTA barrier */
-    bwg_store_frag<T, BN>(Ps + wg * PE, pa, wl0, lane);
-    bwg_store_frag<T, BN>(dSs + wg * PE, da, wl0, lane);
-    fence_proxy_async_smem();
-    __syncthreads();
+    __syncthreads(); /* both warpgroups' halves written */
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk)
