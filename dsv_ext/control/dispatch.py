@@ -18,7 +18,8 @@ dsv_ext/calibration/ are used (an H200's). The format:
 
     {"version": 1, "entries": [{"device": "NVIDIA H200", "dtype": "bfloat16", "heads": 16,
       "head_dim": 128, "group_size": 64, "seq_len": 32768, "dense_ms": ..,
-      "sparse_ms": {"0.5": .., "0.8": .., "0.9": .., "0.95": ..}}, ...]}
+      "sparse_ms": {"0.5": .., "0.8": .., "0.9": .., "0.95": ..}, "measured": "YYYY-MM-DD HH:MM UTC",
+      "torch": ..}, ...]}
 
 Times are per block forward+backward at batch 1; lookups scale linearly with batch x heads and
 interpolate linearly in log(seq_len) and in density (1 - sparsity). An entry with "kv_block": b
@@ -368,7 +369,8 @@ class Dispatcher:
 
                     sp[str(s)] = timed(sparse)
                 entry = {"device": name, "dtype": dt, "heads": heads, "head_dim": head_dim, "group_size": G,
-                         "seq_len": S, "dense_ms": dense_ms, "sparse_ms": sp}
+                         "seq_len": S, "dense_ms": dense_ms, "sparse_ms": sp,
+                         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__}
                 if kb != 1:
                     entry["kv_block"] = kb
                 if verbose:
