@@ -14,7 +14,7 @@ never inside the forward):
 The table is measured once by `calibrate()` (or `python -m dsv_ext.control.dispatch`) on the GPU and
 cached as JSON (default ~/.cache/dsv_ext/calibration.json, or config.calibration_path /
 $DSV_EXT_CACHE); for devices that file has no entries for, the tables shipped in
-dsv_ext/calibration/ are used (an H200's). The format:
+dsv_ext/control/calibration/ are used (an H200's). The format:
 
     {"version": 1, "entries": [{"device": "NVIDIA H200", "dtype": "bfloat16", "heads": 16,
       "head_dim": 128, "group_size": 64, "seq_len": 32768, "dense_ms": ..,
@@ -81,7 +81,7 @@ BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibrat
 
 
 def builtin_table() -> Optional[dict]:
-    """The calibration tables shipped with the package (dsv_ext/calibration/*.json, measured on
+    """The calibration tables shipped with the package (dsv_ext/control/calibration/*.json, measured on
     the GPUs their entries name), merged; None when there are none."""
     entries = []
     if os.path.isdir(BUILTIN_DIR):
@@ -97,7 +97,7 @@ class Dispatcher:
 
     Timing tables: ``table`` (given, or the user's file at config.calibration_path /
     default_calibration_path(), written by calibrate()) first; for a device that table has no
-    entry for, the tables shipped in dsv_ext/calibration/ (an H200's, bf16, 16 heads of dim 128,
+    entry for, the tables shipped in dsv_ext/control/calibration/ (an H200's, bf16, 16 heads of dim 128,
     G = 32 and 64, 4k-64k tokens), unless a table was passed explicitly."""
 
     def __init__(self, config: Optional[DSVConfig] = None, table: Optional[dict] = None):
