@@ -124,10 +124,22 @@ def test_paired_evaluation_on_a_trained_checkpoint(micro_ckpt, tmp_path):
     assert main(["--checkpoint", str(tmp_path / "missing.pt")]) != 0
 
 
+def test_stage2_val_gap():
+    """The gap of the mean validation loss over the validations after DSV's switch."""
+    from dsv_ext.app.compare import stage2_val_gap
+
+    run = {"switch_step": 200, "val_at_equal_steps": [
+        {"step": 100, "dense": 9.0, "dsv": 1.0},  # stage 1: not counted
+        {"step": 200, "dense": 9.0, "dsv": 1.0},  # the switch step itself: not counted
+        {"step": 300, "dense": 1.0, "dsv": 1.1}, {"step": 400, "dense": 3.0, "dsv": 3.3}]}
+    assert stage2_val_gap(run) == pytest.approx(4.4 / 4.0 - 1)
+    assert stage2_val_gap(dict(run, switch_step=400)) is None
+    assert stage2_val_gap(dict(run, switch_step=None)) is None
+
+
 @needs_dsv
 def test_compare_seeds(tmp_path):
-    from dsv_ext.app.compare import main
-    from dsv_ext.app.compare import compare_seeds
+    from dsv_ext.app.compare import compare_seeds, main, stage2_val_gap
 
     res = compare_seeds(micro_config(steps=2, val_videos=3), str(tmp_path), 2, device="cpu", progress=False)
     assert res["seeds"] == [0, 1]
@@ -136,6 +148,11 @@ def test_compare_seeds(tmp_path):
     assert res["rel_gap"]["values"] == pytest.approx([p["val_loss_rel_gap"] for p in per_seed])
     assert per_seed[0]["dense"]["final_val_loss"] != per_seed[1]["dense"]["final_val_loss"]  # other seed
     assert res["arms"]["dsv"]["eval_se"] > 0 and res["arms"]["dense"]["std"] > 0
+    late = [stage2_val_gap(p) for p in per_seed]
+    if all(g is not None for g in late):
+        assert res["stage2_rel_gap"]["values"] == pytest.approx(late)
+    else:
+        assert res["stage2_rel_gap"] is None and res["stage2_verdict"] is None
     md = open(tmp_path / "compare_seeds.md").read()
     assert "95% interval" in md and "Gap against 1%" in md and "Measured " in md
     assert main(["--config", "x.yaml", "--seeds", "0"]) != 0

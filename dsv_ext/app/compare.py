@@ -203,6 +203,20 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
     return res
 
 
+def stage2_val_gap(run: Dict[str, Any]) -> Optional[float]:
+    """DSV / full - 1 of the mean validation loss over every validation both runs of a pair made
+    after DSV's switch (``val_at_equal_steps``, steps > ``switch_step``): the validation losses of
+    one run move by several evaluation errors from one validation to the next late in training,
+    so the mean over the sparse stage resolves a gap better than the last one alone. None when
+    no validation followed the switch."""
+    sw = run.get("switch_step")
+    pts = [e for e in run.get("val_at_equal_steps") or [] if sw is not None and e["step"] > sw]
+    if not pts:
+        return None
+    dense = sum(e["dense"] for e in pts) / len(pts)
+    return sum(e["dsv"] for e in pts) / len(pts) / dense - 1 if dense else None
+
+
 def compare_seeds(cfg: Dict[str, Any], out_dir: str, seeds: int, steps: Optional[int] = None,
                   device: Optional[str] = None, progress: bool = True,
                   keep_checkpoints: bool = False, **kw) -> Dict[str, Any]:
@@ -233,6 +247,8 @@ def compare_seeds(cfg: Dict[str, Any], out_dir: str, seeds: int, steps: Optional
         arms[att]["eval_se"] = (sum(ses) / len(ses)) if all(x is not None for x in ses) else None
     gaps = [r["val_loss_rel_gap"] for r in runs]
     gap = seed_stats(gaps)
+    late = [stage2_val_gap(r) for r in runs]
+    late_gap = seed_stats([g for g in late if g is not None]) if all(g is not None for g in late) else None
     dsv = [r["dsv"] for r in runs]
     res = {
         "config": cfg.get("name"), "seeds": [base + i for i in range(seeds)], "steps": runs[0]["steps"],
@@ -240,6 +256,8 @@ def compare_seeds(cfg: Dict[str, Any], out_dir: str, seeds: int, steps: Optional
         "val_videos": (cfg.get("train") or {}).get("val_videos"),
         "val_timesteps": (cfg.get("train") or {}).get("val_timesteps"),
         "arms": arms, "rel_gap": gap, "verdict": gap_verdict(gap["ci95"]),
+        "stage2_rel_gap": late_gap,
+        "stage2_verdict": gap_verdict(late_gap["ci95"]) if late_gap else None,
         "switch_steps": [r["switch_step"] for r in runs],
         "speedup_after_switch": seed_stats([r["dsv_tokens_per_s_after_switch"] / r["dense_tokens_per_s_after_switch"]
                                             for r in runs if r["dsv_tokens_per_s_after_switch"]

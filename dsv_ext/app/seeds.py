@@ -78,6 +78,13 @@ def write_seeds_table(res: Dict[str, Any], path: str) -> None:
          + (f", standard deviation {100 * g['std']:.2f}%, 95% interval {ci(g, pct=True)}" if g["std"] is not None else "")
          + f"; per seed {', '.join(f'{100 * x:+.2f}%' for x in g['values'])}.", "",
          f"**Gap against 1%: {res['verdict']}.**", ""]
+    g2 = res.get("stage2_rel_gap")
+    if g2:
+        L += [f"Mean validation loss over the validations after the switch (every one both runs made), "
+              f"DSV / full - 1: mean {100 * g2['mean']:+.2f}%"
+              + (f", 95% interval {ci(g2, pct=True)}" if g2["std"] is not None else "")
+              + f"; per seed {', '.join(f'{100 * x:+.2f}%' for x in g2['values'])}. "
+              f"Against 1%: {res['stage2_verdict']}.", ""]
     sp = res.get("speedup_after_switch") or {}
     if sp.get("mean") == sp.get("mean"):  # not NaN
         L += [f"DSV speed after its switch: {sp['mean']:.2f}x full attention (mean over seeds); mean sparsity "
