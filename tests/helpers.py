@@ -500,6 +500,21 @@ def get_lib(env="DSV_OPS_LIB"):
     return _libs[env]
 
 
+def variant_entry_points(lib, name):
+    """The (forward, backward) entry points of a csrc/dev attention variant in ``lib``
+    (``dsv_dev_sparse_attention_{fwd,bwd}_<name>_cuda``: an int, 1 the variant / 0 the shipped
+    kernels, then the arguments of the shipped C API), bound; None when ``lib`` lacks them."""
+    if lib is None or not hasattr(lib, f"dsv_dev_sparse_attention_fwd_{name}_cuda"):
+        return None
+    out = []
+    for pas in ("fwd", "bwd"):
+        f = getattr(lib, f"dsv_dev_sparse_attention_{pas}_{name}_cuda")
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_int] + list(getattr(lib, f"dsv_sparse_attention_{pas}_cuda").argtypes)
+        out.append(f)
+    return tuple(out)
+
+
 def backend(env="DSV_OPS_LIB"):
     """How the CUDA kernels are reached: "ctypes" (the library named by `env`), "ops" (the
     built extension) or None."""

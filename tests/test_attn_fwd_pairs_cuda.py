@@ -26,19 +26,15 @@ import pytest
 import torch
 
 from helpers import CUDA_GTOL, CUDA_TOL, DT, AttnShape, bshd, check_attention, check_close, get_lib
-from helpers import index_lists, make_inputs, ref
+from helpers import index_lists, make_inputs, ref, variant_entry_points
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 _lib = get_lib("DSV_ATTN_LIB")
-_HAS = _lib is not None and hasattr(_lib, "dsv_dev_sparse_attention_fwd_pairs_cuda")
+_eps = variant_entry_points(_lib, "pairs")
+_HAS = _eps is not None
 if _HAS:
-    _f = _lib.dsv_dev_sparse_attention_fwd_pairs_cuda
-    _f.restype = ctypes.c_int
-    _f.argtypes = [ctypes.c_int] + list(_lib.dsv_sparse_attention_fwd_cuda.argtypes)
-    _fb = _lib.dsv_dev_sparse_attention_bwd_pairs_cuda
-    _fb.restype = ctypes.c_int
-    _fb.argtypes = [ctypes.c_int] + list(_lib.dsv_sparse_attention_bwd_cuda.argtypes)
+    _f, _fb = _eps
 
 
 def need_pairs():
