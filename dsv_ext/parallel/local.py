@@ -7,7 +7,7 @@ from typing import List, Optional
 import torch
 
 from .. import ops
-from ..functional.attention import dense_core
+from ..functional.attention import block_counts, block_kmax, dense_core
 
 __all__ = ["local_attention", "dense_heads"]
 
@@ -44,19 +44,12 @@ def local_attention(q, k, v, q_lr, k_lr, kv_count, kv_count_host, group_size: in
         cnt = kv_count if len(sp) == a else kv_count[:, sp].contiguous()
         kmax = max(row[h] for row in kv_count_host for h in sp)
         kmax = max(1, min(kmax, S))
-        if kv_block == 1:
-            with torch.no_grad():
-                idx = ops.topk_estimate(pick(q_lr).detach(), pick(k_lr).detach(), cnt, group_size, kmax=kmax)
-            outs.append(ops.sparse_attention(pick(q), pick(k), pick(v), idx, cnt, group_size, scale=scale,
-                                             check_index=False))
-        else:  # K in keys -> ceil(K / b) blocks
-            cnt_b = torch.div(cnt + (kv_block - 1), kv_block, rounding_mode="floor").to(torch.int32)
-            kmax_b = min(-(-kmax // kv_block), -(-S // kv_block))
-            with torch.no_grad():
-                idx = ops.topk_estimate(pick(q_lr).detach(), pick(k_lr).detach(), cnt_b, group_size, kmax=kmax_b,
-                                        kv_block=kv_block)
-            outs.append(ops.sparse_attention(pick(q), pick(k), pick(v), idx, cnt_b, group_size, scale=scale,
-                                             check_index=False, kv_block=kv_block))
+        cnt_b, kmax_b = block_counts(cnt, kv_block), block_kmax(kmax, kv_block, S)  # K in keys -> entries
+        with torch.no_grad():
+            idx = ops.topk_estimate(pick(q_lr).detach(), pick(k_lr).detach(), cnt_b, group_size, kmax=kmax_b,
+                                    kv_block=kv_block)
+        outs.append(ops.sparse_attention(pick(q), pick(k), pick(v), idx, cnt_b, group_size, scale=scale,
+                                         check_index=False, kv_block=kv_block))
         order += sp
     if dn:
         def pickd(t):

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import dsv_ext
 
+from ..functional.attention import block_counts, block_kmax
 from .comm import all_to_all_rows, group_size_rank, _a2a
 from .local import local_attention
 from .validate import kv_block_error, prepare
@@ -180,8 +181,7 @@ def scp_attention(q, k, v, q_lr, k_lr, kv_count, group_size: int, *, group=None,
         if kv_block == 1:
             idx = estimate_local(q_lr.detach(), k_lr_full, cnt, G, p, kmax, estimate)  # [B, H, L/G, kmax], -1 padded
         else:  # blocks of the full sequence, then the token lists of their keys
-            cnt_b = torch.div(cnt + (kv_block - 1), kv_block, rounding_mode="floor").to(torch.int32)
-            kmax_b = min(-(-kmax // kv_block), -(-S // kv_block))
+            cnt_b, kmax_b = block_counts(cnt, kv_block), block_kmax(kmax, kv_block, S)
             idx = estimate_local(q_lr.detach(), k_lr_full, cnt_b, G, p, kmax_b, estimate, kv_block)
             idx, cnt = dsv_ext.expand_block_lists(idx, cnt_b, kv_block, S)
             idx = _compact(idx, idx >= 0)  # the partial last block's -1 entries to the end
