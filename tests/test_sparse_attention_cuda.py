@@ -66,9 +66,9 @@ PATHS = {
                                               # lists 4, coherent 2: what long sequences get)
     "kmajor": "km_ratio=1e9,bwd_ranges=1",    # key-major wherever allowed (dQ and dK / dV passes
                                               # on wgmma where they apply: D 64 / 128, G >= 64,
-                                              # H100 / H200)
-    "kmajor_kwg": "km_ratio=1e9,bwd_ranges=1,km_wgmma=1",  # the same with the key-major dK / dV
-                                              # pass on wgmma (PERF_LOG v13)
+                                              # H100 / H200; km_wgmma=1, the default, PERF_LOG v14)
+    "kmajor_kmma": "km_ratio=1e9,bwd_ranges=1,km_wgmma=0",  # the same with the key-major dK / dV
+                                              # pass on mma.sync (dQ still on wgmma)
     "kmajor_mma": "km_ratio=1e9,wgmma=0",     # the same on mma.sync only (forward included)
     "qmajor_mma": "km_ratio=0,wgmma=0",       # query-major on mma.sync only
 }
@@ -156,7 +156,7 @@ def test_paths_agree(tmp_path):
     res = {}
     for key, tuning in (("q", "km_ratio=0,bwd_ranges=1"), ("q4", "km_ratio=0,bwd_ranges=4"),
                         ("k", "km_ratio=1e9,bwd_ranges=1"), ("kmma", "km_ratio=1e9,wgmma=0"),
-                        ("kkm", "km_ratio=1e9,km_wgmma=1"), ("qmma", "km_ratio=0,wgmma=0")):
+                        ("kkm", "km_ratio=1e9,km_wgmma=0"), ("qmma", "km_ratio=0,wgmma=0")):
         f = tmp_path / f"{key}.pt"
         env = dict(os.environ, DSV_KERNEL_TUNING=tuning, DSV_ROOT=ROOT)
         r = subprocess.run([sys.executable, "-c", _AGREE_CHILD, str(f)], env=env,

@@ -24,7 +24,7 @@ typedef struct dsv_tuning {
                        mma.sync; an override can turn them off, never on where they cannot run */
   int km_wgmma;     /* backward key-major dK / dV pass where wgmma is on: 1 its wgmma kernel
                        where it applies (D 64 / 128, G >= 64; token lists and 64-key block
-                       lists), 2 also for 16-key block lists, 0 (default) the mma.sync kernel */
+                       lists; the default), 2 also for 16-key block lists, 0 the mma.sync kernel */
   float km_ratio;   /* backward: a head takes the key-major dK / dV pass when its lists' 64-key
                        block entries x 64 <= km_ratio x groups x K (0: never) */
   int bwd_ranges;   /* backward, query-major dK / dV: 0 = key ranges per head by the automatic

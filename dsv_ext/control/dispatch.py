@@ -98,7 +98,7 @@ class Dispatcher:
     Timing tables: ``table`` (given, or the user's file at config.calibration_path /
     default_calibration_path(), written by calibrate()) first; for a device that table has no
     entry for, the tables shipped in dsv_ext/control/calibration/ (an H200's, bf16, 16 heads of dim 128,
-    G = 32 and 64, 4k-64k tokens), unless a table was passed explicitly."""
+    G = 32 and 64, 4k-128k tokens), unless a table was passed explicitly."""
 
     def __init__(self, config: Optional[DSVConfig] = None, table: Optional[dict] = None):
         self.config = config if config is not None else DSVConfig()
@@ -233,8 +233,8 @@ class Dispatcher:
                            dtype: torch.dtype = torch.bfloat16, kv_block: Optional[Sequence[int]] = None) -> int:
         """Extra memory of one sparse block held for the backward (index, reordered q, q_lr/k_lr;
         with block lists (kv_block: per-head sizes) also the cube-ordered k and v of those heads).
-        The index is counted at kmax keys per list (block lists expanded to token lists, as on
-        CUDA without native block kernels, take that much)."""
+        The index is counted at kmax keys per list (block lists expanded to token lists take that
+        much, as 16-key lists do on CUDA; 64-key lists run there as blocks and take less)."""
         es = torch.empty((), dtype=dtype).element_size()
         G = self.config.group_size
         ng = -(-seq_len // G)
