@@ -2,8 +2,9 @@
 # Build the shipped attention kernels (csrc/cuda/sparse_attention_*.cu + tuning.cu) and csrc/dev
 # attention variants into ctypes libraries under .devvar/ (git-excluded): ship.so and
 # <variant>.so (+ <variant>_ptxas.log), with the hash of csrc/ they were built from. Libraries
-# that exist for the same hash are kept. benchmarks/device_variant.sh calls it, so a GPU call can
-# carry ".devvar" built here (no GPU needed; ~5-10 min on 2 cores) instead of compiling there.
+# that exist for the same hash are kept. benchmarks/device_variant.sh calls it, so a .devvar/
+# built beforehand on a machine without a GPU (~5-10 min on 2 cores) and copied into the GPU
+# machine's tree is used there instead of compiling.
 #   usage: bash benchmarks/build_devvar.sh [csrc/dev/variant.cu ...]    (MAX_JOBS: parallel nvcc)
 set -eu
 cd "$(dirname "$0")/.."

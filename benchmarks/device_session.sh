@@ -4,7 +4,7 @@
 # when it matches this csrc/ and loads there), run the
 # whole test suite (CPU and GPU tests), the kernel benchmark at the target shape, Nsight Compute
 # on the attention kernels, and compute-sanitizer. Each step has its own time limit so the call
-# ends in time; all logs are packed into $OUT/logs.tgz (the device tool returns at most 8 files).
+# ends in time; all logs are packed into $OUT/logs.tgz (one file to copy back).
 #   usage: bash benchmarks/device_session.sh   (carry .dsvwheels for diffusers, .devso if built)
 #   env:   STEPS="tests bench ncu san" (default; also ab compare infer train grid det soak), BUILD_LIMIT,
 #          TEST_ARGS (e.g. "-m cuda": the GPU tests alone; the CPU ones run in CI),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call for a csrc/dev/ attention variant: build it and the shipped kernels
 # (csrc/cuda/sparse_attention_*.cu + tuning.cu) into two ctypes libraries (benchmarks/
-# build_devvar.sh; carry ".devvar" to use libraries built beforehand), run the attention GPU
+# build_devvar.sh; a .devvar/ built beforehand from the same csrc/ is used), run the attention GPU
 # tests with DSV_ATTN_LIB = the variant (the variant's own test file, the first of the test files,
 # also on the query-major path only and with key ranges), then time both with bench_kernels.py in
 # the same
