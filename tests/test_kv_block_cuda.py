@@ -190,3 +190,29 @@ def test_raw_op_refuses_unsupported_block_sizes(gen):
     qq = q.detach().clone().requires_grad_(True)
     dsv_ext.sparse_attention(qq, k, v, idx, cnt, G, kv_block=64).float().sum().backward()
     assert torch.isfinite(qq.grad).all()
+
+
+def test_raw_block_backward_refuses_long_lists(gen):
+    """The CUDA block backward takes Kmax <= 16384 entries: one more (-1 padding) is refused with
+    an error naming kv_block before any launch, where 16384 passes the check and runs;
+    sparse_attention expands such lists (dsv_ext.ops._native_kv_block) instead."""
+    _need_kernels()
+    B, H, S, D, G, b = 1, 1, 130, 64, 64, 64
+    q, k, v = ref.make_qkv(B, S, H, D, dtype=torch.bfloat16, generator=gen, device="cuda")
+    cnt = torch.ones(B, H, dtype=torch.int32, device="cuda")
+    lse = torch.zeros(B, H, S, dtype=torch.float32, device="cuda")
+    for kmax, ok in ((16384, True), (16385, False)):
+        idx = torch.full((B, H, -(-S // G), kmax), -1, dtype=torch.int32, device="cuda")
+        idx[..., 0] = 2  # the partial last block
+        if ok:
+            out, lse_ = torch.ops.dsv.sparse_attention_fwd(q, k, v, idx, cnt, G, 0.125, False, b)
+            dq, dk, dv = torch.ops.dsv.sparse_attention_bwd(out, q, k, v, out, lse_, idx, cnt, G, 0.125,
+                                                            False, b)
+            torch.cuda.synchronize()
+            assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+        else:
+            out = torch.zeros_like(q)
+            with pytest.raises(RuntimeError, match=r"kv_block: the CUDA backward of block lists needs "
+                                                   r"head_dim <= 128 and Kmax <= 16384, got head_dim 64, "
+                                                   r"Kmax 16385"):
+                torch.ops.dsv.sparse_attention_bwd(out, q, k, v, out, lse, idx, cnt, G, 0.125, False, b)
