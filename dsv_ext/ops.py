@@ -667,7 +667,7 @@ def topk_estimate(q_lr: torch.Tensor, k_lr: torch.Tensor, kv_count: torch.Tensor
     ascending, then -1; ties go to the lower id, NaN scores rank last. ``kv_count`` and ``kmax``
     count blocks (``kmax <= ceil(S/b)``). This path runs torch ops (matmul + sort) on any device
     and forms the ``[B, H, ceil(S/G), ceil(S/b)]`` score matrix: memory O(S/G * S/b) per
-    (batch, head), e.g. 64 MiB of float32 per head for S = 64Ki, G = 32, b = 16.
+    (batch, head), e.g. 16 MiB of float32 per head for S = 64Ki, G = 64, b = 16.
 
     Returns:
         int32 ``[B, H, ceil(S/G), kmax]``, ready for :func:`sparse_attention` (with the same
