@@ -351,6 +351,10 @@ def section_equal_recall():
     c = a["cube"]
     cube = "x".join(map(str, c))
     n = c[0] * c[1] * c[2]
+    blk = [r for r in d["timing"] if r["method"].startswith("block b=")]
+    kern = ("block lists as `sparse_attention` runs them (64-key lists on the block-list kernels, "
+            "16-key lists expanded to token lists)" if all(r.get("kernels") for r in blk) else
+            "block lists on the block-list kernels (`sparse_attention` expands 16-key lists: faster)")
     shape = (f"G = {n} groups and {n}-key blocks are one cube, G = {n // 2} groups half of one" if n == 64 else
              f"G = 32 groups are one cube, G = 64 groups and 64-key blocks two neighbouring cubes "
              f"({c[0]}x{c[1]}x{2 * c[2]})" if n == 32 else f"{n} tokens per cube")
@@ -368,7 +372,8 @@ FlexAttention's tiles, oracle). Queries and keys in {cube} cube order: {shape}.
 {dens}
 
 Estimate + forward + backward at that density, {_tok(S)} tokens, H = {H}, D = {D}, bf16, cuDNN and
-FlexAttention block-sparse in the same run:
+FlexAttention block-sparse in the same run;
+{kern}:
 
 {times}
 """
