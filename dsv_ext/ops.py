@@ -562,9 +562,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
             ``e*b .. min(e*b+b, S)-1`` (the last block may be partial), ``kv_count`` counts
             blocks and Kmax is in blocks; -1 padding, skipping and duplicates work per key as for
             token lists (docs/API.md, "Key blocks"). The CPU kernels read block lists natively;
-            on CUDA 64-key lists run on the block kernels (head_dim <= 128; their backward is
-            deterministic) and other block sizes are expanded to token lists first
-            (:func:`expand_block_lists`), which runs faster there.
+            on CUDA 64-key lists run on the block kernels (head_dim <= 128, Kmax <= 16384;
+            their backward is deterministic) and other block lists are expanded to token lists
+            first (:func:`expand_block_lists`; for 16-key lists that is also the faster path).
 
     Returns:
         ``[B, S, H, D]``, the same dtype as q; differentiable in q, k and v. A query row whose
