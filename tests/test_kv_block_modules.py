@@ -206,6 +206,19 @@ def test_choose_kv_block_without_table(monkeypatch):
         d.choose_kv_block(dens[:2], 4096, 5, 128, "cpu")
 
 
+def test_choose_kv_block_with_the_measured_ratios():
+    """The shipped per-key cost ratios (H200, PERF_LOG kernels v14): 16-key lists cost more per
+    key than token lists (run expanded on CUDA), 64-key lists 0.65 of them. (The assumed 0.75 /
+    0.5 gave head 0 to 16-key lists.)"""
+    assert BLOCK_COST_RATIO == {1: 1.0, 16: 1.07, 64: 0.65}
+    d = Dispatcher(DSVConfig(use_calibration=False, recall_max_density=0.9))
+    # head 0: the same density for tokens and 16 (0.3 < 0.321), 64 needs 0.5 (0.325) -> tokens
+    # head 1: 16 needs fewer keys (0.2 * 1.07 = 0.214 < 0.3 < 0.47 * 0.65 = 0.3055) -> 16
+    # head 2: 64 needs 0.45 (0.2925 < 0.3 < 0.321) -> 64
+    dens = [[0.3, 0.3, 0.3], [0.3, 0.2, 0.3], [0.5, 0.47, 0.45]]
+    assert d.choose_kv_block(dens, 4096, 3, 128, "cpu") == [1, 16, 64]
+
+
 def test_choose_kv_block_uses_block_entries_of_the_table():
     def entry(kb, ms):
         e = {"device": "cpu", "dtype": "float32", "heads": 1, "head_dim": 16, "group_size": 32,
