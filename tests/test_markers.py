@@ -30,3 +30,17 @@ def test_cuda_device_parameter_is_marked(request, device):
 
 def test_plain_cpu_test_is_not_marked(request):
     assert not _marked(request)
+
+
+def test_runtime_skipped_gpu_tests_carry_the_mark():
+    """A GPU test that skips from inside its body (no skipif to read) needs the mark itself:
+    in tests/test_mixed_devices.py exactly the tests that call _need_cuda_kernels()."""
+    import inspect
+
+    import test_mixed_devices as m
+
+    tests = {n: f for n, f in vars(m).items() if n.startswith("test_") and callable(f)}
+    assert len(tests) >= 3
+    for name, f in tests.items():
+        marked = any(x.name == "cuda" for x in getattr(f, "pytestmark", []))
+        assert marked == ("_need_cuda_kernels()" in inspect.getsource(f)), name
