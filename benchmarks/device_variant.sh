@@ -11,10 +11,6 @@
 #   default: csrc/dev/attn_fwd_pairs.cu, S = 64k, H = 24, D = 128, G = 32 and 64, sparsity 0.9,
 #   random and smooth lists; tests/test_attn_fwd_pairs_cuda.py + tests/test_sparse_attention*.py
 #   ("" as the third argument skips the tests). About 8-9 min in all: give the call 600 s.
-# The G = 128 variant (two warpgroups per CTA on shared K / V tiles):
-#   benchmarks/device_variant.sh csrc/dev/attn_g128.cu "--S 65536 --D 128 --G 64 128 \
-#     --sparsity 0.9 --dist random smooth --dense cudnn" \
-#     "tests/test_attn_g128_cuda.py tests/test_sparse_attention_cuda.py"
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -25,7 +21,6 @@ TESTS=${3-"tests/test_attn_fwd_pairs_cuda.py tests/test_sparse_attention.py test
 OWN=${TESTS%% *} # the variant's own test file
 case "$VAR" in # the variant's kernels in the ptxas summary
   *attn_fwd_pairs*) KPAT=pair ;;
-  *attn_g128*) KPAT=g128 ;;
   *) KPAT=${KPAT:-dev} ;;
 esac
 date -u

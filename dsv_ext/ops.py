@@ -60,8 +60,8 @@ def has_cuda_kernels() -> bool:
 
 
 # the keys that DSV_KERNEL_TUNING may set (csrc/cuda/tuning.cu)
-KERNEL_TUNING_KEYS = ("sm_count", "l2_bytes", "wgmma", "km_wgmma", "km_ratio", "bwd_ranges",
-                      "bwd_rmax")
+KERNEL_TUNING_KEYS = ("sm_count", "l2_bytes", "wgmma", "km_wgmma", "g128", "km_ratio",
+                      "bwd_ranges", "bwd_rmax")
 
 
 def _check_tuning_env() -> None:
@@ -90,7 +90,9 @@ def kernel_tuning(device=None) -> dict:
     ``torch.device``; default the current device): ``sm_count``, ``l2_bytes``, ``cc`` (compute
     capability, 10 major + minor), ``wgmma`` (1: the Hopper warpgroup-MMA kernels run),
     ``km_wgmma`` (1, the default: the backward's key-major dK / dV pass among them where it
-    applies, 2: for ``kv_block`` 16 too, 0: never), ``km_ratio`` (the backward's key-major threshold),
+    applies, 2: for ``kv_block`` 16 too, 0: never), ``g128`` (1, the default: query groups of a
+    multiple of 128 queries run 128 rows per CTA on two warpgroups sharing the key tiles where
+    wgmma runs, 0: two CTAs of 64 rows), ``km_ratio`` (the backward's key-major threshold),
     ``bwd_ranges`` / ``bwd_rmax`` (the backward's key ranges: forced count / the automatic
     rule's most; 0 = automatic). It is chosen once per device; the
     environment variable ``DSV_KERNEL_TUNING="key=value,..."`` overrides keys for experiments.

@@ -35,6 +35,8 @@ def run_sparse_attention():
     for (S, H, D, G, kmax, dtype) in [(150, 2, 64, 32, 70, torch.bfloat16),
                                       (200, 2, 128, 64, 130, torch.float16),
                                       (131, 1, 96, 128, 100, torch.bfloat16),
+                                      (300, 2, 128, 128, 140, torch.bfloat16),
+                                      (180, 1, 64, 128, 90, torch.float16),
                                       (90, 1, 256, 64, 40, torch.bfloat16)]:
         q, k, v = T.ref.make_qkv(1, S, H, D, dtype=dtype, layout="packed", generator=gen,
                                  device="cuda")

@@ -75,6 +75,8 @@ PATHS = {
 # the tests of this file that take `path`, and the device-parametrized tests of
 # test_sparse_attention.py (their CUDA cases) that run on every path
 PATH_TESTS = "coherent_blocks or nan_reaches or deterministic_backward"
+# and the row-count cases of the 128-row kernels (tests/test_group128_cuda.py)
+GROUP128_PATH_TESTS = "g128_row_counts"
 DEVICE_PATH_TESTS = ("matches_reference or list_kinds or strided_inputs or group_sizes or "
                      "kernel_guards")
 
@@ -87,17 +89,21 @@ def path():
 
 @pytest.mark.parametrize("name", sorted(PATHS))
 def test_backward_path(name):
-    """The tests that take `path` (PATH_TESTS) and the CUDA cases of the device-parametrized
-    tests of test_sparse_attention.py (DEVICE_PATH_TESTS), in a child process whose
-    DSV_KERNEL_TUNING forces one backward path."""
+    """The tests that take `path` (PATH_TESTS), the CUDA cases of the device-parametrized
+    tests of test_sparse_attention.py (DEVICE_PATH_TESTS) and the row-count cases of the
+    128-row kernels (GROUP128_PATH_TESTS), in a child process whose DSV_KERNEL_TUNING forces
+    one backward path."""
     need_backend()
     if os.environ.get("DSV_TEST_PATH"):
         pytest.skip("inside a path run")
     env = dict(os.environ, DSV_KERNEL_TUNING=PATHS[name], DSV_TEST_PATH=name)
-    sel = f"(test_sparse_attention_cuda and ({PATH_TESTS})) or (cuda and ({DEVICE_PATH_TESTS}))"
+    sel = (f"(test_sparse_attention_cuda and ({PATH_TESTS}))"
+           f" or (not test_group128_cuda and cuda and ({DEVICE_PATH_TESTS}))"
+           f" or (test_group128_cuda and ({GROUP128_PATH_TESTS}))")
+    files = [os.path.abspath(__file__)] + [os.path.join(HERE, f) for f in
+                                           ("test_sparse_attention.py", "test_group128_cuda.py")]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        os.path.abspath(__file__), os.path.join(HERE, "test_sparse_attention.py"),
-                        "-k", sel], env=env, capture_output=True, text=True, timeout=3000,
+                        *files, "-k", sel], env=env, capture_output=True, text=True, timeout=3000,
                        cwd=ROOT)
     assert r.returncode == 0, f"path {name}:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
     assert " passed" in r.stdout, r.stdout[-2000:]

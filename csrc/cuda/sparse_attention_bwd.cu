@@ -329,6 +329,7 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   if (deterministic) ratio = 3.0e38f; /* key-major for every head whose lists allow it */
   prm.km_ratio = ratio;
   prm.km_enabled = L.km_enabled && ratio > 0.f;
+  prm.g128 = tun->g128;
   {
     const RangeCfg rc = bwd_ranges(sh, tun);
     /* deterministic: one key range, so that dQ is summed in registers (no fp32 reductions) */

@@ -54,6 +54,7 @@ struct BwdParams {
   int blk;        /* keys per list entry: 1, 16 or 64 */
   int* bsorted;   /* [B, H, NG, kmax] each list's valid entries, ascending (duplicates kept) */
   int* bnsorted;  /* [B, H, NG] how many */
+  int g128;       /* the tuning's g128: groups of a multiple of 128 rows on bwd_wg128_kernel */
 };
 
 __device__ __forceinline__ int clamp_count(int c, int kmax) {

@@ -104,6 +104,124 @@ __device__ __forceinline__ void bwg_reduce_rows(float* acc, const float (&a)[D /
   }
 }
 
+/* A query-major CTA's place in the grid (blockIdx.x = group x chunks + chunk of BM rows,
+ * blockIdx.y = head x RG + key range, blockIdx.z = batch) and its rows [row0, row0 + nrows) of
+ * group g. */
+struct BwgCta {
+  int b, h, rr, R, g, row0, nrows;
+  size_t bh;
+};
+
+/* Fills c; false when the CTA has nothing to do (uniform per CTA): its head is not on path
+ * `path` (0 query-major dK / dV, 1 key-major), the head uses fewer key ranges than rr + 1 (the
+ * head's count with `ranges`, else 1), or the chunk is past a partial last group's end. */
+template <int BM, typename Prm>
+__device__ __forceinline__ bool bwg_cta(const Prm& p, int RG, int path, bool ranges, BwgCta& c) {
+  c.h = blockIdx.y / RG, c.rr = blockIdx.y - c.h * RG, c.b = blockIdx.z;
+  c.bh = (size_t)c.b * p.H + c.h;
+  if (p.path[c.bh] != path) return false;
+  c.R = ranges ? p.nrh[c.bh] : 1;
+  if (c.rr >= c.R) return false;
+  c.g = blockIdx.x / p.chunks;
+  const int chunk = blockIdx.x - c.g * p.chunks;
+  c.row0 = c.g * p.G + chunk * BM;
+  c.nrows = min(BM, min(c.g * p.G + p.G, p.S) - c.row0);
+  return c.nrows > 0;
+}
+
+/* The keys and list entries of key range rr (of R) of a head's query-major pass: keys [klo,
+ * khi), entries [j0, j1) of the group's list (count entries, BLK keys each). One range: the whole
+ * list; several: a binary search where the head's list is strictly ascending and in range
+ * (flags 0), else the whole list with the keys outside the range masked by the gathers. false:
+ * nothing of the group in this range (uniform per CTA). */
+template <int BLK, typename Prm>
+__device__ __forceinline__ bool bwg_range(const Prm& p, size_t bh, const int* list, int count,
+                                          int R, int rr, int& klo, int& khi, int& j0, int& j1) {
+  klo = 0, khi = p.S, j0 = 0, j1 = count * BLK;
+  if (R > 1) {
+    const int rlen = (p.S + R - 1) / R;
+    klo = rr * rlen;
+    khi = min(p.S, klo + rlen);
+    if (p.flags[bh] == 0) { /* strictly ascending, in range: binary search */
+      j0 = list_lower_bound(list, 0, count, klo);
+      j1 = list_lower_bound(list, j0, count, khi);
+    }
+    if (j1 <= j0) return false;
+  }
+  return true;
+}
+
+/* The CTA's BM query rows [row0, row0 + nrows): their positions (-1 past nrows), lse in base 2
+ * (+inf for an empty row's -inf, so that its P is 0) and delta, into shared memory. */
+template <int BM, int NT, typename Prm>
+__device__ __forceinline__ void bwg_rows(const Prm& p, size_t bh, int row0, int nrows, int* qidx,
+                                         float* lse2, float* dlt) {
+  for (int r = threadIdx.x; r < BM; r += NT) {
+    const bool valid = r < nrows;
+    qidx[r] = valid ? row0 + r : -1;
+    const float l = valid ? p.lse[bh * p.S + row0 + r] : INFINITY;
+    lse2[r] = l == -INFINITY ? INFINITY : l * DSV_LOG2E;
+    dlt[r] = valid ? p.delta[bh * p.S + row0 + r] : 0.f;
+  }
+}
+
+/* P = exp(scale s - lse) and dS = P (dP - delta) (without the scale factor) of one 64 x BN
+ * tile, packed as the A fragments of the next MMAs (pa, da), for the lane's rows lr0 and lr1;
+ * keys whose entry ki is < 0 give 0. ROWV: rows past the group's end (rv0 / rv1 false) give
+ * P = dS = 0 by selects, so that a non-finite K or V row cannot reach dK / dV through them
+ * (their Q and dO rows are zero: 0 x inf). */
+template <typename T, int BN, bool ROWV>
+__device__ __forceinline__ void bwg_p_ds(const float (&s)[BN / 8][4], const float (&dp)[BN / 8][4],
+                                         const int* ki, float scale_log2, float ls0, float ls1,
+                                         float dl0, float dl1, bool rv0, bool rv1, int lane,
+                                         uint32_t (&pa)[BN / 16][4], uint32_t (&da)[BN / 16][4]) {
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt) {
+    const int col = nt * 8 + (lane & 3) * 2;
+    const bool v0 = ki[col] >= 0, v1 = ki[col + 1] >= 0;
+    const bool r0 = !ROWV || rv0, r1 = !ROWV || rv1;
+    const float p0 = v0 && r0 ? fast_exp2(s[nt][0] * scale_log2 - ls0) : 0.f;
+    const float p1 = v1 && r0 ? fast_exp2(s[nt][1] * scale_log2 - ls0) : 0.f;
+    const float p2 = v0 && r1 ? fast_exp2(s[nt][2] * scale_log2 - ls1) : 0.f;
+    const float p3 = v1 && r1 ? fast_exp2(s[nt][3] * scale_log2 - ls1) : 0.f;
+    const int kk = nt >> 1, hf = (nt & 1) * 2;
+    pa[kk][hf] = Elem<T>::pack(p0, p1);
+    pa[kk][hf + 1] = Elem<T>::pack(p2, p3);
+    const uint32_t d0 = Elem<T>::pack(p0 * (dp[nt][0] - dl0), p1 * (dp[nt][1] - dl0));
+    const uint32_t d1 = Elem<T>::pack(p2 * (dp[nt][2] - dl1), p3 * (dp[nt][3] - dl1));
+    da[kk][hf] = r0 ? d0 : 0u;
+    da[kk][hf + 1] = r1 ? d1 : 0u;
+  }
+}
+
+/* The end of a query-major CTA: dQ of its warpgroup's rows [row0, row0 + nrows) (the lane's
+ * rows lr0 and lr0 + 8): with key ranges in the grid (RG > 1) added to the fp32 dQ accumulator
+ * with 16-byte reductions (pairs of lanes swap halves), else stored (dq_store). */
+template <typename T, int D, typename Prm>
+__device__ __forceinline__ void bwg_dq_out(const Prm& p, const float (&dq)[D / 8][4], int RG,
+                                           size_t bh, int b, int h, int row0, int lr0, int nrows,
+                                           int lane) {
+  if (RG > 1) {
+    float* dqa = p.dqacc + bh * (size_t)p.S * D;
+    const int tq = lane & 3;
+    const bool even = (tq & 1) == 0;
+    const int lrow = even ? lr0 : lr0 + 8;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const float x0 = __shfl_xor_sync(0xffffffffu, even ? dq[i][2] : dq[i][0], 1);
+      const float x1 = __shfl_xor_sync(0xffffffffu, even ? dq[i][3] : dq[i][1], 1);
+      const float4 val = even ? make_float4(dq[i][0], dq[i][1], x0, x1)
+                              : make_float4(x0, x1, dq[i][2], dq[i][3]);
+      if (lrow < nrows)
+        atomicAdd(reinterpret_cast<float4*>(dqa + (size_t)(row0 + lrow) * D + i * 8 +
+                                            (tq >> 1) * 4),
+                  val);
+    }
+    return;
+  }
+  dq_store<T, D>(p, b, h, row0, lr0, lr0 + 8, nrows, lane, dq);
+}
+
 /* The kernel. ATOMIC: dQ and the dK / dV reductions of the query-major heads (path 0); else
  * dQ only, for the key-major heads (path 1). BLK > 1: block lists (kv_block), dQ only, key
  * tiles read through list_key. */
@@ -127,43 +245,20 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
   int* qidx = kidx + NS * BN;                                        /* [BM] */
 
   const int RG = ATOMIC ? p.nranges : 1; /* ranges in the grid */
-  const int h = blockIdx.y / RG, rr = blockIdx.y - h * RG, b = blockIdx.z;
-  const size_t bh = (size_t)b * p.H + h;
-  if (p.path[bh] != (ATOMIC ? 0 : 1)) return;
-  const int R = ATOMIC ? p.nrh[bh] : 1;
-  if (rr >= R) return;
-  const int g = blockIdx.x / p.chunks;
-  const int chunk = blockIdx.x - g * p.chunks;
-  const int row0 = g * p.G + chunk * BM;
-  const int row_end = min(g * p.G + p.G, p.S);
-  const int nrows = min(BM, row_end - row0);
-  if (nrows <= 0) return;
+  BwgCta c;
+  if (!bwg_cta<BM>(p, RG, ATOMIC ? 0 : 1, ATOMIC, c)) return;
+  const int b = c.b, h = c.h, row0 = c.row0, nrows = c.nrows;
+  const size_t bh = c.bh;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  const int* list = p.kv_index + (bh * p.NG + g) * p.kmax;
+  const int* list = p.kv_index + (bh * p.NG + c.g) * p.kmax;
   const int cnt = __ldg(p.kv_count + bh);
   const int count = trim_count<NT>(list, cnt < 0 ? 0 : (cnt > p.kmax ? p.kmax : cnt));
   const T* kbase = p.k + b * p.kb + h * p.kh;
   const T* vbase = p.v + b * p.vb + h * p.vh;
-  int klo = 0, khi = p.S, j0 = 0, j1 = count * BLK; /* keys of the list */
-  if (R > 1) {
-    const int rlen = (p.S + R - 1) / R;
-    klo = rr * rlen;
-    khi = min(p.S, klo + rlen);
-    if (p.flags[bh] == 0) { /* strictly ascending, in range: binary search */
-      j0 = list_lower_bound(list, 0, count, klo);
-      j1 = list_lower_bound(list, j0, count, khi);
-    }
-    if (j1 <= j0) return; /* nothing of this group in this range (uniform per CTA) */
-  }
-
-  for (int r = tid; r < BM; r += NT) {
-    const bool valid = r < nrows;
-    qidx[r] = valid ? row0 + r : -1;
-    const float l = valid ? p.lse[bh * p.S + row0 + r] : INFINITY;
-    lse2[r] = l == -INFINITY ? INFINITY : l * DSV_LOG2E;
-    dlt[r] = valid ? p.delta[bh * p.S + row0 + r] : 0.f;
-  }
+  int klo, khi, j0, j1; /* keys of the range, entries of the list */
+  if (!bwg_range<BLK>(p, bh, list, count, c.R, c.rr, klo, khi, j0, j1)) return;
+  bwg_rows<BM, NT>(p, bh, row0, nrows, qidx, lse2, dlt);
   __syncthreads();
   gather_rows_async<T, D, NT, BM, true>(Qs, p.q + b * p.qb + h * p.qh, p.qs, qidx, BM);
   gather_rows_async<T, D, NT, BM, true>(dOs, p.dout + b * p.gb + h * p.gh, p.gs, qidx, BM);
@@ -228,24 +323,10 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
     wg_fence_regs<BN / 2>(&s[0][0]);
     wg_fence_regs<BN / 2>(&dp[0][0]);
 
-    /* P = exp(scale s - lse), dS = P (dP - delta) (without the scale factor), packed */
-    const float ls0 = lse2[lr0], ls1 = lse2[lr1];
-    const float dl0 = dlt[lr0], dl1 = dlt[lr1];
+    /* P and dS, packed */
     uint32_t pa[BN / 16][4], da[BN / 16][4];
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-      const int col = nt * 8 + (lane & 3) * 2;
-      const bool v0 = ki[col] >= 0, v1 = ki[col + 1] >= 0;
-      const float p0 = v0 ? fast_exp2(s[nt][0] * p.scale_log2 - ls0) : 0.f;
-      const float p1 = v1 ? fast_exp2(s[nt][1] * p.scale_log2 - ls0) : 0.f;
-      const float p2 = v0 ? fast_exp2(s[nt][2] * p.scale_log2 - ls1) : 0.f;
-      const float p3 = v1 ? fast_exp2(s[nt][3] * p.scale_log2 - ls1) : 0.f;
-      const int kk = nt >> 1, hf = (nt & 1) * 2;
-      pa[kk][hf] = Elem<T>::pack(p0, p1);
-      pa[kk][hf + 1] = Elem<T>::pack(p2, p3);
-      da[kk][hf] = Elem<T>::pack(p0 * (dp[nt][0] - dl0), p1 * (dp[nt][1] - dl0));
-      da[kk][hf + 1] = Elem<T>::pack(p2 * (dp[nt][2] - dl1), p3 * (dp[nt][3] - dl1));
-    }
+    bwg_p_ds<T, BN, false>(s, dp, ki, p.scale_log2, lse2[lr0], lse2[lr1], dlt[lr0], dlt[lr1],
+                           true, true, lane, pa, da);
     /* dQ += dS K */
     wg_fence();
 #pragma unroll
@@ -289,28 +370,167 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
     }
   }
   cp_async_wait<0>();
-
-  if (RG > 1) {
-    /* partial dQ of this key range: 16-byte reductions (pairs of lanes swap halves) */
-    float* dqa = p.dqacc + bh * (size_t)p.S * D;
-    const int tq = lane & 3;
-    const bool even = (tq & 1) == 0;
-    const int lrow = even ? lr0 : lr1;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      const float x0 = __shfl_xor_sync(0xffffffffu, even ? dq[i][2] : dq[i][0], 1);
-      const float x1 = __shfl_xor_sync(0xffffffffu, even ? dq[i][3] : dq[i][1], 1);
-      const float4 val = even ? make_float4(dq[i][0], dq[i][1], x0, x1)
-                              : make_float4(x0, x1, dq[i][2], dq[i][3]);
-      if (lrow < nrows)
-        atomicAdd(reinterpret_cast<float4*>(dqa + (size_t)(row0 + lrow) * D + i * 8 +
-                                            (tq >> 1) * 4),
-                  val);
-    }
-    return;
-  }
-  dq_store<T, D>(p, b, h, row0, lr0, lr1, nrows, lane, dq);
+  bwg_dq_out<T, D>(p, dq, RG, bh, b, h, row0, lr0, nrows, lane);
 #endif
+}
+
+/* The query-major pass with dK / dV reductions for groups of a multiple of 128 queries (the
+ * tuning's g128; PERF_LOG kernels v15): one CTA of 256 threads per 128 rows, warpgroup w (warps
+ * 4 w .. 4 w + 3) owning rows 64 w .. 64 w + 63 with its own Q and dO tiles, both on one key
+ * pipeline (64-key tiles x 2 stages gathered by all 256 threads). Per key tile each warpgroup
+ * computes S, dP, P and dS for its rows, writes P and dS to its half of two shared
+ * [128 query][64 key] tiles and issues dQ += dS K; after one CTA barrier warpgroup 0 forms
+ * dV_t = P^T dO and warpgroup 1 dK_t = dS^T Q over all 128 rows (8 k16 steps: the two halves
+ * are summed in the tensor cores) and adds its 64 x D tile to the fp32 accumulator once: one
+ * reduction per key and 128 rows instead of two, the reductions that bound this pass. 1 CTA
+ * per SM. Key ranges as bwd_wg_kernel. Rows past a partial last group's end (a whole
+ * warpgroup of them possibly) give P = dS = 0 by selects (bwg_p_ds). */
+template <typename T, typename Prm, int D, int NS>
+__global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int BM = 128, BN = 64, NT = 256;
+  constexpr int QE = 64 * D, KE = BN * D, PE = 64 * BN;
+  static_assert(PE * 2 == 4 * 2048, "the two P (dS) tiles are one run of 8 k16 steps");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  T* Qs = reinterpret_cast<T*>(smem); /* [2][64 x D]: one per warpgroup */
+  T* dOs = Qs + 2 * QE;               /* [2][64 x D] */
+  T* Ks = dOs + 2 * QE;               /* [NS][BN x D] */
+  T* Vs = Ks + NS * KE;               /* [NS][BN x D] */
+  T* Ps = Vs + NS * KE;               /* [2][64 x BN]: P of warpgroup 0's rows, then 1's */
+  T* dSs = Ps + 2 * PE;               /* [2][64 x BN]: dS likewise */
+  float* lse2 = reinterpret_cast<float*>(dSs + 2 * PE); /* [BM] */
+  float* dlt = lse2 + BM;                               /* [BM] */
+  int* kidx = reinterpret_cast<int*>(dlt + BM);         /* [NS][BN] */
+  int* qidx = kidx + NS * BN;                           /* [BM] */
+
+  const int RG = p.nranges;
+  BwgCta c;
+  if (!bwg_cta<BM>(p, RG, 0, true, c)) return;
+  const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, warp = (tid >> 5) & 3;
+  const int* list = p.kv_index + (c.bh * p.NG + c.g) * p.kmax;
+  const int count = trim_count<NT>(list, clamp_count(__ldg(p.kv_count + c.bh), p.kmax));
+  int klo, khi, j0, j1;
+  if (!bwg_range<1>(p, c.bh, list, count, c.R, c.rr, klo, khi, j0, j1)) return;
+  bwg_rows<BM, NT>(p, c.bh, c.row0, c.nrows, qidx, lse2, dlt);
+  __syncthreads();
+  {
+    const T* qb = p.q + c.b * p.qb + c.h * p.qh;
+    const T* gb = p.dout + c.b * p.gb + c.h * p.gh;
+    gather_rows_async<T, D, NT, 64, true>(Qs, qb, p.qs, qidx, 64);
+    gather_rows_async<T, D, NT, 64, true>(Qs + QE, qb, p.qs, qidx + 64, 64);
+    gather_rows_async<T, D, NT, 64, true>(dOs, gb, p.gs, qidx, 64);
+    gather_rows_async<T, D, NT, 64, true>(dOs + QE, gb, p.gs, qidx + 64, 64);
+  }
+  const int ntiles = (j1 - j0 + BN - 1) / BN;
+  KeyGather<T, D, NT, BN, true, int, false, 1> ix;
+  ix.init(p.k + c.b * p.kb + c.h * p.kh, p.ks, p.v + c.b * p.vb + c.h * p.vh, p.vs);
+  const uint32_t ks0 = smem_u32(Ks), vs0 = smem_u32(Vs);
+#pragma unroll
+  for (int st = 0; st < NS - 1; ++st) {
+    if (st < ntiles) {
+      ix.load(list, j0 + st * BN, j1);
+      ix.issue(ks0 + st * KE * 2, vs0 + st * KE * 2, klo, khi, kidx + st * BN);
+    }
+    cp_async_commit();
+  }
+  ix.load(list, j0 + (NS - 1) * BN, j1);
+
+  float dq[D / 8][4], acc[D / 8][4];
+  float s[BN / 8][4], dp[BN / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i) {
+    s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+  }
+  const int wl0 = warp * 16 + (lane >> 2);      /* the lane's first row in its warpgroup's 64 */
+  const int lr0 = 64 * wg + wl0, lr1 = lr0 + 8; /* ... in the CTA's 128 */
+  const uint64_t qdesc = wg_desc(smem_u32(Qs + wg * QE), 16, 1024);
+  const uint64_t dodesc = wg_desc(smem_u32(dOs + wg * QE), 16, 1024);
+  const uint64_t kdesc0 = wg_desc(ks0, 16, 1024);
+  const uint64_t vdesc0 = wg_desc(vs0, 16, 1024);
+  const uint64_t ktdesc0 = wg_desc(ks0, BN * 128, 1024);
+  /* the 128-row products: warpgroup 0 dV_t = P^T dO, warpgroup 1 dK_t = dS^T Q; A = the P (dS)
+   * tiles read key-major (MN-major), B = the two dO (Q) tiles MN-major; k16 step kk reads rows
+   * 16 kk .. 16 kk + 15 of the 128 */
+  const uint64_t adesc0 = wg_desc(smem_u32(wg ? dSs : Ps), BN * 128, 1024);
+  const uint64_t bdesc0 = wg_desc(smem_u32(wg ? Qs : dOs), 64 * 128, 1024);
+  float* red = (wg ? p.dkacc : p.dvacc) + c.bh * (size_t)p.S * D;
+
+  for (int t = 0; t < ntiles; ++t) {
+    const int buf = t % NS;
+    cp_async_wait<NS - 2>();
+    fence_proxy_async_smem(); /* this thread's cp.async writes -> visible to the tensor cores */
+    __syncthreads();          /* tile t landed for all; both warpgroups' MMAs of tile t - 1
+                                 (readers of stage buf ^ 1 and of the P / dS tiles) are done */
+    {
+      const int tn = t + NS - 1;
+      if (tn < ntiles) {
+        const int nb = tn % NS;
+        ix.issue(ks0 + nb * KE * 2, vs0 + nb * KE * 2, klo, khi, kidx + nb * BN);
+        ix.load(list, j0 + (tn + 1) * BN, j1);
+      }
+      cp_async_commit();
+    }
+    const uint32_t toff = buf * KE * 2;
+    const int* ki = kidx + buf * BN;
+    wg_fence();
+    bwg_scores<T, D, BN>(s, qdesc, wg_desc_add(kdesc0, toff));
+    bwg_scores<T, D, BN>(dp, dodesc, wg_desc_add(vdesc0, toff));
+    wg_commit();
+    wg_wait<0>();
+    wg_fence_regs<BN / 2>(&s[0][0]);
+    wg_fence_regs<BN / 2>(&dp[0][0]);
+
+    uint32_t pa[BN / 16][4], da[BN / 16][4];
+    bwg_p_ds<T, BN, true>(s, dp, ki, p.scale_log2, lse2[lr0], lse2[lr1], dlt[lr0], dlt[lr1],
+                          lr0 < c.nrows, lr1 < c.nrows, lane, pa, da);
+    /* this warpgroup's halves of P and dS to shared memory before dQ += dS K is issued: da is
+     * that MMA's A operand, and a wgmma's A registers may not be accessed (read either) until
+     * a wait_group covers it (PTX ISA, wgmma.mma_async) */
+    bwg_store_frag<T, BN>(Ps + wg * PE, pa, wl0, lane);
+    bwg_store_frag<T, BN>(dSs + wg * PE, da, wl0, lane);
+    fence_proxy_async_smem();
+    /* dQ += dS K (this warpgroup's rows), in flight across the barrier */
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      Wgmma<T, D>::rs_bt(&dq[0][0], da[kk], wg_desc_add(ktdesc0, toff + kk * 2048), 1);
+    wg_commit();
+    __syncthreads(); /* both warpgroups' halves written */
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+      WgmmaTT<T, D>::ss(&acc[0][0], wg_desc_add(adesc0, kk * 2048),
+                        wg_desc_add(bdesc0, (kk >> 2) * (QE * 2) + (kk & 3) * 2048), kk > 0);
+    wg_commit();
+    wg_wait<0>(); /* dQ and the 128-row product; before the next top barrier */
+    wg_fence_regs<D / 2>(&dq[0][0]);
+    wg_fence_regs<D / 2>(&acc[0][0]);
+    bwg_reduce_rows<D>(red, acc, ki, warp, lane);
+  }
+  cp_async_wait<0>();
+  bwg_dq_out<T, D>(p, dq, RG, c.bh, c.b, c.h, c.row0 + 64 * wg, wl0, c.nrows - 64 * wg, lane);
+#endif
+}
+
+template <typename T, int D, typename Prm>
+static int bwd_wg128_launch(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
+  constexpr int NS = 2, BM = 128, BN = 64;
+  const size_t smem = 1024 + (size_t)(2 * BM + 2 * NS * BN) * D * sizeof(T) +
+                      (size_t)2 * BM * BN * sizeof(T) + 2 * BM * sizeof(float) +
+                      (size_t)(NS * BN + BM) * sizeof(int);
+  auto kern = bwd_wg128_kernel<T, Prm, D, NS>;
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+      cudaSuccess)
+    return DSV_ERR_CUDA;
+  prm.chunks = prm.G / BM;
+  dim3 grid((unsigned)(prm.NG * prm.chunks), (unsigned)(sh->heads * prm.nranges),
+            (unsigned)sh->batch);
+  kern<<<grid, 256, smem, stream>>>(prm);
+  return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
 }
 
 /* Whether the wgmma kernel applies to these parameters (the device side, an sm_90a build on a

@@ -33,6 +33,7 @@ struct FwdParams {
   const int* kv_count;
   int S, H, G, NG, kmax, chunks;
   float scale_log2;
+  int g128; /* the tuning's g128: groups of a multiple of 128 rows on two warpgroups per CTA */
 };
 
 /* The BM queries a CTA handles (blockIdx.x = group x chunks + chunk, blockIdx.y = head,
@@ -69,14 +70,21 @@ __device__ __forceinline__ void fwd_chunk_list(const FwdParams<T>& p, FwdChunk<T
   c.vbase = p.v + c.b * p.vb + c.h * p.vh;
 }
 
-/* Starts the copy of the chunk's BM query rows into Qs (padded, or swizzled with SWZ; rows past
- * nrows are zero); qidx is shared scratch of BM ints. */
+/* Starts the copy of the chunk's BM query rows into Qs (padded, or swizzled with SWZ: one
+ * swizzled tile of 64 rows per warpgroup, one after the other; rows past nrows are zero); qidx
+ * is shared scratch of BM ints. */
 template <typename T, int D, int NT, int BM, bool SWZ>
 __device__ __forceinline__ void fwd_load_q(T* Qs, int* qidx, const FwdParams<T>& p,
                                            const FwdChunk<T>& c) {
   for (int r = threadIdx.x; r < BM; r += NT) qidx[r] = r < c.nrows ? c.row0 + r : -1;
   __syncthreads();
-  gather_rows_async<T, D, NT, BM, SWZ>(Qs, c.qbase, p.qs, qidx, BM);
+  if constexpr (SWZ) {
+#pragma unroll
+    for (int w = 0; w < BM / 64; ++w)
+      gather_rows_async<T, D, NT, 64, true>(Qs + w * 64 * D, c.qbase, p.qs, qidx + 64 * w, 64);
+  } else {
+    gather_rows_async<T, D, NT, BM, false>(Qs, c.qbase, p.qs, qidx, BM);
+  }
 }
 
 /* Online-softmax step of one key tile for the two rows a lane holds (lane / 4 and lane / 4 + 8
@@ -333,25 +341,31 @@ __device__ __forceinline__ void wg_pv(float (&o)[D / 8][4], const float (&s)[BN 
  * thread fences them to the async proxy before the barrier that precedes the MMAs. Per tile:
  * gather-wait, S, softmax, P V, one after the other; the other CTAs on the SM (4 with 32-key
  * tiles) fill the gaps. (Computing the scores of tile t + 1 during the softmax of tile t, with
- * two score register sets and more stages, measured slower: fewer CTAs fit; PERF_LOG v6.) */
-template <typename T, int D, int BN, int NS, int MINB, int BLK = 1>
-__global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const FwdParams<T> p) {
+ * two score register sets and more stages, measured slower: fewer CTAs fit; PERF_LOG v6.)
+ * WG = 2 (groups of a multiple of 128 queries, the tuning's g128): 256 threads, 128 rows per
+ * CTA, warpgroup w owning rows 64 w .. 64 w + 63 (its own Q tile) and both on one K / V
+ * pipeline gathered by all 256 threads, so each key tile is copied once for 128 rows instead of
+ * twice (PERF_LOG v15); 2 CTAs per SM. */
+template <typename T, int D, int BN, int NS, int MINB, int BLK = 1, int WG = 1>
+__global__ void __launch_bounds__(128 * WG, MINB) sparse_attn_fwd_wg_kernel(const FwdParams<T> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int BM = 64, NT = 128;
-  constexpr int QE = BM * D, KE = BN * D; /* elements of a Q tile, of a K or V tile */
+  constexpr int BM = 64 * WG, NT = 128 * WG;
+  constexpr int QE = 64 * D, KE = BN * D; /* elements of a warpgroup's Q tile, of a K or V tile */
   extern __shared__ __align__(16) unsigned char smem_raw[];
   /* the swizzle pattern repeats every 1024 bytes: start the tiles on such a boundary */
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  T* Qs = reinterpret_cast<T*>(smem);
-  T* Ks = Qs + QE;       /* [NS][BN x D] */
+  T* Qs = reinterpret_cast<T*>(smem); /* [WG][64 x D] */
+  T* Ks = Qs + WG * QE;  /* [NS][BN x D] */
   T* Vs = Ks + NS * KE;  /* [NS][BN x D] */
   float* kbias = reinterpret_cast<float*>(Vs + NS * KE); /* [NS][BN]: 0 or -inf per key */
   int* qidx = reinterpret_cast<int*>(kbias + NS * BN);   /* [BM] */
 
   FwdChunk<T> c;
-  if (!fwd_chunk<T, BM>(p, c)) return;
+  if (!fwd_chunk<T, BM>(p, c)) return; /* uniform per CTA */
   fwd_chunk_list<T, NT>(p, c);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int warp = WG == 1 ? tid >> 5 : (tid >> 5) & 3; /* in the warpgroup */
+  const int wg = WG == 1 ? 0 : tid >> 7;
   fwd_load_q<T, D, NT, BM, true>(Qs, qidx, p, c);
   const int nkeys = c.count * BLK; /* the list's keys (block lists: BLK per entry) */
   const int ntiles = (nkeys + BN - 1) / BN;
@@ -378,7 +392,7 @@ __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const Fwd
   for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   /* descriptors of the Q tile and of stage 0's K (K-major) and V (MN-major) tiles */
-  const uint64_t qdesc = wg_desc(smem_u32(Qs), 16, 1024);
+  const uint64_t qdesc = wg_desc(smem_u32(Qs + wg * QE), 16, 1024);
   const uint64_t kdesc0 = wg_desc(ks0, 16, 1024);
   const uint64_t vdesc0 = wg_desc(vs0, BN * 128, 1024);
 
@@ -386,7 +400,8 @@ __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const Fwd
     const int buf = t % NS;
     cp_async_wait<NS - 2>();
     fence_proxy_async_smem(); /* this thread's cp.async writes -> visible to the tensor cores */
-    __syncthreads();
+    __syncthreads();          /* tile t landed; every warpgroup is done with the stage refilled
+                                 below (each waited for its MMAs of tile t - 1) */
     {
       const int tn = t + NS - 1;
       if (tn < ntiles) {
@@ -410,8 +425,10 @@ __global__ void __launch_bounds__(128, MINB) sparse_attn_fwd_wg_kernel(const Fwd
     wg_fence_regs<D / 2>(&o[0][0]);
   }
   cp_async_wait<0>();
-  store_out_lse<T, D>(p, o, m0, m1, l0, l1, c.b, c.h, c.row0, c.nrows, warp, lane, c.list, c.count,
-                      BLK == 1 ? p.S : (p.S + BLK - 1) / BLK);
+  /* every thread of the CTA reaches the epilogue (its barriers are CTA-wide); a warpgroup past
+   * the group's end has nrows <= 0 and writes nothing */
+  store_out_lse<T, D>(p, o, m0, m1, l0, l1, c.b, c.h, c.row0 + 64 * wg, c.nrows - 64 * wg, warp,
+                      lane, c.list, c.count, BLK == 1 ? p.S : (p.S + BLK - 1) / BLK);
 #endif
 }
 
@@ -429,24 +446,25 @@ static int launch_fwd(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStr
   return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
 }
 
-template <typename T, int D, int BN, int NS, int MINB = 1, int BLK = 1>
+template <typename T, int D, int BN, int NS, int MINB = 1, int BLK = 1, int WG = 1>
 static int launch_fwd_wg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStream_t stream) {
   const size_t smem =
-      1024 + (size_t)(64 + 2 * NS * BN) * D * sizeof(T) + NS * BN * sizeof(float) +
-      64 * sizeof(int);
-  auto kern = sparse_attn_fwd_wg_kernel<T, D, BN, NS, MINB, BLK>;
+      1024 + (size_t)(64 * WG + 2 * NS * BN) * D * sizeof(T) + NS * BN * sizeof(float) +
+      64 * WG * sizeof(int);
+  auto kern = sparse_attn_fwd_wg_kernel<T, D, BN, NS, MINB, BLK, WG>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
     return DSV_ERR_CUDA;
   dim3 grid((unsigned)(prm.NG * prm.chunks), (unsigned)sh->heads, (unsigned)sh->batch);
-  kern<<<grid, 128, smem, stream>>>(prm);
+  kern<<<grid, 128 * WG, smem, stream>>>(prm);
   return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
 }
 
 /* The shipped key tiles: wgmma with 32 keys x 2 stages and 4 CTAs per SM (registers capped at
  * 128) where it applies (the tuning's wgmma: an sm_90a build on a 9.0 device; D 64 or 128,
- * G >= 64, K / V row strides below 4 GB), else mma.sync with 32 keys x 2 stages, BM = 32, 64 or
- * 128 queries per CTA by the group size. The other tiles are in csrc/dev/attn_fwd_tiles.cu.
+ * G >= 64, K / V row strides below 4 GB; token lists in groups of a multiple of 128 queries
+ * with the tuning's g128: two warpgroups per CTA, 2 CTAs per SM), else mma.sync with 32 keys x
+ * 2 stages, BM = 32, 64 or 128 queries per CTA by the group size. The other tiles are in csrc/dev/attn_fwd_tiles.cu.
  * Block lists (BLK = kv_block 16 or 64) run the same kernels and tiles: a 32-key tile is two
  * 16-key blocks or half of a 64-key block, copied as contiguous rows (list_key). */
 template <typename T, int D, int BLK = 1>
@@ -456,6 +474,12 @@ static int fwd_dispatch_bm(const dsv_attn_shape* sh, FwdParams<T>& prm, int wgmm
   if constexpr (D == 64 || D == 128) {
     const int64_t lim = (int64_t)UINT32_MAX / (int64_t)sizeof(T); /* KeyGather's 32-bit strides */
     if (wgmma && G >= 64 && prm.ks <= lim && prm.vs <= lim) {
+      if constexpr (BLK == 1) {
+        if (prm.g128 && G % 128 == 0) {
+          prm.chunks = G / 128;
+          return launch_fwd_wg<T, D, 32, 2, 2, 1, 2>(sh, prm, stream);
+        }
+      }
       prm.chunks = (G + 63) / 64;
       return launch_fwd_wg<T, D, 32, 2, 4, BLK>(sh, prm, stream);
     }
@@ -523,6 +547,7 @@ static FwdParams<T> fwd_params(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k,
   prm.NG = (int)sh->num_groups;
   prm.kmax = (int)sh->kmax;
   prm.chunks = 1;
+  prm.g128 = 0; /* fwd_entry: the tuning's */
   prm.scale_log2 = (float)(sh->scale * 1.4426950408889634);
   return prm;
 }
@@ -591,9 +616,11 @@ static int fwd_entry(FwdDispatchFn<__half> f16, FwdDispatchFn<__nv_bfloat16> bf1
   if (p->dtype == DSV_BFLOAT16) {
     FwdParams<__nv_bfloat16> prm =
         fwd_params<__nv_bfloat16>(p, q, k, v, kv_index, kv_count, out, lse);
+    prm.g128 = tun->g128;
     return bf16(p, prm, tun->wgmma, tile, s);
   }
   FwdParams<__half> prm = fwd_params<__half>(p, q, k, v, kv_index, kv_count, out, lse);
+  prm.g128 = tun->g128;
   return f16(p, prm, tun->wgmma, tile, s);
 }
 

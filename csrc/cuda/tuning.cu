@@ -8,6 +8,9 @@
  *   km_wgmma                1 the key-major dK / dV pass on wgmma where it applies
  *                           (with wgmma on: D 64 / 128, G >= 64; token lists and 64-key block
  *                           lists; the default), 2 also 16-key block lists, 0 its mma.sync kernel
+ *   g128                    1 groups of a multiple of 128 queries on the 128-row kernels (two
+ *                           warpgroups share the key tiles; with wgmma on, token lists, D 64 /
+ *                           128; the default), 0 two CTAs of 64 rows
  *   km_ratio                backward key-major ratio (0: never key-major, 1e9: wherever allowed)
  *   bwd_ranges              backward key ranges forced on every query-major head (0: automatic)
  *   bwd_rmax                the automatic rule's most key ranges (0: from the L2 size)
@@ -65,6 +68,9 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
   } else if (DSV_KEY("km_wgmma")) {
     if (n < 0 || n > 2) return DSV_ERR_TUNING;
     t->km_wgmma = (int)n; /* takes effect only where wgmma is on */
+  } else if (DSV_KEY("g128")) {
+    if (n != 0 && n != 1) return DSV_ERR_TUNING;
+    t->g128 = (int)n; /* takes effect only where wgmma is on */
   } else if (DSV_KEY("bwd_ranges")) {
     if (n < 0 || n > 16) return DSV_ERR_TUNING;
     t->bwd_ranges = (int)n;
@@ -115,6 +121,7 @@ int fill(int device, dsv_tuning* t) {
   t->wgmma = 0;
 #endif
   t->km_wgmma = 1; /* measured on the H200 at S = 64k: benchmarks/PERF_LOG.md, kernels v13 */
+  t->g128 = 1;     /* measured on the H200 at S = 64k: benchmarks/PERF_LOG.md, kernels v15 */
   /* measured crossover on the H200 at S = 64k, D = 128 (benchmarks/PERF_LOG.md, kernels v3) */
   t->km_ratio = 1.15f;
   t->bwd_ranges = 0;
@@ -159,10 +166,9 @@ extern "C" int dsv_cuda_kernel_tuning(int device, char* buf, int64_t len) {
   const int st = dsv_tuning_get(device, &t);
   if (st != DSV_OK) return st;
   const int n = snprintf(buf, (size_t)len,
-                         "sm_count=%d,l2_bytes=%d,cc=%d,wgmma=%d,km_wgmma=%d,km_ratio=%g,"
-                         "bwd_ranges=%d,bwd_rmax=%d",
-                         t->sm_count, t->l2_bytes, t->cc, t->wgmma, t->km_wgmma,
-                         (double)t->km_ratio,
-                         t->bwd_ranges, t->bwd_rmax);
+                         "sm_count=%d,l2_bytes=%d,cc=%d,wgmma=%d,km_wgmma=%d,g128=%d,"
+                         "km_ratio=%g,bwd_ranges=%d,bwd_rmax=%d",
+                         t->sm_count, t->l2_bytes, t->cc, t->wgmma, t->km_wgmma, t->g128,
+                         (double)t->km_ratio, t->bwd_ranges, t->bwd_rmax);
   return n >= 0 && n < len ? DSV_OK : DSV_ERR_NOMEM;
 }

@@ -25,6 +25,11 @@ typedef struct dsv_tuning {
   int km_wgmma;     /* backward key-major dK / dV pass where wgmma is on: 1 its wgmma kernel
                        where it applies (D 64 / 128, G >= 64; token lists and 64-key block
                        lists; the default), 2 also for 16-key block lists, 0 the mma.sync kernel */
+  int g128;         /* where wgmma is on, token lists, D 64 / 128 and the group a multiple of 128
+                       queries: 1 runs 128 rows per CTA on two warpgroups that share the key
+                       tiles (the forward, and the backward's query-major pass with dK / dV
+                       reductions: one reduction per key and 128 rows; the default), 0 two CTAs
+                       of 64 rows */
   float km_ratio;   /* backward: a head takes the key-major dK / dV pass when its lists' 64-key
                        block entries x 64 <= km_ratio x groups x K (0: never) */
   int bwd_ranges;   /* backward, query-major dK / dV: 0 = key ranges per head by the automatic
