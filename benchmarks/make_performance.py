@@ -65,6 +65,12 @@ def _kernels():
     return rows, _prov(r0["run_date"], r0["run_commit"], r0["run_card"], f"torch {r0['run_torch']}")
 
 
+def _kernels_g128():
+    rows = _load("kernels_g128/kernels.json")
+    r0 = rows[0]
+    return rows, _prov(r0["run_date"], r0["run_commit"], r0["run_card"], f"torch {r0['run_torch']}")
+
+
 def _kernel_at(rows, S=65536, D=128, G=64, sparsity=0.9, dist="random"):
     for r in rows:
         if (r["S"], r["D"], r["G"], r["dist"]) == (S, D, G, dist) and abs(r["sparsity"] - sparsity) < 1e-9:
@@ -113,6 +119,8 @@ def summary_rows():
     krows, _ = _kernels()
     k9 = _kernel_at(krows)
     k95 = _kernel_at(krows, sparsity=0.95)
+    grows, _ = _kernels_g128()
+    g9, g95 = _kernel_at(grows, G=128), _kernel_at(grows, G=128, sparsity=0.95)
     tr = _load("bench_train.json")
     t9, tdense = _train_row(tr, 65536, "dsv_0.9")
     inf = _load("bench_inference.json")
@@ -128,7 +136,8 @@ def summary_rows():
     i_speed = ifull["median_step_ms"] / i9["median_step_ms"]
     rows = [
         ("sparse attention vs cuDNN (estimate + forward + backward), 64k tokens, D = 128, G = 64, sparsity 0.9",
-         f"**{k9['speedup_vs_cudnn_fwdbwd']:.2f}x** (0.95: {k95['speedup_vs_cudnn_fwdbwd']:.2f}x)",
+         f"**{k9['speedup_vs_cudnn_fwdbwd']:.2f}x** (0.95: {k95['speedup_vs_cudnn_fwdbwd']:.2f}x); "
+         f"G = 128: {g9['speedup_vs_cudnn_fwdbwd']:.2f}x (0.95: {g95['speedup_vs_cudnn_fwdbwd']:.2f}x)",
          f"{TARGETS['kernels']:g}x", k9["speedup_vs_cudnn_fwdbwd"] >= TARGETS["kernels"], "#kernels"),
         (f"training step vs dense, {tr['layers']} blocks of the 2.7B shape, 64k tokens, sparsity 0.9",
          f"**{t_speed:.2f}x** ({t9['median_ms']:.0f} vs {tdense['median_ms']:.0f} ms)",
@@ -196,6 +205,27 @@ timings. {prov}
 {t}
 
 ![kernel times](../benchmarks/results/kernels.png)
+
+{_section_kernels_g128()}"""
+
+
+def _section_kernels_g128():
+    rows, prov = _kernels_g128()
+    rows = sorted(rows, key=lambda r: (r["sparsity"], r["dist"] != "random", r["G"]))
+    t = _table(["S", "D", "G", "sparsity", "lists", "K", "estimate ms", "forward ms", "backward ms",
+                "total ms", "cuDNN fwd+bwd ms", "FlexAttention fwd+bwd ms", "speedup vs cuDNN"],
+               [(_tok(r["S"]), r["D"], r["G"], f"{r['sparsity']:.2f}", r["dist"], r["K"], _ms(r["est_ms"]),
+                 _ms(r["fwd_ms"]), _ms(r["bwd_ms"]), _ms(r["total_ms"]), _ms(r["cudnn_fwdbwd_ms"]),
+                 _ms(r.get("flex_fwdbwd_ms")), _x(r["speedup_vs_cudnn_fwdbwd"])) for r in rows])
+    return f"""### Groups of 128 queries
+
+Query groups of a multiple of 128 run 128 rows per CTA on two warpgroups that share the key
+tiles (kernel tuning `g128`, on by default on H100 / H200): each key tile is gathered once and
+each key's dK / dV reduced once per 128 rows instead of twice. The same keys per list as G = 64
+(a list serves twice the queries), G = 64 in the same run
+([results/kernels_g128/](../benchmarks/results/kernels_g128/kernels.md)). {prov}
+
+{t}
 """
 
 
@@ -355,7 +385,8 @@ def section_equal_recall():
     kern = ("block lists as `sparse_attention` runs them (64-key lists on the block-list kernels, "
             "16-key lists expanded to token lists)" if all(r.get("kernels") for r in blk) else
             "block lists on the block-list kernels (`sparse_attention` expands 16-key lists: faster)")
-    shape = (f"G = {n} groups and {n}-key blocks are one cube, G = {n // 2} groups half of one" if n == 64 else
+    shape = (f"G = {n} groups and {n}-key blocks are one cube, G = {n // 2} groups half of one, G = {2 * n} "
+             f"groups two neighbouring cubes ({c[0]}x{c[1]}x{2 * c[2]})" if n == 64 else
              f"G = 32 groups are one cube, G = 64 groups and 64-key blocks two neighbouring cubes "
              f"({c[0]}x{c[1]}x{2 * c[2]})" if n == 32 else f"{n} tokens per cube")
     return f"""## Speed at equal recall

@@ -104,14 +104,17 @@ class DSVConfig:
     # ---------------------------------------------------------------- sparse attention
     cube: Tuple[int, int, int] = (4, 4, 4)
     """3D cube (time, height, width) of the token grid whose tokens are made contiguous before
-    grouping (4x4x4 = 64 tokens, one query group). Grids not divisible by the cube get partial
-    edge cubes (e.g. a grid of 2 frames has 2x4x4 cubes only); DSV's original choice was 2x4x4."""
-    group_size: int = 64
+    grouping (4x4x4 = 64 tokens; a query group of 128 is two neighbouring cubes). Grids not
+    divisible by the cube get partial edge cubes (e.g. a grid of 2 frames has 2x4x4 cubes only);
+    DSV's original choice was 2x4x4."""
+    group_size: int = 128
     """G: consecutive (cube-ordered) queries sharing one critical-KV list; the last group of a
-    sequence that is not a multiple of G (or shorter than G) is partial. 64 by default: on the
-    H200 the kernels at G = 32 take about twice as long per key as at G = 64, and on attention of
-    a DiT trained on real video G = 64 lists need about the same share of the keys as G = 32
-    lists for the same recall (benchmarks/results/equal_recall/equal_recall.md). The paper's
+    sequence that is not a multiple of G (or shorter than G) is partial. 128 by default: on the
+    H200, at the same keys per list, the kernels at G = 128 take ~0.65x the time of G = 64 and
+    G = 64 ~0.5x the time of G = 32 (fewer dK / dV reductions per key), while on attention of a
+    DiT trained on real video G = 128 lists need only ~3% more of the keys than G = 64 lists,
+    and those ~1% more than G = 32 ones, for the same recall: at recall 0.9, 347 ms against 534
+    and 1064 ms at 64k tokens (benchmarks/results/equal_recall/equal_recall.md). The paper's
     setting: group_size=32, cube=(2, 4, 4)."""
     kv_block: Union[int, str] = 1
     """Key granularity of the critical-KV lists: 1 (token lists, DSV's rule), 16 or 64 (lists of
@@ -119,9 +122,10 @@ class DSVConfig:
     b consecutive positions without a grid), or "auto": per head, the granularity the
     dispatcher expects to be fastest among those whose predicted lists reach recall_target
     (from the recall-versus-K curve of each granularity; needs k_rule "recall"). Block lists
-    need more keys for the same recall; on the H200 64-key lists run faster per key (0.65x the
-    time of token lists), 16-key lists do not (1.07x; dispatch.BLOCK_COST_RATIO). Per-head K
-    stays a number of keys; the lists hold ceil(K / b) blocks."""
+    need more keys for the same recall; on the H200 at G = 128 64-key lists run a little faster
+    per key (0.92x the time of token lists), 16-key lists do not (1.07x;
+    dispatch.BLOCK_COST_RATIO). Per-head K stays a number of keys; the lists hold ceil(K / b)
+    blocks."""
     min_density: float = 0.02
     """Per-head K is at least this fraction of S."""
     k_multiple: int = 64

@@ -195,7 +195,7 @@ def test_diffusers_stage2_sparse_and_save_load(name, G, sparse_calls, tmp_path):
         dense = _run(model, args)
     convert(model, config=_cfg(G))
     ctl = DSVController(model)
-    assert all(m.config.group_size == (G or 64) for _, m in ctl.modules)
+    assert all(m.config.group_size == (G or DSVConfig.group_size) for _, m in ctl.modules)
     _train(model, args, ctl, 3)
     assert ctl.stage == 2 and all(m.use_sparse for _, m in ctl.modules)
     assert all(len(m.head_k) == 2 for _, m in ctl.modules)

@@ -100,14 +100,15 @@ def test_stage2_without_grid_groups_raster_order():
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
 
 
-def test_defaults_are_g64_cubes_and_partial_groups_work(gen):
-    """The defaults are G = 64 in 4x4x4 cubes; a grid of 2 frames (partial edge cubes: 2x4x4 and
+def test_defaults_are_g128_cubes_and_partial_groups_work(gen):
+    """The defaults are G = 128 in 4x4x4 cubes; a grid of 2 frames (partial edge cubes: 2x4x4 and
     smaller) and sequences that are not a multiple of G, or shorter than it, run stage 2 as the
     float64 reference with the module's own index, and the side tasks run on them."""
     cfg = DSVConfig(k_multiple=8)
-    assert (DSVConfig().group_size, DSVConfig().cube) == (64, (4, 4, 4))
-    assert (cfg.group_size, cfg.cube) == (64, (4, 4, 4))
-    for grid in ((2, 6, 10), (2, 4, 8), (1, 4, 6)):  # S = 120 (64 + 56), 64 (one group), 24 (< G)
+    assert (DSVConfig().group_size, DSVConfig().cube) == (128, (4, 4, 4))
+    assert (cfg.group_size, cfg.cube) == (128, (4, 4, 4))
+    G = cfg.group_size
+    for grid in ((2, 8, 10), (2, 8, 8), (1, 4, 6)):  # S = 160 (128 + 32), 128 (one group), 24 (< G)
         Sg = grid[0] * grid[1] * grid[2]
         perm, inv = cube_permutation(grid, cfg.cube, Sg)
         # fewer than 4 frames: the 4x4x4 cubes are cut to the frames there are, which is the
@@ -125,9 +126,9 @@ def test_defaults_are_g64_cubes_and_partial_groups_work(gen):
         q_lr = torch.einsum("bshd,hdr->bshr", qp, m.predictor.wq.double())
         k_lr = torch.einsum("bshd,hdr->bshr", k.detach(), m.predictor.wk.double())
         counts = torch.tensor([Ks] * 2, dtype=torch.int32)
-        index = ref.topk_ref(q_lr, k_lr, counts, 64, max(Ks))
-        assert index.shape[2] == -(-Sg // 64)  # the last group is partial unless 64 divides S
-        want = ref.sparse_attention_ref(q[:, perm], k, v, index, counts, 64)[:, inv]
+        index = ref.topk_ref(q_lr, k_lr, counts, G, max(Ks))
+        assert index.shape[2] == -(-Sg // G)  # the last group is partial unless G divides S
+        want = ref.sparse_attention_ref(q[:, perm], k, v, index, counts, G)[:, inv]
         torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
         for a, b in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v))):
             torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)

@@ -397,7 +397,7 @@ def test_config_yaml_defaults_and_rules(tmp_path):
     c = DSVConfig()
     assert (c.rank, c.theta, c.ema_alpha, c.switch_loss, c.row_sample_stride, c.min_density, c.k_multiple,
             c.dispatch_threshold, c.cube, c.group_size, c.predictor_lr) == \
-        (16, 0.9, 0.9, 0.01, 16, 0.02, 64, 0.8, (4, 4, 4), 64, 1e-4)
+        (16, 0.9, 0.9, 0.01, 16, 0.02, 64, 0.8, (4, 4, 4), 128, 1e-4)
     assert [s for s in range(0, 2301) if c.profile_due(s)] == list(range(0, 2000, 25)) + [2000, 2100, 2200, 2300]
     # K = max(ceil((1 - s) S), 0.02 S) rounded up to 64, capped at S
     assert c.head_k(0.9, 4096) == 448 and c.head_k(0.999, 4096) == 128 and c.head_k(0.0, 100) == 100

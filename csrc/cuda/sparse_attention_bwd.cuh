@@ -94,6 +94,71 @@ __device__ __forceinline__ int list_lower_bound(const int* list, int a, int e, i
   return a;
 }
 
+/* The query-major wgmma kernels' common steps (sparse_attention_bwd_wg.cuh; bwd_qmajor_kernel has
+ * the same steps inline: moving it onto these changed its machine code). */
+
+/* A query-major CTA's place in the grid (blockIdx.x = group x chunks + chunk of BM rows,
+ * blockIdx.y = head x RG + key range, blockIdx.z = batch) and its rows [row0, row0 + nrows) of
+ * group g. */
+struct QmajorCta {
+  int b, h, rr, R, g, row0, nrows;
+  size_t bh;
+};
+
+/* Fills c; false when the CTA has nothing to do (uniform per CTA): its head is not on path
+ * `path` (0 query-major dK / dV, 1 key-major), the head uses fewer key ranges than rr + 1 (the
+ * head's count with `ranges`, else 1), or the chunk is past a partial last group's end. */
+template <int BM, typename Prm>
+__device__ __forceinline__ bool qmajor_cta(const Prm& p, int RG, int path, bool ranges,
+                                           QmajorCta& c) {
+  c.h = blockIdx.y / RG, c.rr = blockIdx.y - c.h * RG, c.b = blockIdx.z;
+  c.bh = (size_t)c.b * p.H + c.h;
+  if (p.path[c.bh] != path) return false;
+  c.R = ranges ? p.nrh[c.bh] : 1;
+  if (c.rr >= c.R) return false;
+  c.g = blockIdx.x / p.chunks;
+  const int chunk = blockIdx.x - c.g * p.chunks;
+  c.row0 = c.g * p.G + chunk * BM;
+  c.nrows = min(BM, min(c.g * p.G + p.G, p.S) - c.row0);
+  return c.nrows > 0;
+}
+
+/* The keys and list entries of key range rr (of R) of a head's query-major pass: keys [klo,
+ * khi), entries [j0, j1) of the group's list (count entries, BLK keys each). One range: the whole
+ * list; several: a binary search where the head's list is strictly ascending and in range
+ * (flags 0), else the whole list with the keys outside the range masked by the gathers. false:
+ * nothing of the group in this range (uniform per CTA). */
+template <int BLK, typename Prm>
+__device__ __forceinline__ bool qmajor_range(const Prm& p, size_t bh, const int* list, int count,
+                                             int R, int rr, int& klo, int& khi, int& j0, int& j1) {
+  klo = 0, khi = p.S, j0 = 0, j1 = count * BLK;
+  if (R > 1) {
+    const int rlen = (p.S + R - 1) / R;
+    klo = rr * rlen;
+    khi = min(p.S, klo + rlen);
+    if (p.flags[bh] == 0) { /* strictly ascending, in range: binary search */
+      j0 = list_lower_bound(list, 0, count, klo);
+      j1 = list_lower_bound(list, j0, count, khi);
+    }
+    if (j1 <= j0) return false;
+  }
+  return true;
+}
+
+/* The CTA's BM query rows [row0, row0 + nrows): their positions (-1 past nrows), lse in base 2
+ * (+inf for an empty row's -inf, so that its P is 0) and delta, into shared memory. */
+template <int BM, int NT, typename Prm>
+__device__ __forceinline__ void qmajor_rows(const Prm& p, size_t bh, int row0, int nrows,
+                                            int* qidx, float* lse2, float* dlt) {
+  for (int r = threadIdx.x; r < BM; r += NT) {
+    const bool valid = r < nrows;
+    qidx[r] = valid ? row0 + r : -1;
+    const float l = valid ? p.lse[bh * p.S + row0 + r] : INFINITY;
+    lse2[r] = l == -INFINITY ? INFINITY : l * DSV_LOG2E;
+    dlt[r] = valid ? p.delta[bh * p.S + row0 + r] : 0.f;
+  }
+}
+
 /* Index building (sparse_attention_bwd_index.cu): list checks (flags) and the path and key
  * ranges of every head; counts, offsets and (group, mask) entries of key-major heads. */
 template <typename T>

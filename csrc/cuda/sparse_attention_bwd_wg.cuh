@@ -104,65 +104,38 @@ __device__ __forceinline__ void bwg_reduce_rows(float* acc, const float (&a)[D /
   }
 }
 
-/* A query-major CTA's place in the grid (blockIdx.x = group x chunks + chunk of BM rows,
- * blockIdx.y = head x RG + key range, blockIdx.z = batch) and its rows [row0, row0 + nrows) of
- * group g. */
-struct BwgCta {
-  int b, h, rr, R, g, row0, nrows;
-  size_t bh;
-};
-
-/* Fills c; false when the CTA has nothing to do (uniform per CTA): its head is not on path
- * `path` (0 query-major dK / dV, 1 key-major), the head uses fewer key ranges than rr + 1 (the
- * head's count with `ranges`, else 1), or the chunk is past a partial last group's end. */
-template <int BM, typename Prm>
-__device__ __forceinline__ bool bwg_cta(const Prm& p, int RG, int path, bool ranges, BwgCta& c) {
-  c.h = blockIdx.y / RG, c.rr = blockIdx.y - c.h * RG, c.b = blockIdx.z;
-  c.bh = (size_t)c.b * p.H + c.h;
-  if (p.path[c.bh] != path) return false;
-  c.R = ranges ? p.nrh[c.bh] : 1;
-  if (c.rr >= c.R) return false;
-  c.g = blockIdx.x / p.chunks;
-  const int chunk = blockIdx.x - c.g * p.chunks;
-  c.row0 = c.g * p.G + chunk * BM;
-  c.nrows = min(BM, min(c.g * p.G + p.G, p.S) - c.row0);
-  return c.nrows > 0;
-}
-
-/* The keys and list entries of key range rr (of R) of a head's query-major pass: keys [klo,
- * khi), entries [j0, j1) of the group's list (count entries, BLK keys each). One range: the whole
- * list; several: a binary search where the head's list is strictly ascending and in range
- * (flags 0), else the whole list with the keys outside the range masked by the gathers. false:
- * nothing of the group in this range (uniform per CTA). */
-template <int BLK, typename Prm>
-__device__ __forceinline__ bool bwg_range(const Prm& p, size_t bh, const int* list, int count,
-                                          int R, int rr, int& klo, int& khi, int& j0, int& j1) {
-  klo = 0, khi = p.S, j0 = 0, j1 = count * BLK;
-  if (R > 1) {
-    const int rlen = (p.S + R - 1) / R;
-    klo = rr * rlen;
-    khi = min(p.S, klo + rlen);
-    if (p.flags[bh] == 0) { /* strictly ascending, in range: binary search */
-      j0 = list_lower_bound(list, 0, count, klo);
-      j1 = list_lower_bound(list, j0, count, khi);
+/* The top of key tile t of a query-major wgmma pass: waits for tile t (its own cp.async groups,
+ * fenced to the async proxy, then a CTA barrier: tile t landed for all threads and every
+ * warpgroup's MMAs of tile t - 1 are done), refills the stage freed by tile t - 1 with tile
+ * t + NS - 1 and loads the list entries of the tile after it (one group committed per tile),
+ * then S = Q K^T and dP = dO V^T of the warpgroup's rows over tile t, waited for. */
+template <typename T, int D, int BN, int NS, typename IX>
+__device__ __forceinline__ void bwg_tile_scores(IX& ix, const int* list, int j0, int j1, int klo,
+                                                int khi, int t, int ntiles, uint32_t ks0,
+                                                uint32_t vs0, int* kidx, uint64_t qdesc,
+                                                uint64_t dodesc, uint64_t kdesc0, uint64_t vdesc0,
+                                                float (&s)[BN / 8][4], float (&dp)[BN / 8][4]) {
+  constexpr uint32_t KB = BN * D * 2; /* bytes of a K or V tile */
+  cp_async_wait<NS - 2>();
+  fence_proxy_async_smem(); /* this thread's cp.async writes -> visible to the tensor cores */
+  __syncthreads();
+  {
+    const int tn = t + NS - 1;
+    if (tn < ntiles) {
+      const int nb = tn % NS;
+      ix.issue(ks0 + nb * KB, vs0 + nb * KB, klo, khi, kidx + nb * BN);
+      ix.load(list, j0 + (tn + 1) * BN, j1);
     }
-    if (j1 <= j0) return false;
+    cp_async_commit();
   }
-  return true;
-}
-
-/* The CTA's BM query rows [row0, row0 + nrows): their positions (-1 past nrows), lse in base 2
- * (+inf for an empty row's -inf, so that its P is 0) and delta, into shared memory. */
-template <int BM, int NT, typename Prm>
-__device__ __forceinline__ void bwg_rows(const Prm& p, size_t bh, int row0, int nrows, int* qidx,
-                                         float* lse2, float* dlt) {
-  for (int r = threadIdx.x; r < BM; r += NT) {
-    const bool valid = r < nrows;
-    qidx[r] = valid ? row0 + r : -1;
-    const float l = valid ? p.lse[bh * p.S + row0 + r] : INFINITY;
-    lse2[r] = l == -INFINITY ? INFINITY : l * DSV_LOG2E;
-    dlt[r] = valid ? p.delta[bh * p.S + row0 + r] : 0.f;
-  }
+  const uint32_t toff = (t % NS) * KB;
+  wg_fence();
+  bwg_scores<T, D, BN>(s, qdesc, wg_desc_add(kdesc0, toff));
+  bwg_scores<T, D, BN>(dp, dodesc, wg_desc_add(vdesc0, toff));
+  wg_commit();
+  wg_wait<0>();
+  wg_fence_regs<BN / 2>(&s[0][0]);
+  wg_fence_regs<BN / 2>(&dp[0][0]);
 }
 
 /* P = exp(scale s - lse) and dS = P (dP - delta) (without the scale factor) of one 64 x BN
@@ -245,8 +218,8 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
   int* qidx = kidx + NS * BN;                                        /* [BM] */
 
   const int RG = ATOMIC ? p.nranges : 1; /* ranges in the grid */
-  BwgCta c;
-  if (!bwg_cta<BM>(p, RG, ATOMIC ? 0 : 1, ATOMIC, c)) return;
+  QmajorCta c;
+  if (!qmajor_cta<BM>(p, RG, ATOMIC ? 0 : 1, ATOMIC, c)) return;
   const int b = c.b, h = c.h, row0 = c.row0, nrows = c.nrows;
   const size_t bh = c.bh;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -257,8 +230,8 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
   const T* kbase = p.k + b * p.kb + h * p.kh;
   const T* vbase = p.v + b * p.vb + h * p.vh;
   int klo, khi, j0, j1; /* keys of the range, entries of the list */
-  if (!bwg_range<BLK>(p, bh, list, count, c.R, c.rr, klo, khi, j0, j1)) return;
-  bwg_rows<BM, NT>(p, bh, row0, nrows, qidx, lse2, dlt);
+  if (!qmajor_range<BLK>(p, bh, list, count, c.R, c.rr, klo, khi, j0, j1)) return;
+  qmajor_rows<BM, NT>(p, bh, row0, nrows, qidx, lse2, dlt);
   __syncthreads();
   gather_rows_async<T, D, NT, BM, true>(Qs, p.q + b * p.qb + h * p.qh, p.qs, qidx, BM);
   gather_rows_async<T, D, NT, BM, true>(dOs, p.dout + b * p.gb + h * p.gh, p.gs, qidx, BM);
@@ -300,28 +273,11 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
   float* dka = p.dkacc + bh * (size_t)p.S * D;
 
   for (int t = 0; t < ntiles; ++t) {
-    const int buf = t % NS;
-    cp_async_wait<NS - 2>();
-    fence_proxy_async_smem(); /* this thread's cp.async writes -> visible to the tensor cores */
-    __syncthreads();          /* tile t landed for all; the previous tile's MMAs are done */
-    {
-      const int tn = t + NS - 1;
-      if (tn < ntiles) {
-        const int nb = tn % NS;
-        ix.issue(ks0 + nb * KE * 2, vs0 + nb * KE * 2, klo, khi, kidx + nb * BN);
-        ix.load(list, j0 + (tn + 1) * BN, j1);
-      }
-      cp_async_commit();
-    }
-    const uint32_t toff = buf * KE * 2;
-    const int* ki = kidx + buf * BN;
-    wg_fence();
-    bwg_scores<T, D, BN>(s, qdesc, wg_desc_add(kdesc0, toff));
-    bwg_scores<T, D, BN>(dp, dodesc, wg_desc_add(vdesc0, toff));
-    wg_commit();
-    wg_wait<0>();
-    wg_fence_regs<BN / 2>(&s[0][0]);
-    wg_fence_regs<BN / 2>(&dp[0][0]);
+    /* tile t landed for all; the previous tile's MMAs are done */
+    bwg_tile_scores<T, D, BN, NS>(ix, list, j0, j1, klo, khi, t, ntiles, ks0, vs0, kidx, qdesc,
+                                  dodesc, kdesc0, vdesc0, s, dp);
+    const uint32_t toff = (t % NS) * KE * 2;
+    const int* ki = kidx + (t % NS) * BN;
 
     /* P and dS, packed */
     uint32_t pa[BN / 16][4], da[BN / 16][4];
@@ -405,14 +361,14 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   int* qidx = kidx + NS * BN;                           /* [BM] */
 
   const int RG = p.nranges;
-  BwgCta c;
-  if (!bwg_cta<BM>(p, RG, 0, true, c)) return;
+  QmajorCta c;
+  if (!qmajor_cta<BM>(p, RG, 0, true, c)) return;
   const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, warp = (tid >> 5) & 3;
   const int* list = p.kv_index + (c.bh * p.NG + c.g) * p.kmax;
   const int count = trim_count<NT>(list, clamp_count(__ldg(p.kv_count + c.bh), p.kmax));
   int klo, khi, j0, j1;
-  if (!bwg_range<1>(p, c.bh, list, count, c.R, c.rr, klo, khi, j0, j1)) return;
-  bwg_rows<BM, NT>(p, c.bh, c.row0, c.nrows, qidx, lse2, dlt);
+  if (!qmajor_range<1>(p, c.bh, list, count, c.R, c.rr, klo, khi, j0, j1)) return;
+  qmajor_rows<BM, NT>(p, c.bh, c.row0, c.nrows, qidx, lse2, dlt);
   __syncthreads();
   {
     const T* qb = p.q + c.b * p.qb + c.h * p.qh;
@@ -460,29 +416,12 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   float* red = (wg ? p.dkacc : p.dvacc) + c.bh * (size_t)p.S * D;
 
   for (int t = 0; t < ntiles; ++t) {
-    const int buf = t % NS;
-    cp_async_wait<NS - 2>();
-    fence_proxy_async_smem(); /* this thread's cp.async writes -> visible to the tensor cores */
-    __syncthreads();          /* tile t landed for all; both warpgroups' MMAs of tile t - 1
-                                 (readers of stage buf ^ 1 and of the P / dS tiles) are done */
-    {
-      const int tn = t + NS - 1;
-      if (tn < ntiles) {
-        const int nb = tn % NS;
-        ix.issue(ks0 + nb * KE * 2, vs0 + nb * KE * 2, klo, khi, kidx + nb * BN);
-        ix.load(list, j0 + (tn + 1) * BN, j1);
-      }
-      cp_async_commit();
-    }
-    const uint32_t toff = buf * KE * 2;
-    const int* ki = kidx + buf * BN;
-    wg_fence();
-    bwg_scores<T, D, BN>(s, qdesc, wg_desc_add(kdesc0, toff));
-    bwg_scores<T, D, BN>(dp, dodesc, wg_desc_add(vdesc0, toff));
-    wg_commit();
-    wg_wait<0>();
-    wg_fence_regs<BN / 2>(&s[0][0]);
-    wg_fence_regs<BN / 2>(&dp[0][0]);
+    /* tile t landed for all; both warpgroups' MMAs of tile t - 1 (readers of the stage
+     * refilled here and of the P / dS tiles) are done */
+    bwg_tile_scores<T, D, BN, NS>(ix, list, j0, j1, klo, khi, t, ntiles, ks0, vs0, kidx, qdesc,
+                                  dodesc, kdesc0, vdesc0, s, dp);
+    const uint32_t toff = (t % NS) * KE * 2;
+    const int* ki = kidx + (t % NS) * BN;
 
     uint32_t pa[BN / 16][4], da[BN / 16][4];
     bwg_p_ds<T, BN, true>(s, dp, ki, p.scale_log2, lse2[lr0], lse2[lr1], dlt[lr0], dlt[lr1],

@@ -47,10 +47,12 @@ __all__ = ["Dispatcher", "default_calibration_path", "calibrate", "BLOCK_COST_RA
 
 # Cost per key of block lists relative to token lists, used where the calibration table has no
 # entries for a block size (calibrate(kv_blocks=...) adds measured entries, which then take over).
-# Measured on the H200 (S = 64k, H = 24, D = 128, G = 64, density 0.1, forward + backward,
-# benchmarks/PERF_LOG.md kernels v14): token lists 95.3 ms, 16-key lists 101.9 ms (run as token
-# lists: faster than their block kernels), 64-key lists 61.9 ms on the block kernels.
-BLOCK_COST_RATIO = {1: 1.0, 16: 1.07, 64: 0.65}
+# Measured on the H200 at S = 64k, H = 24, D = 128, density 0.1, forward + backward, for the
+# default G = 128 (benchmarks/PERF_LOG.md kernels v15): token lists 67.5 ms, 64-key lists 62.4 ms
+# on the block kernels (0.92); 16-key lists, run as token lists, 1.07x the token lists' time at
+# G = 64 (kernels v14; at G = 64 the 64-key lists cost 0.65x: the token lists' backward there
+# reduces dK / dV twice per 128 queries).
+BLOCK_COST_RATIO = {1: 1.0, 16: 1.07, 64: 0.92}
 
 
 def default_calibration_path() -> str:
