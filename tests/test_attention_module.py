@@ -334,7 +334,7 @@ def test_training_step_under_bf16_autocast(stage, density):
 
 needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and dsv_ext.has_cuda_kernels()),
                                 reason="needs a GPU and the CUDA kernels")
-CGRID = (3, 10, 10)  # S = 300: partial cubes (3 frames < 4) and a partial last group (300 = 4 x 64 + 44)
+CGRID = (3, 10, 10)  # S = 300: partial cubes (3 frames < 4) and a partial last group (300 = 2 x 128 + 44)
 CS = 300
 
 
@@ -397,7 +397,7 @@ def test_cuda_stage2_matches_reference_with_its_index():
     m.set_density([0.1, 0.2, 0.3, 0.5], CS)
     q, k, v = _cuda_qkv(128, seed=3)
     out = m(q, k, v)
-    assert cfg.group_size == 64  # the default: 4 full groups and a partial one of 44 queries
+    assert cfg.group_size == 128  # the default: 2 full groups and a partial one of 44 queries
     _, want = _with_module_index(m, q, k, v, CGRID)
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=1e-2)
     # float32 inputs run the kernels in bf16 and come back as float32
@@ -407,23 +407,23 @@ def test_cuda_stage2_matches_reference_with_its_index():
 
 
 @needs_cuda
-@pytest.mark.parametrize("grid", [(2, 6, 10), (1, 4, 6)])  # S = 120 = 64 + 56 on 2 frames; S = 24 < G
+@pytest.mark.parametrize("grid", [(2, 8, 10), (1, 4, 6)])  # S = 160 = 128 + 32 on 2 frames; S = 24 < G
 def test_cuda_default_groups_on_short_grids(grid):
-    """The default groups (64 queries, 4x4x4 cubes) on grids of fewer than 4 frames and sequences
-    that are not a multiple of 64 or shorter than it: forward and gradients against the float64
+    """The default groups (128 queries, 4x4x4 cubes) on grids of fewer than 4 frames and
+    sequences that are not a multiple of 128 or shorter than it: forward and gradients against the float64
     reference with the module's index (bf16 tolerances as above)."""
     cfg = DSVConfig()
     Sg = grid[0] * grid[1] * grid[2]
     m = SparseAttention(4, 128, grid=grid, config=cfg).cuda()
     m.stage, m.use_sparse = 2, True
     m.set_density([0.1, 0.3, 0.6, 1.0], Sg)
-    assert m.head_k == ([64, 64, 120, 120] if Sg == 120 else [24] * 4)
+    assert m.head_k == ([64, 64, 128, 160] if Sg == 160 else [24] * 4)
     g = torch.Generator(device="cuda").manual_seed(5)
     q, k, v = [torch.randn(2, Sg, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
                for _ in range(3)]
     out = m(q, k, v)
     index, want = _with_module_index(m, q, k, v, grid)
-    assert index.shape[2] == -(-Sg // 64)
+    assert index.shape[2] == -(-Sg // cfg.group_size)
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=1e-2)
     for a, b in zip(_grads(out.double(), (q, k, v)), _grads(want, (q, k, v))):
         torch.testing.assert_close(a.double(), b.double(), rtol=5e-2, atol=2e-2)
