@@ -32,7 +32,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")
 
 
 def _cfg(group_size=8):
-    """group_size None: DSVConfig's default groups (64 queries, 4x4x4 cubes: one partial group
+    """group_size None: DSVConfig's default groups (128 queries, 4x4x4 cubes: one partial group
     and partial cubes on these 2 x 4 x 6 token grids)."""
     kw = {} if group_size is None else {"group_size": group_size}
     return DSVConfig(k_multiple=8, rank=4, row_sample_stride=4, force_stage2_step=2,
