@@ -24,6 +24,11 @@
  * handled as in bwd_qmajor_kernel (binary search of the sorted list, dQ reduced in fp32).
  * Shared memory (D = 128): Q, dO 2 x 16 KB, K / V 2 stages x 2 x 16 KB, P / dS 8 KB, ~106 KB:
  * 2 CTAs per SM (8 warps, as the mma.sync kernel), 243 registers (dq, dV_t, dK_t 64 each).
+ *
+ * bwd_wg128_kernel (below, launched by qmajor_passes for groups of a multiple of 128 queries
+ * with the tuning's g128): the pass with reductions for 128 rows per CTA on two warpgroups that
+ * share the key tiles, forming dV_t and dK_t over all 128 rows (one each) and reducing every key
+ * once per 128 rows; it ships, as the reductions bound the pass (PERF_LOG kernels v15).
  */
 #ifndef DSV_SPARSE_ATTENTION_BWD_WG_CUH
 #define DSV_SPARSE_ATTENTION_BWD_WG_CUH
