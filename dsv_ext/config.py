@@ -123,8 +123,8 @@ class DSVConfig:
     dispatcher expects to be fastest among those whose predicted lists reach recall_target
     (from the recall-versus-K curve of each granularity; needs k_rule "recall"). Block lists
     need more keys for the same recall; on the H200 at G = 128 64-key lists run a little faster
-    per key (0.92x the time of token lists), 16-key lists do not (1.07x;
-    dispatch.BLOCK_COST_RATIO). Per-head K stays a number of keys; the lists hold ceil(K / b)
+    per key (0.92x the time of token lists; 0.65x at G = 64), 16-key lists do not (1.07x;
+    dispatch.BLOCK_COST_RATIOS). Per-head K stays a number of keys; the lists hold ceil(K / b)
     blocks."""
     min_density: float = 0.02
     """Per-head K is at least this fraction of S."""

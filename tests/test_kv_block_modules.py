@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 import dsv_ext
 from dsv_ext.config import KV_BLOCKS, DSVConfig
 from dsv_ext.control.controller import DSVController
-from dsv_ext.control.dispatch import BLOCK_COST_RATIO, Dispatcher
+from dsv_ext.control.dispatch import BLOCK_COST_RATIO, BLOCK_COST_RATIOS, Dispatcher, block_cost_ratio
 from dsv_ext.grouping import cube_permutation
 from dsv_ext.modules.attention import SparseAttention
 from dsv_ext.modules.contract import StepPlan
@@ -207,16 +207,28 @@ def test_choose_kv_block_without_table(monkeypatch):
 
 
 def test_choose_kv_block_with_the_measured_ratios():
-    """The shipped per-key cost ratios (H200, G = 128, PERF_LOG kernels v15): 16-key lists cost
-    more per key than token lists (run expanded on CUDA), 64-key lists 0.92 of them. (The assumed
-    0.75 / 0.5 gave head 0 to 16-key lists.)"""
-    assert BLOCK_COST_RATIO == {1: 1.0, 16: 1.07, 64: 0.92}
+    """The shipped per-key cost ratios (H200; G = 128, PERF_LOG kernels v15, and G = 64, v14):
+    16-key lists cost more per key than token lists (run expanded on CUDA), 64-key lists 0.92 of
+    them at G = 128 and 0.65 at G = 64, chosen by the config's group size. (The assumed 0.75 /
+    0.5 gave head 0 to 16-key lists.)"""
+    assert BLOCK_COST_RATIO == {1: 1.0, 16: 1.07, 64: 0.92} == BLOCK_COST_RATIOS[128]
+    assert BLOCK_COST_RATIOS[64] == {1: 1.0, 16: 1.07, 64: 0.65}
     d = Dispatcher(DSVConfig(use_calibration=False, recall_max_density=0.9))
     # head 0: the same density for tokens and 16 (0.3 < 0.321), 64 needs 0.5 (0.46) -> tokens
     # head 1: 16 needs fewer keys (0.2 * 1.07 = 0.214 < 0.3 < 0.47 * 0.92 = 0.4324) -> 16
     # head 2: 64 needs as many keys as tokens (0.3 * 0.92 = 0.276 < 0.3 < 0.321) -> 64
     dens = [[0.3, 0.3, 0.3], [0.3, 0.2, 0.3], [0.5, 0.47, 0.3]]
     assert d.choose_kv_block(dens, 4096, 3, 128, "cpu") == [1, 16, 64]
+    # at G = 64 token lists cost more per key: head 0's 64-key lists (0.5 * 0.65 = 0.325) still
+    # lose to its tokens (0.3), head 3's (0.4 * 0.65 = 0.26) win over tokens at 0.3 (at G = 128
+    # they would not: 0.368)
+    dens = [[0.3, 0.3, 0.3, 0.3], [0.3, 0.2, 0.3, 0.3], [0.5, 0.47, 0.3, 0.4]]
+    d64 = Dispatcher(DSVConfig(use_calibration=False, recall_max_density=0.9, group_size=64))
+    assert d64.choose_kv_block(dens, 4096, 4, 128, "cpu") == [1, 16, 64, 64]
+    assert d.choose_kv_block(dens, 4096, 4, 128, "cpu") == [1, 16, 64, 1]
+    # groups between and below the measured sizes take the table of the largest size below
+    assert block_cost_ratio(64, 100) == 0.65 and block_cost_ratio(64, 32) == 0.65
+    assert block_cost_ratio(64, 256) == 0.92
 
 
 def test_choose_kv_block_uses_block_entries_of_the_table():

@@ -29,7 +29,8 @@ without the key are token lists.
 Key granularity (DSVConfig.kv_block "auto", `choose_kv_block`): per head, among the granularities
 whose density for the recall target is within recall_max_density, the one with the lowest
 predicted time; where the table has no entries for a block size, its time is the token lists'
-time at its density times BLOCK_COST_RATIO.
+time at its density times the measured per-key cost ratio of that block size at the config's group
+size (block_cost_ratio, BLOCK_COST_RATIOS).
 """
 from __future__ import annotations
 
@@ -43,16 +44,28 @@ import torch
 
 from ..config import KV_BLOCKS, DSVConfig
 
-__all__ = ["Dispatcher", "default_calibration_path", "calibrate", "BLOCK_COST_RATIO"]
+__all__ = ["Dispatcher", "default_calibration_path", "calibrate", "BLOCK_COST_RATIO", "BLOCK_COST_RATIOS",
+           "block_cost_ratio"]
 
 # Cost per key of block lists relative to token lists, used where the calibration table has no
 # entries for a block size (calibrate(kv_blocks=...) adds measured entries, which then take over).
-# Measured on the H200 at S = 64k, H = 24, D = 128, density 0.1, forward + backward, for the
-# default G = 128 (benchmarks/PERF_LOG.md kernels v15): token lists 67.5 ms, 64-key lists 62.4 ms
-# on the block kernels (0.92); 16-key lists, run as token lists, 1.07x the token lists' time at
-# G = 64 (kernels v14; at G = 64 the 64-key lists cost 0.65x: the token lists' backward there
-# reduces dK / dV twice per 128 queries).
-BLOCK_COST_RATIO = {1: 1.0, 16: 1.07, 64: 0.92}
+# Per group size G: the token lists' cost per key falls as G grows (one dK / dV reduction per key
+# and group), the 64-key lists' key-major backward does not depend on G. Measured on the H200 at
+# S = 64k, H = 24, D = 128, density 0.1, forward + backward (benchmarks/PERF_LOG.md): G = 64
+# (kernels v14) token lists 95.3 ms, 16-key lists 101.9 ms (run as token lists: faster than their
+# block kernels), 64-key lists 61.9 ms on the block kernels; G = 128 (v15) token lists 67.5 ms,
+# 64-key lists 62.4 ms (16-key lists taken as at G = 64).
+BLOCK_COST_RATIOS = {64: {1: 1.0, 16: 1.07, 64: 0.65}, 128: {1: 1.0, 16: 1.07, 64: 0.92}}
+BLOCK_COST_RATIO = BLOCK_COST_RATIOS[128]  # the default group size's
+
+
+def block_cost_ratio(kv_block: int, group_size: int) -> float:
+    """Cost per key of ``kv_block``-key lists relative to token lists at ``group_size``: the
+    measured table of the largest G <= group_size (the smallest measured G below that: smaller
+    groups make token lists dearer still, so blocks are then costed conservatively)."""
+    gs = sorted(BLOCK_COST_RATIOS)
+    g = max([x for x in gs if x <= group_size] or gs[:1])
+    return BLOCK_COST_RATIOS[g][kv_block]
 
 
 def default_calibration_path() -> str:
@@ -197,7 +210,7 @@ class Dispatcher:
                   dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> float:
         """Relative time of one head's sparse attention with lists of ``kv_block`` keys per entry
         at ``density`` (K / S): the table's time for this block size where it has entries, else
-        BLOCK_COST_RATIO[kv_block] x the token lists' time (x the density without a table). The
+        block_cost_ratio(kv_block, G) x the token lists' time (x the density without a table). The
         values compare granularities; the unit is ms where a table exists."""
         if self.config.use_calibration:
             p = self.predict_ms(seq_len, 1, head_dim, density, device, dtype, batch, kv_block)
@@ -205,8 +218,8 @@ class Dispatcher:
                 return p["sparse"]
             p = self.predict_ms(seq_len, 1, head_dim, density, device, dtype, batch)
             if p is not None:
-                return BLOCK_COST_RATIO[kv_block] * p["sparse"]
-        return BLOCK_COST_RATIO[kv_block] * density
+                return block_cost_ratio(kv_block, self.config.group_size) * p["sparse"]
+        return block_cost_ratio(kv_block, self.config.group_size) * density
 
     def choose_kv_block(self, densities: Sequence[Sequence[float]], seq_len: int, heads: int, head_dim: int,
                         device, dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> List[int]:
@@ -254,7 +267,7 @@ class Dispatcher:
         density: the per-head K / S the block would run with, when K does not follow from the
         sparsity by config.head_k (the recall K rule); the threshold rule then reads 1 - density.
         kv_block: per-head list granularity (None: token lists); block heads are costed by
-        head_cost, and the threshold rule reads their density times BLOCK_COST_RATIO."""
+        head_cost, and the threshold rule reads their density times block_cost_ratio."""
         if not sparsity:
             return False
         if kv_block is not None and any(b != 1 for b in kv_block):
@@ -280,7 +293,8 @@ class Dispatcher:
                 sparse = sum(self.head_cost(d, b, seq_len, head_dim, device, dtype, batch)
                              for d, b in zip(dens, kv_block))
                 return sparse < (1.0 - self.config.dispatch_margin) * p["dense"]
-        eff = sum(BLOCK_COST_RATIO[b] * d for d, b in zip(dens, kv_block)) / len(dens)
+        G = self.config.group_size
+        eff = sum(block_cost_ratio(b, G) * d for d, b in zip(dens, kv_block)) / len(dens)
         return 1.0 - eff >= self.config.dispatch_threshold
 
     def plan(self, blocks: Sequence[dict], device) -> List[bool]:
