@@ -53,6 +53,22 @@ def source_digest(root: str = ROOT, files: Optional[Iterable[str]] = None) -> st
     return h.hexdigest()
 
 
+def source_commit() -> str:
+    """The commit the package's code comes from, for the provenance of measurements: the
+    environment variable DSV_COMMIT, else ``git rev-parse --short HEAD`` of the checkout this file
+    lives in, else "unknown" (an installed copy, or no git)."""
+    import subprocess
+
+    commit = os.environ.get("DSV_COMMIT")
+    if commit:
+        return commit
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=ROOT,
+                                       stderr=subprocess.DEVNULL).strip() or "unknown"
+    except Exception:  # noqa: BLE001 - not a git checkout, or no git
+        return "unknown"
+
+
 def want_cuda(setting: Optional[str], torch_cuda: Optional[str], cuda_home: Optional[str],
               nvcc: bool) -> bool:
     """Whether the build compiles the CUDA kernels, from DSV_BUILD_CUDA (`setting`: auto, the

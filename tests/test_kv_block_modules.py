@@ -263,7 +263,7 @@ def test_calibration_measures_block_entries(tmp_path, capsys):
     assert main(args + ["--kv-blocks", "1", "16"]) == 0
     es = json.loads(open(path).read())["entries"]
     assert sorted(e.get("kv_block", 1) for e in es) == [1, 16]
-    assert all(e["measured"].endswith("UTC") and e["torch"] == torch.__version__ for e in es)
+    assert all(e["measured"].endswith("UTC") and e["torch"] == torch.__version__ and e["commit"] for e in es)
     assert "S=128 kv_block=16: dense" in capsys.readouterr().out
     d = Dispatcher(DSVConfig(group_size=16, calibration_path=path))
     blk = next(e for e in es if e.get("kv_block") == 16)

@@ -79,16 +79,10 @@ def provenance(device) -> Dict[str, str]:
     checkout the package runs from, or the environment variable DSV_COMMIT when set, else
     "unknown"; device name)."""
     import datetime
-    import subprocess
 
-    commit = os.environ.get("DSV_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                             cwd=os.path.dirname(os.path.abspath(__file__)),
-                                             stderr=subprocess.DEVNULL).strip()
-        except Exception:  # noqa: BLE001 - not a git checkout, or no git
-            commit = "unknown"
+    from .._buildcheck import source_commit
+
+    commit = source_commit()
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

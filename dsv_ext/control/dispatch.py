@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from .._buildcheck import source_commit
 from ..config import KV_BLOCKS, DSVConfig
 
 __all__ = ["Dispatcher", "default_calibration_path", "calibrate", "BLOCK_COST_RATIO", "BLOCK_COST_RATIOS",
@@ -386,7 +387,8 @@ class Dispatcher:
                     sp[str(s)] = timed(sparse)
                 entry = {"device": name, "dtype": dt, "heads": heads, "head_dim": head_dim, "group_size": G,
                          "seq_len": S, "dense_ms": dense_ms, "sparse_ms": sp,
-                         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__}
+                         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+                         "commit": source_commit()}
                 if kb != 1:
                     entry["kv_block"] = kb
                 if verbose:
