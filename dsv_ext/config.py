@@ -110,7 +110,7 @@ class DSVConfig:
     group_size: int = 128
     """G: consecutive (cube-ordered) queries sharing one critical-KV list; the last group of a
     sequence that is not a multiple of G (or shorter than G) is partial. 128 by default: on the
-    H200, at the same keys per list, the kernels at G = 128 take ~0.65x the time of G = 64 and
+    H200, at the same keys per list, the kernels at G = 128 take ~0.7x the time of G = 64 and
     G = 64 ~0.5x the time of G = 32 (fewer dK / dV reductions per key), while on attention of a
     DiT trained on real video G = 128 lists need only ~3% more of the keys than G = 64 lists,
     and those ~1% more than G = 32 ones, for the same recall: at recall 0.9, 347 ms against 534
