@@ -62,8 +62,8 @@ BLOCK_COST_RATIO = BLOCK_COST_RATIOS[128]  # the default group size's
 
 def block_cost_ratio(kv_block: int, group_size: int) -> float:
     """Cost per key of ``kv_block``-key lists relative to token lists at ``group_size``: the
-    measured table of the largest G <= group_size (the smallest measured G below that: smaller
-    groups make token lists dearer still, so blocks are then costed conservatively)."""
+    measured table of the largest G <= group_size; below every measured G, the smallest one's
+    (smaller groups make token lists dearer still, so blocks are then costed conservatively)."""
     gs = sorted(BLOCK_COST_RATIOS)
     g = max([x for x in gs if x <= group_size] or gs[:1])
     return BLOCK_COST_RATIOS[g][kv_block]
@@ -346,6 +346,7 @@ class Dispatcher:
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
         G, r = self.config.group_size, self.config.rank
         name, dt = _device_name(dev), str(dtype).replace("torch.", "")
+        commit = source_commit()  # the provenance of every entry measured here
         table = self.table or {"version": 1, "entries": []}
 
         def timed(fn) -> float:
@@ -388,7 +389,7 @@ class Dispatcher:
                 entry = {"device": name, "dtype": dt, "heads": heads, "head_dim": head_dim, "group_size": G,
                          "seq_len": S, "dense_ms": dense_ms, "sparse_ms": sp,
                          "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-                         "commit": source_commit()}
+                         "commit": commit}
                 if kb != 1:
                     entry["kv_block"] = kb
                 if verbose:
