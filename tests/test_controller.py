@@ -355,9 +355,11 @@ def test_builtin_h200_table_is_used_where_the_user_has_none(tmp_path, monkeypatc
 
 
 def test_dispatcher_calibrate_on_cpu(tmp_path):
+    """Calibration times backward passes; the controller calls it from step(), under no_grad."""
     cfg = _cfg(use_calibration=True, calibration_path=str(tmp_path / "c.json"))
-    t = Dispatcher(cfg, table=None).calibrate("cpu", seq_lens=(64,), sparsities=(0.5, 0.9), heads=2,
-                                              head_dim=16, dtype=torch.float32, repeats=1)
+    with torch.no_grad():
+        t = Dispatcher(cfg, table=None).calibrate("cpu", seq_lens=(64,), sparsities=(0.5, 0.9), heads=2,
+                                                  head_dim=16, dtype=torch.float32, repeats=1)
     (e,) = t["entries"]
     assert e["seq_len"] == 64 and set(e["sparse_ms"]) == {"0.5", "0.9"} and e["dense_ms"] > 0
     assert json.loads((tmp_path / "c.json").read_text()) == t

@@ -326,6 +326,7 @@ class Dispatcher:
         return choice
 
     # ---------------------------------------------------------------- calibration
+    @torch.enable_grad()  # it times backward passes; callers (controller.step) may run under no_grad
     def calibrate(self, device="cuda", seq_lens: Sequence[int] = (4096, 16384, 32768, 65536),
                   sparsities: Sequence[float] = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98), heads: int = 16,
                   head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, repeats: int = 3,
