@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build the CUDA extension here (no GPU needed: torch with CUDA + nvcc) and put it in .devso/
-# (git-excluded) for device calls: carry ".devso" and benchmarks/device_session.sh uses it when
-# it loads there and was built from the same csrc/ and setup.py (checked by a hash), else it
-# builds on the device. About 1-1.5 min on 2 cores.
+# (git-excluded) for device calls, xz-compressed (_C.abi3.so.xz, about 3 MB of 27: it fits the
+# carry beside the video wheels): carry ".devso" and the device scripts (benchmarks/device_ext.sh)
+# use it when it loads there and was built from the same csrc/ and setup.py (checked by a hash),
+# else they build on the device. About 1.5-3 min on 2 cores.
 #   usage: bash benchmarks/build_devso.sh          (the working tree -> .devso/)
 #          bash benchmarks/build_devso.sh REV      (commit REV -> .devso-before/: the "before" of
 #          a kernel change, timed against the tree by device_session.sh's "ab" step)
@@ -19,12 +20,14 @@ fi
 (cd "$tmp" && MAX_JOBS=${MAX_JOBS:-2} DSV_BUILD_CUDA=1 python3 setup.py -q build_ext --inplace > build.log 2>&1) ||
   { tail -30 "$tmp/build.log"; exit 1; }
 mkdir -p $dest
-cp "$tmp/dsv_ext/_C.abi3.so" $dest/
+rm -f $dest/_C.abi3.so
+python3 -c "import lzma, shutil, sys; shutil.copyfileobj(open(sys.argv[1], 'rb'), lzma.open(sys.argv[2], 'wb', preset=6))" \
+  "$tmp/dsv_ext/_C.abi3.so" $dest/_C.abi3.so.xz
 if [ $# -ge 1 ]; then
   git rev-parse --short "$1" > $dest/commit
-  echo "built $dest/_C.abi3.so from commit $(cat $dest/commit)"
+  echo "built $dest/_C.abi3.so.xz from commit $(cat $dest/commit)"
 else
   bash benchmarks/csrc_hash.sh > $dest/csrc.sha256
-  echo "built $dest/_C.abi3.so for csrc $(cat $dest/csrc.sha256)"
+  echo "built $dest/_C.abi3.so.xz for csrc $(cat $dest/csrc.sha256)"
 fi
 rm -rf "$tmp"

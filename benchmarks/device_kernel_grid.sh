@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The kernel benchmark grid (docs/PERFORMANCE.md, Kernels) on one GPU, after
 # benchmarks/device_session.sh has put the extension in place (or with a prebuilt
-# .devso/_C.abi3.so): bench_kernels.py runs, each into its own folder under $OUT/grid_*, every
+# .devso, benchmarks/device_ext.sh): bench_kernels.py runs, each into its own folder under $OUT/grid_*, every
 # one with cuDNN and FlexAttention block-sparse at the same density in the same run. The axes as
 # crosses through the target shape (S = 64k, D = 128, sparsity 0.9, random lists):
 #   a  G 64 / 128, sparsity 0.8 / 0.9 / 0.95 / 0.98, random and smooth lists     (16 shapes)

@@ -14,18 +14,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"tests bench ncu san"}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD
 date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-if ls .dsvwheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .dsvwheels/*.whl && export PYTHONPATH=$PWD:/tmp/site
-fi
-have_ext() { python3 -c "import dsv_ext, sys; sys.exit(0 if dsv_ext.has_cuda_kernels() else 1)" 2>/dev/null; }
-if [ -f .devso/_C.abi3.so ] && [ "$(cat .devso/csrc.sha256 2>/dev/null)" = "$(bash benchmarks/csrc_hash.sh)" ] &&
-   cp .devso/_C.abi3.so dsv_ext/ && have_ext; then
-  echo "using the prebuilt extension (.devso, csrc $(cat .devso/csrc.sha256))"
-else
-  t0=$(date +%s)
-  MAX_JOBS=16 DSV_BUILD_CUDA=1 timeout ${BUILD_LIMIT:-240} python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1
-  rc=$?; echo "build rc=$rc in $(( $(date +%s) - t0 )) s"; [ $rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
-fi
+. benchmarks/device_ext.sh
+wheels .dsvwheels
+BUILD_LIMIT=${BUILD_LIMIT:-240} ensure_ext || exit 1
 python3 -c "import dsv_ext, torch; print('torch', torch.__version__, 'CUDA kernels:', dsv_ext.has_cuda_kernels())"
 case " $STEPS " in *" tests "*)
   DSV_TEST_FAST=1 timeout ${TEST_LIMIT:-420} python3 -m pytest -q -p no:cacheprovider -rf --durations=30 ${TEST_ARGS:-} ${TESTS:-tests} > "$OUT/tests.log" 2>&1
@@ -36,6 +27,7 @@ case " $STEPS " in *" bench "*)
   echo "bench rc=$?"; grep -v '^{' "$OUT/bench.log" | tail -12;;
 esac
 case " $STEPS " in *" ab "*)  # the attention kernels before (.devso-before) and after, interleaved, same call
+  devso_unpack .devso-before
   if [ -f .devso-before/_C.abi3.so ]; then
     AB="python3 benchmarks/bench_kernels.py ${AB_ARGS:---S 65536 --D 128 --G 64 --sparsity 0.9 --dist random smooth --dense cudnn} --reps 5"
     for r in 1 2; do for w in before after; do

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The extension and the optional wheels on a device machine, shared by the device scripts
+# (sourced: `. benchmarks/device_ext.sh`, then `wheels DIR` and `ensure_ext || exit 1`).
+#  - ensure_ext: the prebuilt .devso (benchmarks/build_devso.sh: _C.abi3.so.xz, about 3 MB, so it
+#    fits the carry beside the video wheels) when it was built from this csrc/ and setup.py
+#    (benchmarks/csrc_hash.sh) and loads here; else a build here (incremental on a machine that
+#    built before; minutes on a fresh one). The build log goes to $OUT/build.log.
+#  - devso_unpack DIR: DIR/_C.abi3.so from DIR/_C.abi3.so.xz (.devso-before for the "ab" step).
+#  - wheels DIR: pip-installs the wheels carried in DIR into /tmp/site and puts it on PYTHONPATH.
+#   env: BUILD_LIMIT seconds for a build (300), OUT
+devso_unpack() {
+  [ -f "$1/_C.abi3.so.xz" ] || return 0
+  python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+    "$1/_C.abi3.so.xz" "$1/_C.abi3.so"
+}
+
+have_ext() { python3 -c "import dsv_ext, sys; sys.exit(0 if dsv_ext.has_cuda_kernels() else 1)" 2>/dev/null; }
+
+ensure_ext() {
+  devso_unpack .devso
+  if [ -f .devso/_C.abi3.so ] && [ "$(cat .devso/csrc.sha256 2>/dev/null)" = "$(bash benchmarks/csrc_hash.sh)" ] &&
+     cp .devso/_C.abi3.so dsv_ext/ && have_ext; then
+    echo "using the prebuilt extension (.devso, csrc $(cat .devso/csrc.sha256))"
+    return 0
+  fi
+  local t0 rc
+  t0=$(date +%s)
+  mkdir -p "${OUT:-/tmp/out}"
+  MAX_JOBS=16 DSV_BUILD_CUDA=1 timeout "${BUILD_LIMIT:-300}" python3 setup.py -q build_ext --inplace \
+    > "${OUT:-/tmp/out}/build.log" 2>&1
+  rc=$?
+  echo "build rc=$rc in $(( $(date +%s) - t0 )) s"
+  if [ $rc -ne 0 ] || ! have_ext; then
+    tail -40 "${OUT:-/tmp/out}/build.log"
+    return 1
+  fi
+}
+
+wheels() {
+  ls "$1"/*.whl >/dev/null 2>&1 || return 0
+  python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site "$1"/*.whl 2>&1 |
+    grep -v "already exists" || true
+  export PYTHONPATH=$PWD:/tmp/site
+}
