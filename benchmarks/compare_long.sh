@@ -12,6 +12,8 @@
 #          RESERVE seconds kept for the final validation, checkpoint, samples and packing (90)
 #          CONFIG (configs/long-video.yaml), RUN (runs/compare-long-video), STEPS (the config's),
 #          ARGS    more compare arguments, e.g. "--set dsv.k_margin=0.05"; DEVICE (cuda)
+# Runs that cannot finish (device time out) are still reported: python -m dsv_ext.app.compare
+# --config CONFIG --out RUN --report-only (compares them at the last step both validated).
 # $OUT gets compare-long.tgz (the run folder without checkpoints: metrics of both runs so far, and
 # when complete compare.md / .json / .png, compare_samples.png) and compare.log.
 set -u

@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import yaml
 
 from dsv_ext.app.models import dsv_attention_available
 from test_train import micro_config
@@ -45,6 +46,36 @@ def test_compare_in_chunks_equals_one_go(tmp_path):
     assert again["val_at_equal_steps"] == one["val_at_equal_steps"]
     assert again["samples"] == one["samples"]
     assert [r["loss"] for r in again["history"]["dsv"]] == [r["loss"] for r in one["history"]["dsv"]]
+
+
+@needs_dsv
+def test_report_only_of_unfinished_runs(tmp_path, capsys):
+    """--report-only writes the report of the runs as they stand: an unfinished pair is compared at
+    the last step both validated, marked unfinished; a missing run is an error naming --out."""
+    from dsv_ext.app.compare import compare, main
+
+    cfg = micro_config(steps=4, log_every=1, val_every=2)
+    # full attention stops after two one-step chunks (validated at step 2, a checkpoint)
+    for _ in range(2):
+        res = compare(cfg, str(tmp_path), device="cpu", progress=False, resume=True, time_limit_s=1e-3,
+                      min_chunk_s=0.0, samples=0)
+        assert not res["complete"]
+    cfg_path = tmp_path / "micro.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    rc = main(["--config", str(cfg_path), "--out", str(tmp_path), "--device", "cpu", "--report-only"])
+    out = capsys.readouterr()
+    assert rc != 0 and "--out" in out.err and "dsv" in out.err  # the DSV run does not exist yet
+    from dsv_ext.app.train import train
+    train(cfg, out_dir=str(tmp_path / "dsv"), steps=4, attention="dsv", device="cpu", progress=False)
+    assert main(["--config", str(cfg_path), "--out", str(tmp_path), "--device", "cpu", "--report-only"]) == 0
+    rep = json.load(open(tmp_path / "compare.json"))
+    assert not rep["complete"] and rep["last_steps"]["dsv"] == 4 and rep["last_steps"]["dense"] < 4
+    assert rep["val_loss_gap_step"] == 2 and [e["step"] for e in rep["val_at_equal_steps"]] == [2]
+    e = rep["val_at_equal_steps"][0]
+    assert rep["val_loss_rel_gap"] == pytest.approx(e["dsv"] / e["dense"] - 1)
+    md = open(tmp_path / "compare.md").read()
+    assert "Unfinished runs: full attention at step" in md and "validation loss at step 2" in md
+    assert os.path.exists(tmp_path / "dense" / "ckpt_last.pt")  # kept: the run can still resume
 
 
 @needs_dsv

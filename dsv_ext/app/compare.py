@@ -168,11 +168,7 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
               f"step {at['dsv']}/{target}); run the same command with --resume to continue",
               file=sys.stderr)
         return {"complete": False, "steps": target, "progress": at}
-    summaries = {}
-    for att in ("dense", "dsv"):
-        with open(os.path.join(out_dir, att, "summary.json")) as f:
-            summaries[att] = json.load(f)
-    res = build_report(cfg, out_dir, summaries)
+    res = build_report(cfg, out_dir, _summaries(out_dir))
     have_ckpts = all(os.path.exists(os.path.join(out_dir, a, "ckpt_last.pt")) for a in ("dense", "dsv"))
     if samples > 0 and not have_ckpts:  # a finished comparison reported again: keep its samples
         try:
@@ -188,6 +184,29 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
                                                 num=samples, steps=sample_steps, device=device)
         except ImportError as e:  # Pillow missing
             print(f"compare: no sample strip ({e}); pip install pillow", file=sys.stderr)
+    write_report(res, out_dir)
+    if not keep_checkpoints:  # keep the folder small enough to commit
+        for att in ("dense", "dsv"):
+            for f in os.listdir(os.path.join(out_dir, att)):
+                if f.startswith("ckpt_") and f.endswith(".pt"):
+                    os.remove(os.path.join(out_dir, att, f))
+    return res
+
+
+def _summaries(out_dir: str) -> Dict[str, Dict[str, Any]]:
+    out = {}
+    for att in ("dense", "dsv"):
+        path = os.path.join(out_dir, att, "summary.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--out: no {att} run in {out_dir} ({path} is missing): "
+                                    "train both runs first (python -m dsv_ext.app.compare without --report-only)")
+        with open(path) as f:
+            out[att] = json.load(f)
+    return out
+
+
+def write_report(res: Dict[str, Any], out_dir: str) -> None:
+    """compare.md, compare.png (with matplotlib) and compare.json of a report into out_dir."""
     write_table(res, os.path.join(out_dir, "compare.md"))
     try:
         write_plot(res, os.path.join(out_dir, "compare.png"))
@@ -195,11 +214,14 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
         print(f"compare: no plot ({e}); pip install matplotlib", file=sys.stderr)
     with open(os.path.join(out_dir, "compare.json"), "w") as f:
         json.dump(res, f, indent=1)
-    if not keep_checkpoints:  # keep the folder small enough to commit
-        for att in ("dense", "dsv"):
-            for f in os.listdir(os.path.join(out_dir, att)):
-                if f.startswith("ckpt_") and f.endswith(".pt"):
-                    os.remove(os.path.join(out_dir, att, f))
+
+
+def report_runs(cfg: Dict[str, Any], out_dir: str) -> Dict[str, Any]:
+    """The report of the two runs in out_dir as they stand, finished or not (``--report-only``):
+    an unfinished pair is compared at the last step both validated (``res["complete"]`` False);
+    no training, no samples, checkpoints kept."""
+    res = build_report(cfg, out_dir, _summaries(out_dir))
+    write_report(res, out_dir)
     return res
 
 
@@ -297,6 +319,11 @@ def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[st
              for k in sorted(set(vd) & set(vs))]
     final_d = val["dense"][-1]["val_loss"] if val["dense"] else d.get("final_val_loss")
     final_s = val["dsv"][-1]["val_loss"] if val["dsv"] else s.get("final_val_loss")
+    # the gap at the last step both runs validated (their final step once both are complete)
+    gap_at = equal[-1] if equal else (
+        {"step": None, "rel_gap": final_s / final_d - 1} if final_d and final_s is not None else None)
+    last = {a: x.get("last_step", x.get("steps")) for a, x in (("dense", d), ("dsv", s))}
+    complete = all(x.get("complete", True) and x.get("last_step", x.get("steps")) == x.get("steps") for x in (d, s))
     # wall-clock (training steps) until the validation loss reaches full attention's final one
     reach = {}
     for a in ("dense", "dsv"):
@@ -308,7 +335,8 @@ def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[st
 
     res = {
         "config": cfg.get("name"),
-        "complete": True,
+        "complete": complete,
+        "last_steps": last,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "card": (torch.cuda.get_device_name() if str(d.get("device", "")).startswith("cuda")
                  and torch.cuda.is_available() else None),
@@ -319,7 +347,8 @@ def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[st
         "dense": dict(d, final_val_loss=final_d, tokens_per_s=tps["dense"], train_time_s=total_t["dense"]),
         "dsv": dict(s, final_val_loss=final_s, tokens_per_s=tps["dsv"], train_time_s=total_t["dsv"]),
         "switch_step": switch if switch is not None else sw,
-        "val_loss_rel_gap": None if not final_d or final_s is None else final_s / final_d - 1,
+        "val_loss_rel_gap": None if gap_at is None else gap_at["rel_gap"],
+        "val_loss_gap_step": None if gap_at is None else gap_at["step"],
         "val_at_equal_steps": equal,
         "dense_tokens_per_s_before_switch": before["dense"],
         "dsv_tokens_per_s_before_switch": before["dsv"],
@@ -400,14 +429,29 @@ def write_sample_strip(out_dir: str, path: str, num: int = 2, steps: int = 20,
 
 def write_table(res: Dict[str, Any], path: str) -> None:
     d, s = res["dense"], res["dsv"]
+    partial = not res.get("complete", True)
+    last = res.get("last_steps") or {}
+    gap_step = res.get("val_loss_gap_step")
+    gap = res["val_loss_rel_gap"]
+    vs_full = "-" if gap is None else f"{100 * gap:+.2f}% vs full"
+    if partial:  # a report of unfinished runs (--report-only): compare at the last common step
+        eq = {e["step"]: e for e in res.get("val_at_equal_steps") or []}.get(gap_step)
+        lv = {a: (res.get("val") or {}).get(a) or [] for a in ("dense", "dsv")}
+        val_rows = [f"| validation loss at step {fmt(gap_step)} (the last both runs validated) | "
+                    f"{fmt(eq['dense'] if eq else None)} | {fmt(eq['dsv'] if eq else None)} ({vs_full}) |",
+                    "| validation loss at the last validation | " + " | ".join(
+                        f"{fmt(v[-1]['val_loss'])} (step {v[-1]['step']})" if v else "-"
+                        for v in (lv["dense"], lv["dsv"])) + " |"]
+    else:
+        val_rows = [f"| validation loss | {fmt(d['final_val_loss'])} | {fmt(s['final_val_loss'])} ({vs_full}) |"]
+    steps_txt = (f"Unfinished runs: full attention at step {last.get('dense')}, DSV at step {last.get('dsv')} "
+                 f"of {res['steps']}" if partial else f"{res['steps']} steps")
     L = [f"# Full attention vs DSV: `{res['config']}`", "",
-         f"{res['steps']} steps, {res['tokens_per_sample']} tokens per video, "
+         f"{steps_txt}, {res['tokens_per_sample']} tokens per video, "
          f"batch {d['batch_size']}, device `{res['device']}`"
          + (f" ({res['card']})" if res.get("card") else "") + "; same model init, data, noise "
          f"and seed. DSV switched to stage 2 at step {fmt(res['switch_step'])}.", "",
-         "| | full attention | DSV |", "|---|---|---|",
-         f"| validation loss | {fmt(d['final_val_loss'])} | {fmt(s['final_val_loss'])} "
-         f"({fmt(100 * res['val_loss_rel_gap'] if res['val_loss_rel_gap'] is not None else None, 2)}% vs full) |",
+         "| | full attention | DSV |", "|---|---|---|"] + val_rows + [
          f"| final training loss (last log window) | {fmt(d['final_train_loss'])} | {fmt(s['final_train_loss'])} |",
          f"| throughput, whole run (tokens/s) | {fmt(d['tokens_per_s'], 0)} | {fmt(s['tokens_per_s'], 0)} |",
          f"| throughput before the switch (tokens/s; DSV stage 1) | "
@@ -419,7 +463,9 @@ def write_table(res: Dict[str, Any], path: str) -> None:
          f"| speed-up after the switch | 1.00x | "
          + (f"{res['dsv_tokens_per_s_after_switch'] / res['dense_tokens_per_s_after_switch']:.2f}x |"
             if res["dsv_tokens_per_s_after_switch"] and res["dense_tokens_per_s_after_switch"] else "- |"),
-         f"| training time (s) | {fmt(d['train_time_s'], 1)} | {fmt(s['train_time_s'], 1)} |",
+         "| training time (s) | " + " | ".join(
+             fmt(x["train_time_s"], 1) + (f" ({last.get(a)} steps)" if partial else "")
+             for a, x in (("dense", d), ("dsv", s))) + " |",
          f"| training time to full attention's final validation loss (s) | "
          + " | ".join(_reach(res, a) for a in ("dense", "dsv")) + " |",
          f"| validation loss standard error (over videos) | {fmt(d.get('final_val_loss_se'))} "
@@ -573,6 +619,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--seeds", type=int, default=1,
                    help="train each arm with this many seeds (train.seed + i) and report mean, spread and "
                         "95%% intervals (compare_seeds.md); 3 or more for an interval worth reading")
+    p.add_argument("--report-only", action="store_true",
+                   help="write compare.md / .png / .json from the runs in --out as they stand (also "
+                        "unfinished ones: compared at the last step both validated); trains nothing")
     p.add_argument("--val-videos", type=int, default=None,
                    help="validation videos (overrides train.val_videos; each at every train.val_timesteps)")
     a = p.parse_args(argv)
@@ -588,6 +637,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ov.append(f"train.val_videos={a.val_videos}")
         cfg = load_config(a.config, ov)
         out = a.out or os.path.join("runs", f"compare-{cfg.get('name', 'run')}")
+        if a.report_only:
+            if a.seeds > 1:
+                raise ValueError("--report-only: reports one pair (--seeds 1)")
+            res = report_runs(cfg, out)
+            print(open(os.path.join(out, "compare.md")).read())
+            print(f"outputs in {out}")
+            return 0
         if a.seeds > 1:  # the pair per seed, then the statistics over seeds (dsv_ext/app/seeds.py)
             r = compare_seeds(cfg, out, a.seeds, steps=a.steps, device=a.device,
                               progress=not a.no_progress, keep_checkpoints=a.keep_checkpoints,
