@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the non-attention CUDA ops (topk estimate, predictor loss, profile, rows):
-# load (or build) a ctypes library of csrc/cuda/{topk_estimate,predictor_loss,profile_attention,
+# load (or build) a ctypes library of csrc/cuda/{topk_estimate,tuning,predictor_loss,profile_attention,
 # rows}.cu, run their GPU tests through it, time the top-K estimation, optionally run
 # compute-sanitizer on their small-shape section, and (in the background) try the full
 # extension build to run the tests through torch.ops.dsv as well. Logs under $OUT.
@@ -25,7 +25,7 @@ LIB=.dsvops/libdsvops.so
 if ! python3 -c "import ctypes; ctypes.CDLL('$LIB')" 2>/dev/null; then
   echo "prebuilt $LIB unusable: building here"
   B=/tmp/dsvops; mkdir -p $B
-  for f in topk_estimate predictor_loss profile_attention rows; do
+  for f in topk_estimate tuning predictor_loss profile_attention rows; do
     nvcc -std=c++17 -O3 $ARCH -Xcompiler -fPIC -Icsrc -lineinfo -c csrc/cuda/$f.cu -o $B/$f.o &
   done
   wait

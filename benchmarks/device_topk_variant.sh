@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the sampled-threshold top-K variant (csrc/dev/topk_sampled.cu): build a
-# ctypes library of it with csrc/cuda/{predictor_loss,profile_attention,rows}.cu (it exports the
+# ctypes library of it with csrc/cuda/{tuning,predictor_loss,profile_attention,rows}.cu (it exports the
 # variant as dsv_topk_estimate_cuda, the folded one as dsv_dev_topk_estimate_fold_cuda and the
 # shipped kernel as dsv_dev_topk_estimate_shipped_cuda), then
 #   tests     the topk GPU tests through it (DSV_OPS_LIB: the variant in the shipped kernel's
@@ -23,7 +23,7 @@ B=/tmp/tks; mkdir -p $B
 # wait on the build jobs by id: a bare `wait` also waits for the tee above and never returns
 nvcc -std=c++17 -O3 --expt-relaxed-constexpr $ARCH -DDSV_WGMMA -Xcompiler -fPIC -Icsrc -lineinfo \
   -c csrc/dev/topk_sampled.cu -o $B/topk_sampled.o & pids=$!
-for f in predictor_loss profile_attention rows; do
+for f in tuning predictor_loss profile_attention rows; do
   nvcc -std=c++17 -O3 $ARCH -Xcompiler -fPIC -Icsrc -lineinfo -c csrc/cuda/$f.cu -o $B/$f.o & pids="$pids $!"
 done
 wait $pids

@@ -61,7 +61,7 @@ def has_cuda_kernels() -> bool:
 
 # the keys that DSV_KERNEL_TUNING may set (csrc/cuda/tuning.cu)
 KERNEL_TUNING_KEYS = ("sm_count", "l2_bytes", "wgmma", "km_wgmma", "g128", "km_ratio",
-                      "bwd_ranges", "bwd_rmax")
+                      "bwd_ranges", "bwd_rmax", "tk_gpw")
 
 
 def _check_tuning_env() -> None:
@@ -94,7 +94,8 @@ def kernel_tuning(device=None) -> dict:
     multiple of 128 queries run 128 rows per CTA on two warpgroups sharing the key tiles where
     wgmma runs, 0: two CTAs of 64 rows), ``km_ratio`` (the backward's key-major threshold),
     ``bwd_ranges`` / ``bwd_rmax`` (the backward's key ranges: forced count / the automatic
-    rule's most; 0 = automatic). It is chosen once per device; the
+    rule's most; 0 = automatic), ``tk_gpw`` (the top-K estimation's query groups per warp: 16,
+    the default, or 8). It is chosen once per device; the
     environment variable ``DSV_KERNEL_TUNING="key=value,..."`` overrides keys for experiments.
     A build without CUDA kernels gives ``{"cuda_kernels": 0}``.
 

@@ -9,7 +9,9 @@
 #              forces a backward path (query-major with 1 / 3 key ranges, the automatic ranges,
 #              key-major; mma.sync instead of wgmma; the key-major dK / dV pass on mma.sync, or
 #              on wgmma for 16-key block lists too), the tuning being read once per process; the
-#              settings of wgmma / km_wgmma also rerun the block-list section
+#              settings of wgmma / km_wgmma also rerun the block-list section; tk_gpw=8 (the
+#              top-K estimation with 8 groups per warp) runs the ops section under memcheck and
+#              racecheck
 # Needs a GPU (Firecracker machines: sanitizer works; gVisor: not).
 # Usage: tests/run_sanitizer.sh [logdir] [steps...]   (default steps: memcheck racecheck fuzz;
 #        `tests/run_sanitizer.sh /tmp/san fuzz` runs only the fuzz matrix under memcheck)
@@ -32,14 +34,17 @@ for step in $STEPS; do
     paths)
       for t in km_ratio=0,bwd_ranges=1 km_ratio=0,bwd_ranges=3 km_ratio=0,bwd_rmax=4 \
                km_ratio=1e9,bwd_ranges=1 km_ratio=0,wgmma=0 km_ratio=1e9,wgmma=0 \
-               km_ratio=1e9,bwd_ranges=1,km_wgmma=1 km_ratio=1e9,bwd_ranges=1,km_wgmma=2; do
-        sec=sparse_attention
+               km_ratio=1e9,bwd_ranges=1,km_wgmma=1 km_ratio=1e9,bwd_ranges=1,km_wgmma=2 \
+               tk_gpw=8 racecheck:tk_gpw=8; do
+        sec=sparse_attention tool=memcheck extra="--leak-check no"
         case $t in *wgmma=*) sec=sparse_attention,kv_blocks;; esac
-        DSV_KERNEL_TUNING=$t DSV_SANITIZER_SECTIONS=$sec \
-          compute-sanitizer --tool memcheck --leak-check no --error-exitcode 99 \
+        case $t in *tk_gpw=*) sec=ops_kernels;; esac
+        case $t in racecheck:*) tool=racecheck extra="--racecheck-report all";; esac
+        DSV_KERNEL_TUNING=${t#racecheck:} DSV_SANITIZER_SECTIONS=$sec \
+          compute-sanitizer --tool $tool $extra --error-exitcode 99 \
           "$PY" tests/sanitizer_driver.py >"$LOG/paths_$t.log" 2>&1
         rc=$?
-        summary=$(grep -E "ERROR SUMMARY" "$LOG/paths_$t.log" | tail -1)
+        summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$LOG/paths_$t.log" | tail -1)
         echo "sanitizer paths ($t): rc=$rc ${summary:-no summary line}"
         [ $rc -ne 0 ] && status=1
       done

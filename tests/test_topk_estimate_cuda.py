@@ -4,8 +4,8 @@ counts 0 / 1 / S / above S, exact ties, clamped counts) are the device-parametri
 tests/test_topk_estimate.py; the selection check and its tolerance: helpers.check_topk.
 
 Skipped without a GPU. The kernels are reached through torch.ops.dsv (the built extension) or,
-when DSV_OPS_LIB names a shared library built from csrc/cuda/{topk_estimate,predictor_loss,
-profile_attention,rows}.cu alone (benchmarks/device_run_ops.sh builds one), through ctypes
+when DSV_OPS_LIB names a shared library built from csrc/cuda/{topk_estimate,tuning,
+predictor_loss,profile_attention,rows}.cu alone (benchmarks/device_run_ops.sh builds one), through ctypes
 (tests/helpers.py; re-exported here for benchmarks/bench_topk.py and tests/sanitizer_driver.py).
 """
 from __future__ import annotations

@@ -30,6 +30,7 @@
 #include <stdlib.h>
 
 #include "cuda_common.cuh"
+#include "tuning.h"
 
 #define TK_WARPS 4
 #define TK_THREADS (32 * TK_WARPS)
@@ -49,11 +50,11 @@ struct dsv_topk_args {
   int kvec;
 };
 
-template <int RP>
+template <int RP, int GPW = TK_GPW>
 static size_t dsv_topk_smem_bytes() {
   const int SW = RP / 2 + 4;
-  return (size_t)TK_WARPS * TK_GPW * TK_BINS * 4 + (size_t)2 * TK_TILE * SW * 4 +
-         (size_t)TK_GPC * 4 * 4 + (size_t)TK_THREADS * 4 + 16;
+  return (size_t)TK_WARPS * GPW * TK_BINS * 4 + (size_t)2 * TK_TILE * SW * 4 +
+         (size_t)TK_WARPS * GPW * 4 * 4 + (size_t)TK_THREADS * 4 + 16;
 }
 
 /* spread bit (2*b + e) of an 8-bit value to bit (8*b + e), b < 4, e < 2 */
@@ -105,7 +106,7 @@ static __device__ __forceinline__ void dsv_tk_tile_scores(const uint32_t* kt,
   }
 }
 
-template <typename T, int KS, int SW>
+template <typename T, int KS, int SW, bool HASB = true>
 static __device__ __forceinline__ void dsv_tk_hist_tile(const uint32_t* kt, const uint32_t (&A)[KS][3][4],
                                                         int lane, int j4, int t0, int S32,
                                                         uint32_t hA_addr, uint32_t hB_addr,
@@ -122,14 +123,16 @@ static __device__ __forceinline__ void dsv_tk_hist_tile(const uint32_t* kt, cons
     const bool k0 = key0 < S32, k1 = key0 + 1 < S32;
     dsv_tk_hist_inc(hA_addr, dsv_float_key(d[blk][0]), pmask, prefA, shift, actA && k0, sink);
     dsv_tk_hist_inc(hA_addr, dsv_float_key(d[blk][1]), pmask, prefA, shift, actA && k1, sink);
-    dsv_tk_hist_inc(hB_addr, dsv_float_key(d[blk][2]), pmask, prefB, shift, actB && k0, sink);
-    dsv_tk_hist_inc(hB_addr, dsv_float_key(d[blk][3]), pmask, prefB, shift, actB && k1, sink);
+    if constexpr (HASB) { /* rows 8-15 of the tile hold groups (16 groups per warp) */
+      dsv_tk_hist_inc(hB_addr, dsv_float_key(d[blk][2]), pmask, prefB, shift, actB && k0, sink);
+      dsv_tk_hist_inc(hB_addr, dsv_float_key(d[blk][3]), pmask, prefB, shift, actB && k1, sink);
+    }
   }
 }
 
 /* One staged tile of the compaction pass, two-phase: selection flags (u > T, u == T) of the
  * lane's 16 scores as bit (2 * block + e) of the group masks. */
-template <typename T, int KS, int SW>
+template <typename T, int KS, int SW, bool HASB = true>
 static __device__ __forceinline__ void dsv_tk_compact_flags(const uint32_t* kt,
                                                             const uint32_t (&A)[KS][3][4], int lane,
                                                             int j4, int t0, int S32, uint32_t TA,
@@ -145,17 +148,25 @@ static __device__ __forceinline__ void dsv_tk_compact_flags(const uint32_t* kt,
     const int key0 = t0 + blk * 8 + j4 * 2;
     const uint32_t k0 = key0 < S32, k1 = key0 + 1 < S32;
     const uint32_t u0 = dsv_float_key(d[0]), u1 = dsv_float_key(d[1]);
-    const uint32_t u2 = dsv_float_key(d[2]), u3 = dsv_float_key(d[3]);
+    const uint32_t u2 = HASB ? dsv_float_key(d[2]) : 0u, u3 = HASB ? dsv_float_key(d[3]) : 0u;
     mgA |= ((k0 & (u0 > TA)) << (2 * blk)) | ((k1 & (u1 > TA)) << (2 * blk + 1));
     meA |= ((k0 & (u0 == TA)) << (2 * blk)) | ((k1 & (u1 == TA)) << (2 * blk + 1));
-    mgB |= ((k0 & (u2 > TB)) << (2 * blk)) | ((k1 & (u3 > TB)) << (2 * blk + 1));
-    meB |= ((k0 & (u2 == TB)) << (2 * blk)) | ((k1 & (u3 == TB)) << (2 * blk + 1));
+    if constexpr (HASB) { /* rows 8-15 hold groups */
+      mgB |= ((k0 & (u2 > TB)) << (2 * blk)) | ((k1 & (u3 > TB)) << (2 * blk + 1));
+      meB |= ((k0 & (u2 == TB)) << (2 * blk)) | ((k1 & (u3 == TB)) << (2 * blk + 1));
+    }
   }
 }
 
 
-template <typename T, int RP, bool TWO>
+template <typename T, int RP, bool TWO, int GPW>
 __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_args a) {
+  /* GPW groups per warp: 16 (rows 0-7 and 8-15 of the MMA tile: groups A and B of a lane) or 8
+   * (rows 0-7 only: twice the warps for the same groups, half the selection work per warp,
+   * where the grid is too small to fill the device) */
+  static_assert(GPW == 16 || GPW == 8, "GPW: 16 or 8 groups per warp");
+  constexpr bool HASB = GPW == 16;
+  constexpr int GPC = TK_WARPS * GPW; /* groups per CTA */
   constexpr int KS = RP / 16;
   constexpr int SW = RP / 2 + 4; /* 32-bit words per staged key row (conflict-free B loads) */
   /* Tile loops. With TWO (the default): the MMA chains of all 8 blocks of a tile first, then
@@ -166,24 +177,24 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
    * keys on the H200), so those instantiations always keep the block-at-a-time loops. */
   constexpr bool kTwoPhase = TWO && (dsv_is_bf16<T>::value || RP <= 32);
   extern __shared__ __align__(16) unsigned char dsv_tk_smem[];
-  uint32_t* hist = reinterpret_cast<uint32_t*>(dsv_tk_smem); /* [warps][16][256] */
-  float* reps = reinterpret_cast<float*>(dsv_tk_smem);       /* alias, prologue: [64][RP] */
-  uint32_t* ktile = hist + TK_WARPS * TK_GPW * TK_BINS;      /* [2][TILE][SW] */
-  uint32_t* st_prefix = ktile + 2 * TK_TILE * SW;            /* [64] */
-  int* st_need = reinterpret_cast<int*>(st_prefix + TK_GPC); /* [64] */
-  int* st_done = st_need + TK_GPC;                           /* [64] */
-  int* st_base = st_done + TK_GPC;                           /* [64] */
-  uint32_t* dummy = reinterpret_cast<uint32_t*>(st_base + TK_GPC); /* [threads] sink slots */
+  uint32_t* hist = reinterpret_cast<uint32_t*>(dsv_tk_smem); /* [warps][GPW][256] */
+  float* reps = reinterpret_cast<float*>(dsv_tk_smem);       /* alias, prologue: [GPC][RP] */
+  uint32_t* ktile = hist + TK_WARPS * GPW * TK_BINS;         /* [2][TILE][SW] */
+  uint32_t* st_prefix = ktile + 2 * TK_TILE * SW;            /* [GPC] */
+  int* st_need = reinterpret_cast<int*>(st_prefix + GPC);    /* [GPC] */
+  int* st_done = st_need + GPC;                              /* [GPC] */
+  int* st_base = st_done + GPC;                              /* [GPC] */
+  uint32_t* dummy = reinterpret_cast<uint32_t*>(st_base + GPC); /* [threads] sink slots */
   (void)dummy;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t bh = blockIdx.x / a.tiles_per_bh;
   const int tile = (int)(blockIdx.x - bh * a.tiles_per_bh);
   const int64_t b = bh / a.H, h = bh - b * a.H;
-  const int64_t g0 = (int64_t)tile * TK_GPC;
+  const int64_t g0 = (int64_t)tile * GPC;
   const int64_t S = a.S, NG = a.NG, kmax = a.kmax;
   const int S32 = (int)S; /* S < 2^31 (host check) */
-  const int ngl = (int)((NG - g0) < TK_GPC ? (NG - g0) : TK_GPC); /* valid groups here */
+  const int ngl = (int)((NG - g0) < GPC ? (NG - g0) : GPC); /* valid groups here */
   int64_t K = a.count[bh];
   K = K < 0 ? 0 : (K > kmax ? kmax : K);
   const int64_t Keff = K < S ? K : S;
@@ -198,7 +209,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   /* ---- prologue: representatives (fp32 mean of member rows), zero-padded ---- */
   {
     const T* qb = reinterpret_cast<const T*>(a.q) + b * a.q_sb + h * a.q_sh;
-    for (int idx = tid; idx < TK_GPC * RP; idx += TK_THREADS) {
+    for (int idx = tid; idx < GPC * RP; idx += TK_THREADS) {
       const int gl = idx / RP, c = idx - gl * RP;
       const int64_t g = g0 + gl;
       float v = 0.f;
@@ -215,8 +226,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   }
   __syncthreads();
 
-  const int gA = warp * TK_GPW + (lane >> 2); /* local group of c0/c1 */
-  const int gB = gA + 8;                      /* local group of c2/c3 */
+  const int gA = warp * GPW + (lane >> 2); /* local group of c0/c1 */
+  const int gB = gA + 8;                   /* local group of c2/c3 (with HASB) */
   const int j4 = lane & 3;
   /* A fragments: [ks][part][reg]; part 0 = hi, 1 = mid, 2 = lo */
   uint32_t A[KS][3][4];
@@ -227,7 +238,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       float mA = 0.f, mB = 0.f;
       for (int c = 0; c < RP; ++c) {
         mA = fmaxf(mA, fabsf(reps[gA * RP + c]));
-        mB = fmaxf(mB, fabsf(reps[gB * RP + c]));
+        if (HASB) mB = fmaxf(mB, fabsf(reps[gB * RP + c]));
       }
       int e;
       if (mA > 0.f && mA < INFINITY) {
@@ -252,7 +263,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         for (int gsel = 0; gsel < 2; ++gsel) {
           const int g = gsel ? gB : gA;
           const float scl = gsel ? sclB : sclA;
-          float x0 = reps[g * RP + col] * scl, x1 = reps[g * RP + col + 1] * scl;
+          const bool row = !gsel || HASB; /* without HASB rows 8-15 are zero */
+          float x0 = row ? reps[g * RP + col] * scl : 0.f, x1 = row ? reps[g * RP + col + 1] * scl : 0.f;
           float h0 = dsv_round_to<T>(x0), h1 = dsv_round_to<T>(x1);
           float r0 = x0 - h0, r1 = x1 - h1;
           float m0 = dsv_round_to<T>(r0), m1 = dsv_round_to<T>(r1);
@@ -266,16 +278,16 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   }
   __syncthreads(); /* reps (aliasing hist) no longer read */
 
-  for (int i = tid; i < TK_GPC; i += TK_THREADS) {
+  for (int i = tid; i < GPC; i += TK_THREADS) {
     st_prefix[i] = 0;
     st_need[i] = (int)Keff;
     st_done[i] = 0;
     st_base[i] = 0;
   }
 
-  const bool warp_active = (warp * TK_GPW) < ngl;
-  const bool vA = gA < ngl, vB = gB < ngl;
-  uint32_t* histw = hist + warp * TK_GPW * TK_BINS;
+  const bool warp_active = (warp * GPW) < ngl;
+  const bool vA = gA < ngl, vB = HASB && gB < ngl;
+  uint32_t* histw = hist + warp * GPW * TK_BINS;
   const T* kb = reinterpret_cast<const T*>(a.k) + b * a.k_sb + h * a.k_sh;
   const int ntiles = (int)((S + TK_TILE - 1) / TK_TILE);
 
@@ -284,11 +296,11 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
     for (int pass = 0; pass < 4; ++pass) {
       const int shift = 24 - 8 * pass;
       const uint32_t pmask = pass == 0 ? 0u : (0xFFFFFFFFu << (shift + 8));
-      for (int i = lane; i < TK_GPW * TK_BINS; i += 32) histw[i] = 0;
+      for (int i = lane; i < GPW * TK_BINS; i += 32) histw[i] = 0;
       __syncthreads(); /* also publishes the states written in the previous pass */
       const bool all_done = __syncthreads_and(tid >= ngl || st_done[tid] != 0);
       if (all_done) break;
-      const uint32_t prefA = st_prefix[gA], prefB = st_prefix[gB];
+      const uint32_t prefA = st_prefix[gA], prefB = HASB ? st_prefix[gB] : 0u;
       const bool actA = vA && !st_done[gA], actB = vB && !st_done[gB];
       const uint32_t hA_addr = smem_u32(histw + (lane >> 2) * TK_BINS);
       const uint32_t hB_addr = hA_addr + 8 * TK_BINS * 4;
@@ -313,8 +325,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
         const int64_t t0 = (int64_t)it * TK_TILE;
         if constexpr (kTwoPhase) {
-          dsv_tk_hist_tile<T, KS, SW>(kt, A, lane, j4, (int)t0, S32, hA_addr, hB_addr, sink, pmask,
-                                     prefA, prefB, shift, actA, actB);
+          dsv_tk_hist_tile<T, KS, SW, HASB>(kt, A, lane, j4, (int)t0, S32, hA_addr, hB_addr, sink,
+                                           pmask, prefA, prefB, shift, actA, actB);
         } else {
         /* one block at a time, branchy atomics (see kTwoPhase) */
 #pragma unroll 2
@@ -344,8 +356,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       __syncwarp();
 
       /* boundary bin of every group of this warp */
-      for (int gi = 0; gi < TK_GPW; ++gi) {
-        const int gl = warp * TK_GPW + gi;
+      for (int gi = 0; gi < GPW; ++gi) {
+        const int gl = warp * GPW + gi;
         if (gl >= ngl) break;
         if (st_done[gl]) continue;
         const uint32_t* hg = histw + gi * TK_BINS + lane * 8;
@@ -398,13 +410,14 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
     uint32_t TA = 0, TB = 0;
     if (Keff < S) {
       TA = st_prefix[gA];
-      TB = st_prefix[gB];
+      TB = HASB ? st_prefix[gB] : 0u;
     }
     const int sel_grp = j4 >> 1, w = j4 & 1;
     const int gC = sel_grp ? gB : gA;
-    const bool vC = gC < ngl;
+    const bool vC = HASB ? gC < ngl : !sel_grp && vA; /* without HASB rows 8-15 hold no group */
     int64_t qC;
-    if (Keff >= S) qC = S;                 /* every key: T = 0 (lowest key), all ties */
+    if (!HASB && !vC) qC = 0;
+    else if (Keff >= S) qC = S;            /* every key: T = 0 (lowest key), all ties */
     else if (st_done[gC] == 2) qC = S;     /* boundary bin taken completely */
     else qC = st_need[gC];
     int64_t baseC = 0, eqbaseC = 0;
@@ -429,7 +442,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       const int64_t t0 = (int64_t)it * TK_TILE;
       uint32_t mgA = 0, mgB = 0, meA = 0, meB = 0;
       if constexpr (kTwoPhase) {
-        dsv_tk_compact_flags<T, KS, SW>(kt, A, lane, j4, (int)t0, S32, TA, TB, mgA, mgB, meA, meB);
+        dsv_tk_compact_flags<T, KS, SW, HASB>(kt, A, lane, j4, (int)t0, S32, TA, TB, mgA, mgB, meA,
+                                              meB);
       } else {
       /* block at a time, unroll 2 (never fully unrolled: see kTwoPhase) */
 #pragma unroll 2
@@ -489,33 +503,39 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   }
   __syncwarp();
   /* -1 padding after the selected entries */
-  for (int gi = 0; gi < TK_GPW; ++gi) {
-    const int gl = warp * TK_GPW + gi;
+  for (int gi = 0; gi < GPW; ++gi) {
+    const int gl = warp * GPW + gi;
     if (gl >= ngl) break;
     int32_t* o = outg0 + (int64_t)gl * kmax;
     for (int64_t e = st_base[gl] + lane; e < kmax; e += 32) o[e] = -1;
   }
 }
 
-template <typename T, int RP, bool TWO>
+template <typename T, int RP, bool TWO, int GPW>
 static int dsv_topk_launch_v(const dsv_topk_args& a, int64_t grid, cudaStream_t st) {
-  const size_t smem = dsv_topk_smem_bytes<RP>();
-  DSV_CUDA_TRY(cudaFuncSetAttribute(dsv_topk_kernel<T, RP, TWO>,
+  const size_t smem = dsv_topk_smem_bytes<RP, GPW>();
+  DSV_CUDA_TRY(cudaFuncSetAttribute(dsv_topk_kernel<T, RP, TWO, GPW>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  dsv_topk_kernel<T, RP, TWO><<<(unsigned)grid, TK_THREADS, smem, st>>>(a);
+  dsv_topk_kernel<T, RP, TWO, GPW><<<(unsigned)grid, TK_THREADS, smem, st>>>(a);
   DSV_CUDA_CHECK_LAUNCH();
   return DSV_OK;
+}
+
+template <typename T, int RP, bool TWO>
+static int dsv_topk_launch_gpw(const dsv_topk_args& a, int gpw, int64_t grid, cudaStream_t st) {
+  return gpw == 8 ? dsv_topk_launch_v<T, RP, TWO, 8>(a, grid, st)
+                  : dsv_topk_launch_v<T, RP, TWO, 16>(a, grid, st);
 }
 
 /* The shipped tile loops are the two-phase ones (dsv_topk_entry<true>; the block-at-a-time
  * instantiation, TWO = false, is csrc/dev/topk_block_at_a_time.cu). */
 template <typename T, bool TWO>
-static int dsv_topk_dispatch(const dsv_topk_args& a, int RP, int64_t grid, cudaStream_t st) {
+static int dsv_topk_dispatch(const dsv_topk_args& a, int RP, int gpw, int64_t grid, cudaStream_t st) {
   switch (RP) {
-    case 16: return dsv_topk_launch_v<T, 16, TWO>(a, grid, st);
-    case 32: return dsv_topk_launch_v<T, 32, TWO>(a, grid, st);
-    case 48: return dsv_topk_launch_v<T, 48, TWO>(a, grid, st);
-    case 64: return dsv_topk_launch_v<T, 64, TWO>(a, grid, st);
+    case 16: return dsv_topk_launch_gpw<T, 16, TWO>(a, gpw, grid, st);
+    case 32: return dsv_topk_launch_gpw<T, 32, TWO>(a, gpw, grid, st);
+    case 48: return dsv_topk_launch_gpw<T, 48, TWO>(a, gpw, grid, st);
+    case 64: return dsv_topk_launch_gpw<T, 64, TWO>(a, gpw, grid, st);
   }
   return DSV_ERR_UNSUPPORTED;
 }
@@ -540,6 +560,10 @@ static int dsv_topk_entry(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_
   const int64_t BH = p->batch * p->heads;
   if (BH == 0 || p->num_groups == 0 || p->kmax == 0) return DSV_OK;
   if (!q_lr.data || !k_lr.data || !kv_count || !kv_index) return DSV_ERR_INVALID;
+  const dsv_tuning* tun = nullptr;
+  const int tst = dsv_tuning_current(&tun);
+  if (tst != DSV_OK) return tst;
+  const int gpw = tun->tk_gpw == 8 ? 8 : 16;
   dsv_topk_args a;
   a.q = q_lr.data;
   a.k = k_lr.data;
@@ -557,14 +581,14 @@ static int dsv_topk_entry(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_
   a.G = p->group_size;
   a.NG = p->num_groups;
   a.kmax = p->kmax;
-  a.tiles_per_bh = (int)dsv_cdiv64(p->num_groups, TK_GPC);
+  a.tiles_per_bh = (int)dsv_cdiv64(p->num_groups, (int64_t)TK_WARPS * gpw);
   a.kvec = dsv_bshd_rows_aligned16(k_lr, 2);
   const int64_t grid = BH * a.tiles_per_bh;
   if (grid > 0x7fffffffLL) return DSV_ERR_UNSUPPORTED;
   const int RP = (int)((p->rank + 15) / 16 * 16);
   cudaStream_t st = (cudaStream_t)stream;
-  if (p->dtype == DSV_BFLOAT16) return dsv_topk_dispatch<__nv_bfloat16, TWO>(a, RP, grid, st);
-  return dsv_topk_dispatch<__half, TWO>(a, RP, grid, st);
+  if (p->dtype == DSV_BFLOAT16) return dsv_topk_dispatch<__nv_bfloat16, TWO>(a, RP, gpw, grid, st);
+  return dsv_topk_dispatch<__half, TWO>(a, RP, gpw, grid, st);
 }
 
 extern "C" int dsv_topk_estimate_cuda(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_lr,

@@ -14,6 +14,7 @@
  *   km_ratio                backward key-major ratio (0: never key-major, 1e9: wherever allowed)
  *   bwd_ranges              backward key ranges forced on every query-major head (0: automatic)
  *   bwd_rmax                the automatic rule's most key ranges (0: from the L2 size)
+ *   tk_gpw                  top-K estimation: query groups per warp, 16 (default) or 8
  */
 #include <errno.h>
 #include <pthread.h>
@@ -77,6 +78,9 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
   } else if (DSV_KEY("bwd_rmax")) {
     if (n < 0 || n > 16) return DSV_ERR_TUNING;
     t->bwd_rmax = (int)n;
+  } else if (DSV_KEY("tk_gpw")) {
+    if (n != 8 && n != 16) return DSV_ERR_TUNING;
+    t->tk_gpw = (int)n;
   } else {
     return DSV_ERR_TUNING; /* unknown key */
   }
@@ -126,6 +130,7 @@ int fill(int device, dsv_tuning* t) {
   t->km_ratio = 1.15f;
   t->bwd_ranges = 0;
   t->bwd_rmax = 0;
+  t->tk_gpw = 16; /* 8: benchmarks/PERF_LOG.md, kernels v16 (prediction, to be measured) */
   const char* spec = getenv("DSV_KERNEL_TUNING");
   return spec ? apply_override(t, spec) : DSV_OK;
 }
@@ -167,8 +172,8 @@ extern "C" int dsv_cuda_kernel_tuning(int device, char* buf, int64_t len) {
   if (st != DSV_OK) return st;
   const int n = snprintf(buf, (size_t)len,
                          "sm_count=%d,l2_bytes=%d,cc=%d,wgmma=%d,km_wgmma=%d,g128=%d,"
-                         "km_ratio=%g,bwd_ranges=%d,bwd_rmax=%d",
+                         "km_ratio=%g,bwd_ranges=%d,bwd_rmax=%d,tk_gpw=%d",
                          t->sm_count, t->l2_bytes, t->cc, t->wgmma, t->km_wgmma, t->g128,
-                         (double)t->km_ratio, t->bwd_ranges, t->bwd_rmax);
+                         (double)t->km_ratio, t->bwd_ranges, t->bwd_rmax, t->tk_gpw);
   return n >= 0 && n < len ? DSV_OK : DSV_ERR_NOMEM;
 }

@@ -5,7 +5,8 @@
  * the shipped kernel template. Numbers: benchmarks/PERF_LOG.md (top-K, two-phase tile loops).
  *
  *   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
- *        -Icsrc -Xcompiler -fPIC -shared csrc/dev/topk_block_at_a_time.cu -o topk_block.so
+ *        -Icsrc -Xcompiler -fPIC -shared csrc/dev/topk_block_at_a_time.cu csrc/cuda/tuning.cu \
+ *        -o topk_block.so
  *
  * Exports the shipped dsv_topk_estimate_cuda and dsv_dev_topk_estimate_block_cuda (same
  * arguments), which writes the same lists.
