@@ -450,15 +450,32 @@ on attention sparse enough to pass the break-even (sparsity ~0.5-0.7 at 32k-64k,
 """
 
 
+def _calib_entry(S, G=128, D=128):
+    """The shipped H200 calibration entry of token lists at (S, G, D) and its (sparsity, speed-up
+    over dense) points, sorted."""
+    from dsv_ext.control.dispatch import builtin_table
+    (e,) = [e for e in builtin_table()["entries"] if e["seq_len"] == S and e["group_size"] == G
+            and e.get("kv_block", 1) == 1 and e["head_dim"] == D]
+    return e, sorted((float(k), e["dense_ms"] / v) for k, v in e["sparse_ms"].items())
+
+
+def _interp(pts, x, inverse=False):
+    """Linear interpolation in the (sparsity, speed-up) points; inverse: the sparsity of a
+    speed-up. None outside their range."""
+    for (s0, x0), (s1, x1) in zip(pts, pts[1:]):
+        if inverse and x0 <= x <= x1:
+            return s0 + (s1 - s0) * (x - x0) / (x1 - x0)
+        if not inverse and s0 <= x <= s1:
+            return x0 + (x1 - x0) * (x - s0) / (s1 - s0)
+    return None
+
+
 def _long_video_need(d, target=1.8):
     """The sparsity every block needs for `target` x full attention's tokens/s on the long config:
     the measured dense and DSV stage-2 steps, attention time from the shipped H200 table."""
-    from dsv_ext.control.dispatch import builtin_table
-    S = d["tokens_per_sample"]
-    es = [e for e in builtin_table()["entries"] if e["seq_len"] == S and e["group_size"] == 128
-          and e.get("kv_block", 1) == 1 and e["head_dim"] == 128]
-    (e,) = es
     import yaml
+    S = d["tokens_per_sample"]
+    e, pts = _calib_entry(S)
     with open(os.path.join(RESULTS, "compare-long-video", "dsv", "config.yaml")) as f:
         mc = yaml.safe_load(f)["model"]
     heads, blocks = mc["heads"], mc["depth"]
@@ -469,11 +486,9 @@ def _long_video_need(d, target=1.8):
     rest_ms = step_ms - attn_ms
     budget = step_ms / target - rest_ms - dsv_ms
     speedup = attn_ms / budget
-    pts = sorted((float(k), e["dense_ms"] / v) for k, v in e["sparse_ms"].items())
-    sp = next(s0 + (s1 - s0) * (speedup - x0) / (x1 - x0) for (s0, x0), (s1, x1) in zip(pts, pts[1:])
-              if x0 <= speedup <= x1)
     return dict(S=S, step_ms=step_ms, dsv_ms=dsv_ms, layer_ms=layer_ms, attn_ms=attn_ms, rest_ms=rest_ms,
-                budget_ms=budget, speedup=speedup, sparsity=sp, heads=heads, blocks=blocks, table_heads=e["heads"])
+                budget_ms=budget, speedup=speedup, sparsity=_interp(pts, speedup, inverse=True), heads=heads,
+                blocks=blocks, table_heads=e["heads"])
 
 
 def section_long_video():
@@ -534,12 +549,17 @@ def section_quality():
     ev = _load("evaluate-small-video/evaluate.json")
     ep = ev["provenance"]
     fr = []
+    _, pts64 = _calib_entry(65536)
     for t, a, disp, worst in _frontier(ev):
+        x = _interp(pts64, 1 - a["density"])
+        at64 = (f"{x:.2f}x" if x is not None else
+                f"below {pts64[0][1]:.2f}x" if 1 - a["density"] < pts64[0][0] else f"above {pts64[-1][1]:.2f}x")
         fr.append((f"{t:.2f}", f"{a['density']:.3f}", f"{_pct(a['rel'])} +- {100 * a['rel_se']:.2f}%",
                    f"{len(disp['sparse_blocks'])} of {len(ev['eligible_blocks'])}: {_pct(disp['rel'])}" if disp else "-",
-                   f"{worst['arm']}: {_pct(worst['rel'])}" if worst else "-"))
+                   f"{worst['arm']}: {_pct(worst['rel'])}" if worst else "-", at64))
     frontier = _table(["recall target", "mean K / S", "loss change, every block sparse (+- 1 s.e.)",
-                       "dispatcher's blocks: loss change", "costliest block alone"], fr)
+                       "dispatcher's blocks: loss change", "costliest block alone",
+                       "attention at 64k with that K / S (vs dense)"], fr)
     et = _load("evaluate-tiny-cpu/evaluate.json")
     tp = et["provenance"]
     tiny = _table(["recall target", "mean K / S", "loss change, every block sparse (+- 1 s.e.)", "costliest block alone"],
@@ -564,6 +584,10 @@ The method and how to read these numbers: [QUALITY.md](QUALITY.md).
 `configs/small-video.yaml` ({ev['tokens_per_sample']} tokens, {ev['checkpoint_step']} steps on the bundled clips) evaluated with full
 and with sparse attention on the same {ev['val_videos']} videos x {len(ev['val_timesteps'])} timesteps; K per head from the recall
 rule. Full attention: validation loss {ev['loss_full']:.5f}. {_prov(ep['date'], ep['commit'], ep['device_name'])}
+The last column is the speed of one attention layer (estimate + forward + backward, G = 128 token
+lists) at the long shape if it ran with the same K / S, from the shipped H200 calibration table
+(interpolated between its sparsities; "Where sparse pays" above); the measured densities at 64k
+are in "Long sequences on real video".
 
 {frontier}
 
