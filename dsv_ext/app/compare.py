@@ -640,7 +640,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if a.report_only:
             if a.seeds > 1:
                 raise ValueError("--report-only: reports one pair (--seeds 1)")
-            res = report_runs(cfg, out)
+            report_runs(cfg, out)
             print(open(os.path.join(out, "compare.md")).read())
             print(f"outputs in {out}")
             return 0
