@@ -95,7 +95,7 @@ def kernel_tuning(device=None) -> dict:
     wgmma runs, 0: two CTAs of 64 rows), ``km_ratio`` (the backward's key-major threshold),
     ``bwd_ranges`` / ``bwd_rmax`` (the backward's key ranges: forced count / the automatic
     rule's most; 0 = automatic), ``tk_gpw`` (the top-K estimation's query groups per warp: 16,
-    the default, or 8). It is chosen once per device; the
+    the default, 8, or 0: automatic). It is chosen once per device; the
     environment variable ``DSV_KERNEL_TUNING="key=value,..."`` overrides keys for experiments.
     A build without CUDA kernels gives ``{"cuda_kernels": 0}``.
 

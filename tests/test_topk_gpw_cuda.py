@@ -1,5 +1,6 @@
 """The top-K estimation with 8 query groups per warp (kernel tuning tk_gpw = 8: rows 0-7 of each
-score tile, twice the warps) against 16 (the default): the same lists, entry for entry, on every
+score tile, twice the warps) and the automatic choice (tk_gpw = 0) against 16 (the default): the
+same lists, entry for entry, on every
 rank padding (r 16 / 32 / 48 / 64), both dtypes, group sizes that leave the last CTA partial,
 counts 0 / 1 / clamped / all keys, exact ties and padded rows, and each list checked against the
 float64 scores (helpers.check_topk). The tuning is read once per process, so each setting runs
@@ -74,11 +75,12 @@ def test_gpw8_lists_equal_gpw16(tmp_path):
     import dsv_ext  # registers torch.ops.dsv
     if not dsv_ext.has_cuda_kernels():
         pytest.skip("needs the built extension with its CUDA kernels")
-    r16, r8 = _run(tmp_path, 16), _run(tmp_path, 8)
-    assert r16["tuning"]["tk_gpw"] == 16 and r8["tuning"]["tk_gpw"] == 8
+    r16, r8, r0 = _run(tmp_path, 16), _run(tmp_path, 8), _run(tmp_path, 0)
+    assert r16["tuning"]["tk_gpw"] == 16 and r8["tuning"]["tk_gpw"] == 8 and r0["tuning"]["tk_gpw"] == 0
     for i, c in enumerate(CASES):
         q, k, cnt, G, kmax = case_inputs(c)
         assert torch.equal(r8[i], r16[i]), f"case {i} {c[:7]}: tk_gpw 8 and 16 lists differ"
+        assert torch.equal(r0[i], r16[i]), f"case {i} {c[:7]}: tk_gpw 0 (automatic) lists differ"
         check_topk(r8[i].cuda(), q, k, cnt, G, kmax, exact="stable" if c[7] == "ties" else None)
 
 

@@ -563,7 +563,11 @@ static int dsv_topk_entry(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_
   const dsv_tuning* tun = nullptr;
   const int tst = dsv_tuning_current(&tun);
   if (tst != DSV_OK) return tst;
-  const int gpw = tun->tk_gpw == 8 ? 8 : 16;
+  /* groups per warp: the tuning's, or automatic: 8 where 16 would leave the grid under two CTAs
+   * per SM (the estimation is then bound by each warp's chain of passes, not by issue) */
+  int gpw = tun->tk_gpw;
+  if (gpw != 8 && gpw != 16)
+    gpw = BH * dsv_cdiv64(p->num_groups, (int64_t)TK_GPC) < 2LL * tun->sm_count ? 8 : 16;
   dsv_topk_args a;
   a.q = q_lr.data;
   a.k = k_lr.data;

@@ -14,7 +14,8 @@
  *   km_ratio                backward key-major ratio (0: never key-major, 1e9: wherever allowed)
  *   bwd_ranges              backward key ranges forced on every query-major head (0: automatic)
  *   bwd_rmax                the automatic rule's most key ranges (0: from the L2 size)
- *   tk_gpw                  top-K estimation: query groups per warp, 16 (default) or 8
+ *   tk_gpw                  top-K estimation: query groups per warp, 16 (default) or 8; 0:
+ *                           automatic (8 where 16 gives fewer than two CTAs per SM)
  */
 #include <errno.h>
 #include <pthread.h>
@@ -79,7 +80,7 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
     if (n < 0 || n > 16) return DSV_ERR_TUNING;
     t->bwd_rmax = (int)n;
   } else if (DSV_KEY("tk_gpw")) {
-    if (n != 8 && n != 16) return DSV_ERR_TUNING;
+    if (n != 0 && n != 8 && n != 16) return DSV_ERR_TUNING;
     t->tk_gpw = (int)n;
   } else {
     return DSV_ERR_TUNING; /* unknown key */

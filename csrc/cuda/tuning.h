@@ -38,7 +38,8 @@ typedef struct dsv_tuning {
   int tk_gpw;       /* top-K estimation: query groups per warp, 16 (the default: rows 0-15 of the
                        score tile) or 8 (rows 0-7: twice the warps for the same groups and half
                        the selection work per warp, for grids that leave the device short of
-                       warps, e.g. G = 128) */
+                       warps, e.g. G = 128); 0: automatic, 8 where 16 would give fewer than two
+                       CTAs per SM */
 } dsv_tuning;
 
 /* The tuning of `device` (filled on first use, then cached): DSV_OK, DSV_ERR_CUDA when the
