@@ -203,16 +203,15 @@ class CostModel:
             heads = 16 if device.type == "cuda" else 4
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
-        def timeit(fn):  # the timed passes run backwards: also when the caller is under no_grad
-            with torch.enable_grad():
-                fn()
+        @torch.enable_grad()  # the timed passes run backwards: also when the caller is under no_grad
+        def timeit(fn):
+            fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                with torch.enable_grad():
-                    fn()
+                fn()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 best = min(best, time.perf_counter() - t0)
