@@ -6,7 +6,7 @@
 # on the attention kernels, and compute-sanitizer. Each step has its own time limit so the call
 # ends in time; all logs are packed into $OUT/logs.tgz (one file to copy back).
 #   usage: bash benchmarks/device_session.sh   (carry .dsvwheels for diffusers, .devso if built)
-#   env:   STEPS="tests bench ncu san" (default; also ab compare infer train grid gpw det soak), BUILD_LIMIT,
+#   env:   STEPS="tests bench ncu san" (default; also ab compare infer train grid topk det soak), BUILD_LIMIT,
 #          TEST_ARGS (e.g. "-m cuda": the GPU tests alone; the CPU ones run in CI),
 #          TEST_LIMIT, BENCH_LIMIT, ...
 set -u
@@ -37,13 +37,13 @@ case " $STEPS " in *" ab "*)  # the attention kernels before (.devso-before) and
     done; done
   else echo "ab: no .devso-before (bash benchmarks/build_devso.sh REV)"; fi;;
 esac
-case " $STEPS " in *" gpw "*)  # top-K estimation: 16 (default) against 8 groups per warp, interleaved
-  mkdir -p "$OUT/gpw"
-  for r in 1 2; do for grp in 128 64; do for g in 16 8; do
-    DSV_KERNEL_TUNING=tk_gpw=$g timeout ${GPW_LIMIT:-60} python3 benchmarks/bench_topk.py --heads 24 --group $grp \
-      --shapes 65536:0.1,65536:0.46,16384:0.1,131072:0.1 --json "$OUT/gpw/g${grp}_gpw${g}_$r.json" \
-      > "$OUT/gpw_g${grp}_gpw${g}_$r.log" 2>&1
-    echo "topk G=$grp tk_gpw=$g run $r rc=$?"; grep -v "^\s*$" "$OUT/gpw_g${grp}_gpw${g}_$r.log" | tail -4
+case " $STEPS " in *" topk "*)  # top-K estimation: sample on / off x 16 / 8 groups per warp, interleaved
+  mkdir -p "$OUT/topk"
+  for r in 1 2; do for grp in 128 64; do for t in tk_sample=1,tk_gpw=16 tk_sample=1,tk_gpw=8 tk_sample=0,tk_gpw=16 tk_sample=0,tk_gpw=8; do
+    DSV_KERNEL_TUNING=$t timeout ${TOPK_LIMIT:-60} python3 benchmarks/bench_topk.py --heads 24 --group $grp \
+      --shapes ${TOPK_SHAPES:-65536:0.1,65536:0.46,16384:0.1,131072:0.1} --json "$OUT/topk/g${grp}_${t}_$r.json" \
+      > "$OUT/topk_g${grp}_${t}_$r.log" 2>&1
+    echo "topk G=$grp $t run $r rc=$?"; grep -v "^\s*$" "$OUT/topk_g${grp}_${t}_$r.log" | tail -4 | cut -c1-100
   done; done; done;;
 esac
 case " $STEPS " in *" grid "*)

@@ -101,8 +101,10 @@ def run_ops_kernels():
     raw = KB.backend() == "ctypes"
     gen = torch.Generator().manual_seed(2)
     dev = "cuda"
+    # S = 4500: the sampled threshold band (S >= 4096) and a partial last CTA
     for (S, H, r, G, counts, kmax, dt) in [(300, 2, 16, 64, [40, 300], 300, torch.bfloat16),
-                                            (130, 1, 40, 32, [7], 64, torch.float16)]:
+                                            (130, 1, 40, 32, [7], 64, torch.float16),
+                                            (4500, 2, 16, 64, [450, 2], 460, torch.bfloat16)]:
         q = torch.randn(1, S, H, r, generator=gen).to(dt).to(dev)
         k = torch.randn(1, S, H + 1, r, generator=gen).to(dt).to(dev)[:, :, :H]
         cnt = torch.tensor([counts], dtype=torch.int32, device=dev)

@@ -7,25 +7,44 @@
  * position, then -1 up to kmax. No score matrix is ever written: scores are recomputed.
  *
  * Design
- *  - One CTA = 4 warps = 64 consecutive groups of one (b, h). Each warp owns 16 groups, the M
- *    dimension of an m16n8k16 tensor-core MMA; keys are the N dimension, the rank the K dimension
- *    (padded to RP = 16..64 with zeros).
+ *  - One CTA = 4 warps; each warp owns GPW = 16 groups (rows 0-15 of an m16n8k16 tensor-core
+ *    MMA: a lane's groups A = rows 0-7 and B = rows 8-15) or GPW = 8 (rows 0-7 only: twice the
+ *    warps for the same groups, for grids too small to fill the device; kernel tuning tk_gpw).
+ *    Keys are the N dimension, the rank the K dimension (padded to RP = 16..64 with zeros).
  *  - Exact scores on tensor cores: the fp32 representative is split into three 16-bit parts
  *    (hi + mid + lo == rep exactly for bf16; for fp16 the rep is first scaled by a power of two
  *    per group, which preserves order and ties), the keys are the exact 16-bit inputs, so every
  *    product is exact and only the fp32 accumulation rounds, as in an fp32 dot product.
  *    Each (group, key) score is bit-identical in every pass (same inputs, same instruction order).
- *  - Keys are streamed through shared memory in tiles of 64 (cp.async, double buffered).
- *  - Selection: MSB-first radix select on the order-preserving uint32 key of the score, 8 bits per
- *    pass, one 256-bin shared-memory histogram per group; at most 4 histogram passes (a group
- *    whose boundary bin is needed completely stops early; the CTA skips passes once all its
- *    groups are resolved). This yields the K-th largest key T and the number q of ties at T to
- *    take. A final compaction pass emits {u > T} and the first q of {u == T} in position order:
- *    per tile, each lane quad rebuilds the group's 64-bit selection mask in position order and
- *    writes ranks from popcounts, so the list comes out ascending without any sort.
- * Work per pass at S = 64k, 24 heads, 1024 groups: 1.6G scores (3 MMAs per 128 scores) plus a
- * few integer ops and at most one shared atomic per score, in two-phase tile loops (times:
- * benchmarks/PERF_LOG.md).
+ *  - Keys are streamed through shared memory in tiles of 64 (cp.async, double buffered). Every
+ *    pass recomputes the scores; the time is the number of passes over all S keys.
+ *  - Selection. Per group a window [lo, hi] of order-preserving uint32 score keys holds the K-th
+ *    largest key, with `need` = its rank from the top of the window (#(key > hi) = K - need).
+ *     0. Sample (tuning tk_sample = 1, the default, and S >= TK_MIN_S; two passes over 1/16 of
+ *        the keys): keys 16 i + h(i) (h a fixed hash in [0, 16), so that score patterns of
+ *        period 16 cannot bias it), 8 + 8 bits of radix select for the sample ranks
+ *        mu +- (4 sqrt(mu) + 2), mu = K n / S (n sample keys): T_lo, T_hi to 16 bits. With high
+ *        probability #(key >= T_lo) >= K > #(key > T_hi).
+ *     1. Band pass (all keys): bin 0 = keys below T_lo (not counted: S minus the rest), bins
+ *        1..254 = [T_lo, T_hi] in power-of-two steps, bin 255 = keys above the band (counted in
+ *        registers). The boundary bin becomes the window. A sample that misled is no error:
+ *        bin 0 or bin 255 is then the window, refined by the generic passes.
+ *     2. Collect pass (all keys) when the window holds at most TK_CAP keys (the usual case:
+ *        ~10 at S = 64k, K = 10%): its keys are appended to the group's histogram slab, and the
+ *        K-th largest T and the number q of ties at T to take follow exactly. Otherwise a
+ *        generic pass: a 256-bin histogram of [lo, hi] (bin width 2^s, the smallest s with
+ *        (hi - lo) >> s <= 255), which shrinks the window >= 128x. Without the sample the first
+ *        pass is generic over the full key range (an MSB-first radix select, 8 bits per pass).
+ *        A pass has one kind for the whole CTA (band, generic or collect: no per-score mode
+ *        tests); collecting groups wait while any group of the CTA needs a generic pass.
+ *        Bound: band + 4 generic + 1 collect passes. Exactness never depends on the sample:
+ *        every window update is a count over all S keys.
+ *     3. Compaction pass: {key > T} and the first q of {key == T} in position order: per tile,
+ *        each lane quad rebuilds the group's 64-bit selection mask in position order and writes
+ *        ranks from popcounts, so the list comes out ascending without any sort.
+ *    At S = 64k and K = 10% a group takes ~3.1 passes of all scores (band, collect, compaction;
+ *    the radix select alone: 4 histogram passes + the compaction). Times: benchmarks/PERF_LOG.md
+ *    (v12, v16, v17).
  */
 #include <stdlib.h>
 
@@ -34,10 +53,20 @@
 
 #define TK_WARPS 4
 #define TK_THREADS (32 * TK_WARPS)
-#define TK_GPW 16
+#define TK_GPW 16 /* groups per warp, the larger setting (tk_gpw picks 16 or 8) */
 #define TK_GPC (TK_WARPS * TK_GPW)
 #define TK_TILE 64
 #define TK_BINS 256
+#define TK_STRIDE 16    /* sample: one key in TK_STRIDE */
+#define TK_MIN_S 4096   /* sample from this sequence length on */
+#define TK_CAP TK_BINS  /* collect pass: windows of at most this many keys (one slab) */
+#define TK_MAX_PASSES 6 /* band + at most 4 generic passes + one collect pass */
+
+/* what a group does in the next pass */
+#define TK_OFF 0     /* resolved (or not a group): nothing */
+#define TK_HIST 1    /* 256-bin histogram of [lo, hi] */
+#define TK_BAND 2    /* band histogram: bins 1..254 from lo = T_lo, bin 255 above top */
+#define TK_COLLECT 3 /* append every key of [lo, hi] to the slab */
 
 struct dsv_topk_args {
   const void* q;
@@ -48,13 +77,27 @@ struct dsv_topk_args {
   int64_t S, H, r, G, NG, kmax;
   int tiles_per_bh;
   int kvec;
+  int sample; /* tuning tk_sample */
 };
 
-template <int RP, int GPW = TK_GPW>
+/* per-group selection state of a CTA of GPC groups (shared memory) */
+template <int GPC>
+struct dsv_tk_groups {
+  uint32_t lo[GPC], hi[GPC], top[GPC];
+  int s[GPC], mode[GPC], need[GPC], cnt[GPC], done[GPC], ccnt[GPC];
+  int base[GPC]; /* list length written by the compaction */
+  int sneed_lo[GPC], sneed_hi[GPC];
+  uint32_t thi[GPC]; /* sample stage: T_hi when known from 8 bits only */
+};
+
+/* shared memory: [GPC][256] histogram slabs, [2][TILE][SW] key tiles, the group states,
+ * [threads] sink slots */
+template <int RP, int GPW>
 static size_t dsv_topk_smem_bytes() {
+  constexpr int GPC = TK_WARPS * GPW;
   const int SW = RP / 2 + 4;
-  return (size_t)TK_WARPS * GPW * TK_BINS * 4 + (size_t)2 * TK_TILE * SW * 4 +
-         (size_t)TK_WARPS * GPW * 4 * 4 + (size_t)TK_THREADS * 4 + 16;
+  return (size_t)GPC * TK_BINS * 4 + (size_t)2 * TK_TILE * SW * 4 + sizeof(dsv_tk_groups<GPC>) +
+         (size_t)TK_THREADS * 4 + 16;
 }
 
 /* spread bit (2*b + e) of an 8-bit value to bit (8*b + e), b < 4, e < 2 */
@@ -73,21 +116,9 @@ static __device__ __forceinline__ uint32_t dsv_tk_keep_lowest(uint32_t x, int n)
   return kept;
 }
 
-/* Two-phase tile loops (template parameter TWO). */
-/* hist[(u >> shift) & 255] += 1 when ok and u matches the prefix, else sink += 1: an
- * unconditional shared reduction, so that no branch is needed per score */
-static __device__ __forceinline__ void dsv_tk_hist_inc(uint32_t base, uint32_t u, uint32_t pmask,
-                                                       uint32_t pref, int shift, bool ok,
-                                                       uint32_t sink) {
-  const uint32_t addr = (ok && (u & pmask) == pref) ? base + (((u >> shift) & 255u) << 2) : sink;
-  asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(addr) : "memory");
-}
-
-/* One staged tile of the histogram pass, two-phase: the MMA chains of all 8 blocks first
- * (independent, pipelined), then branch-free histogram updates (every score adds 1 to its bin
- * or to this thread's sink slot). */
-/* Scores of one staged 64-key tile, two-phase: the lane's 4 accumulators of each of the 8
- * key blocks (exact: hi + mid + lo parts of the representative against the 16-bit keys). */
+/* Scores of one staged 64-key tile, two-phase (the MMA chains of all 8 blocks, independent and
+ * pipelined): the lane's 4 accumulators of each of the 8 key blocks (exact: hi + mid + lo parts
+ * of the representative against the 16-bit keys). */
 template <typename T, int KS, int SW>
 static __device__ __forceinline__ void dsv_tk_tile_scores(const uint32_t* kt,
                                                           const uint32_t (&A)[KS][3][4], int lane,
@@ -106,58 +137,364 @@ static __device__ __forceinline__ void dsv_tk_tile_scores(const uint32_t* kt,
   }
 }
 
-template <typename T, int KS, int SW, bool HASB = true>
-static __device__ __forceinline__ void dsv_tk_hist_tile(const uint32_t* kt, const uint32_t (&A)[KS][3][4],
-                                                        int lane, int j4, int t0, int S32,
-                                                        uint32_t hA_addr, uint32_t hB_addr,
-                                                        uint32_t sink, uint32_t pmask,
-                                                        uint32_t prefA, uint32_t prefB, int shift,
-                                                        bool actA, bool actB) {
-  /* all 8 blocks' MMA chains first (independent, pipelined), then the histogram updates:
-   * branch-free, every score adds 1 to its bin or to this thread's sink slot */
-  float d[TK_TILE / 8][4];
-  dsv_tk_tile_scores<T, KS, SW>(kt, A, lane, j4, d);
+/* Compaction flags of one 8-key block: bit (2 * blk + e) of the masks of u > T and u == T of
+ * group A (scores c0 / c1) and, with HASB, group B (c2 / c3). */
+template <bool HASB>
+static __device__ __forceinline__ void dsv_tk_flags(const float (&d)[4], int blk, uint32_t k0,
+                                                    uint32_t k1, uint32_t TA, uint32_t TB,
+                                                    uint32_t& mgA, uint32_t& mgB, uint32_t& meA,
+                                                    uint32_t& meB) {
+  const uint32_t u0 = dsv_float_key(d[0]), u1 = dsv_float_key(d[1]);
+  mgA |= ((k0 & (u0 > TA)) << (2 * blk)) | ((k1 & (u1 > TA)) << (2 * blk + 1));
+  meA |= ((k0 & (u0 == TA)) << (2 * blk)) | ((k1 & (u1 == TA)) << (2 * blk + 1));
+  if constexpr (HASB) {
+    const uint32_t u2 = dsv_float_key(d[2]), u3 = dsv_float_key(d[3]);
+    mgB |= ((k0 & (u2 > TB)) << (2 * blk)) | ((k1 & (u3 > TB)) << (2 * blk + 1));
+    meB |= ((k0 & (u2 == TB)) << (2 * blk)) | ((k1 & (u3 == TB)) << (2 * blk + 1));
+  }
+}
+
+/* One 8-key block's scores, block at a time (the tile loops of fp16 with RP >= 48, see
+ * kTwoPhase in the kernel). */
+template <typename T, int KS, int SW>
+static __device__ __forceinline__ void dsv_tk_block_scores(const uint32_t* kt,
+                                                           const uint32_t (&A)[KS][3][4],
+                                                           int lane, int j4, int blk,
+                                                           float (&d)[4]) {
+  const int n = blk * 8 + (lane >> 2);
+  d[0] = d[1] = d[2] = d[3] = 0.f;
 #pragma unroll
-  for (int blk = 0; blk < TK_TILE / 8; ++blk) {
-    const int key0 = t0 + blk * 8 + j4 * 2;
-    const bool k0 = key0 < S32, k1 = key0 + 1 < S32;
-    dsv_tk_hist_inc(hA_addr, dsv_float_key(d[blk][0]), pmask, prefA, shift, actA && k0, sink);
-    dsv_tk_hist_inc(hA_addr, dsv_float_key(d[blk][1]), pmask, prefA, shift, actA && k1, sink);
-    if constexpr (HASB) { /* rows 8-15 of the tile hold groups (16 groups per warp) */
-      dsv_tk_hist_inc(hB_addr, dsv_float_key(d[blk][2]), pmask, prefB, shift, actB && k0, sink);
-      dsv_tk_hist_inc(hB_addr, dsv_float_key(d[blk][3]), pmask, prefB, shift, actB && k1, sink);
+  for (int ks = 0; ks < KS; ++ks) {
+    const uint32_t b0 = kt[n * SW + ks * 8 + j4], b1 = kt[n * SW + ks * 8 + j4 + 4];
+    mma16816<T>(d, A[ks][2][0], A[ks][2][1], A[ks][2][2], A[ks][2][3], b0, b1);
+    mma16816<T>(d, A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
+    mma16816<T>(d, A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
+  }
+}
+
+/* one group's pass parameters in registers (groups not taking part: an empty window) */
+struct dsv_tk_prm {
+  uint32_t lo, hi, top, slab; /* slab: shared address of the group's 256 words */
+  int s;
+  uint32_t* cslab;
+  int* ccnt;
+};
+
+template <int MODE, int GPC>
+static __device__ __forceinline__ dsv_tk_prm dsv_tk_load(dsv_tk_groups<GPC>& gs, uint32_t* hist,
+                                                         int g, bool valid) {
+  dsv_tk_prm p;
+  const bool on = valid && gs.mode[g] == MODE;
+  p.lo = on ? gs.lo[g] : 1u;
+  p.hi = on ? gs.hi[g] : 0u;
+  p.top = on ? gs.top[g] : 0u;
+  p.s = on ? gs.s[g] : 0;
+  p.cslab = hist + (valid ? g : 0) * TK_BINS;
+  p.slab = smem_u32(p.cslab);
+  p.ccnt = gs.ccnt + (valid ? g : 0);
+  return p;
+}
+
+/* One score key u of a group in a pass of kind MODE.
+ * HIST: bin (u - lo) >> s of [lo, hi]; BAND: bin 1 + ((u - lo) >> s) of [lo, top] and the
+ * register count of u > top (bin 255); both add 1 to the bin or, unconditionally (no branch per
+ * score), to this thread's sink slot. COLLECT: append u in [lo, hi] to the slab. */
+template <int MODE>
+static __device__ __forceinline__ void dsv_tk_score(const dsv_tk_prm& p, uint32_t u, uint32_t ok,
+                                                    uint32_t& above, uint32_t sink) {
+  if constexpr (MODE == TK_COLLECT) {
+    if (ok && u >= p.lo && u <= p.hi) {
+      const int i = atomicAdd(p.ccnt, 1);
+      if (i < TK_CAP) p.cslab[i] = u;
+    }
+  } else {
+    constexpr uint32_t off = MODE == TK_BAND ? 1u : 0u;
+    const uint32_t last = MODE == TK_BAND ? p.top : p.hi;
+    const bool h = ok && u >= p.lo && u <= last;
+    const uint32_t addr = h ? p.slab + ((off + ((u - p.lo) >> p.s)) << 2) : sink;
+    asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(addr) : "memory");
+    if constexpr (MODE == TK_BAND) above += (uint32_t)(ok && u > p.top);
+  }
+}
+
+/* the scores of one 8-key block of a lane: c0 / c1 of group A, c2 / c3 of group B (HASB) */
+template <int MODE, bool HASB>
+static __device__ __forceinline__ void dsv_tk_block(const float (&d)[4], uint32_t k0, uint32_t k1,
+                                                    const dsv_tk_prm& pA, const dsv_tk_prm& pB,
+                                                    uint32_t& aboveA, uint32_t& aboveB,
+                                                    uint32_t sink) {
+  dsv_tk_score<MODE>(pA, dsv_float_key(d[0]), k0, aboveA, sink);
+  dsv_tk_score<MODE>(pA, dsv_float_key(d[1]), k1, aboveA, sink);
+  if constexpr (HASB) {
+    dsv_tk_score<MODE>(pB, dsv_float_key(d[2]), k0, aboveB, sink);
+    dsv_tk_score<MODE>(pB, dsv_float_key(d[3]), k1, aboveB, sink);
+  }
+}
+
+/* One staged tile of a pass of kind MODE: two-phase (all 8 blocks' scores first, then the
+ * updates) or block at a time. */
+template <typename T, int KS, int SW, bool TWO, int MODE, bool HASB>
+static __device__ __forceinline__ void dsv_tk_tile(const uint32_t* kt, const uint32_t (&A)[KS][3][4],
+                                                   int lane, int j4, int t0, int nvalid,
+                                                   const dsv_tk_prm& pA, const dsv_tk_prm& pB,
+                                                   uint32_t& aboveA, uint32_t& aboveB,
+                                                   uint32_t sink) {
+  if constexpr (TWO) {
+    float d[TK_TILE / 8][4];
+    dsv_tk_tile_scores<T, KS, SW>(kt, A, lane, j4, d);
+#pragma unroll
+    for (int blk = 0; blk < TK_TILE / 8; ++blk) {
+      const int key0 = t0 + blk * 8 + j4 * 2;
+      dsv_tk_block<MODE, HASB>(d[blk], key0 < nvalid, key0 + 1 < nvalid, pA, pB, aboveA, aboveB,
+                               sink);
+    }
+  } else {
+#pragma unroll 2
+    for (int blk = 0; blk < TK_TILE / 8; ++blk) {
+      float d[4];
+      dsv_tk_block_scores<T, KS, SW>(kt, A, lane, j4, blk, d);
+      const int key0 = t0 + blk * 8 + j4 * 2;
+      dsv_tk_block<MODE, HASB>(d, key0 < nvalid, key0 + 1 < nvalid, pA, pB, aboveA, aboveB, sink);
     }
   }
 }
 
-/* One staged tile of the compaction pass, two-phase: selection flags (u > T, u == T) of the
- * lane's 16 scores as bit (2 * block + e) of the group masks. */
-template <typename T, int KS, int SW, bool HASB = true>
-static __device__ __forceinline__ void dsv_tk_compact_flags(const uint32_t* kt,
-                                                            const uint32_t (&A)[KS][3][4], int lane,
-                                                            int j4, int t0, int S32, uint32_t TA,
-                                                            uint32_t TB, uint32_t& mgA,
-                                                            uint32_t& mgB, uint32_t& meA,
-                                                            uint32_t& meB) {
-  /* MMA chains of all 8 blocks first, then the flags (see the histogram passes) */
-  float dd[TK_TILE / 8][4];
-  dsv_tk_tile_scores<T, KS, SW>(kt, A, lane, j4, dd);
+/* Sample row i: key min(16 i + h(i), S - 1), h(i) in [0, 16) a fixed multiplicative hash of
+ * i, so that a score pattern of period 16 (or a divisor) cannot bias the sample. */
+static __device__ __forceinline__ int64_t dsv_tk_sample_key(int64_t i, int64_t S) {
+  static_assert(TK_STRIDE == 16, "h(i) takes the top 4 bits of the hash");
+  const int64_t j = i * TK_STRIDE + (int64_t)(((uint32_t)i * 0x9E3779B1u) >> 28);
+  return j < S ? j : S - 1;
+}
+
+/* dsv_stage_rows16 for the sample stream: staged row r is key dsv_tk_sample_key(row0 + r)
+ * (zero rows from ns on). */
+template <typename T>
+static __device__ __forceinline__ void dsv_tk_stage_sample(uint32_t* smem, int sw, const T* base,
+                                                           int64_t row_stride, int64_t row0,
+                                                           int64_t ns, int64_t S, int dim,
+                                                           int dp, bool vec, int tid) {
+  const int cpr = dp / 8; /* 16-byte chunks per row */
+  for (int c = tid; c < TK_TILE * cpr; c += TK_THREADS) {
+    const int r = c / cpr, ch = c - r * cpr;
+    const int64_t row = row0 + r;
+    uint32_t* dst = smem + r * sw + ch * 4;
+    const int e0 = ch * 8;
+    const T* src = base + dsv_tk_sample_key(row, S) * row_stride;
+    if (row < ns && vec && e0 + 8 <= dim) {
+      cp_async16(dst, src + e0);
+    } else {
+      uint32_t w[4];
 #pragma unroll
-  for (int blk = 0; blk < TK_TILE / 8; ++blk) {
-    const float* d = dd[blk];
-    const int key0 = t0 + blk * 8 + j4 * 2;
-    const uint32_t k0 = key0 < S32, k1 = key0 + 1 < S32;
-    const uint32_t u0 = dsv_float_key(d[0]), u1 = dsv_float_key(d[1]);
-    const uint32_t u2 = HASB ? dsv_float_key(d[2]) : 0u, u3 = HASB ? dsv_float_key(d[3]) : 0u;
-    mgA |= ((k0 & (u0 > TA)) << (2 * blk)) | ((k1 & (u1 > TA)) << (2 * blk + 1));
-    meA |= ((k0 & (u0 == TA)) << (2 * blk)) | ((k1 & (u1 == TA)) << (2 * blk + 1));
-    if constexpr (HASB) { /* rows 8-15 hold groups */
-      mgB |= ((k0 & (u2 > TB)) << (2 * blk)) | ((k1 & (u3 > TB)) << (2 * blk + 1));
-      meB |= ((k0 & (u2 == TB)) << (2 * blk)) | ((k1 & (u3 == TB)) << (2 * blk + 1));
+      for (int t = 0; t < 4; ++t) {
+        unsigned short lo = 0, hi = 0;
+        if (row < ns) {
+          if (e0 + 2 * t < dim) lo = *reinterpret_cast<const unsigned short*>(src + e0 + 2 * t);
+          if (e0 + 2 * t + 1 < dim)
+            hi = *reinterpret_cast<const unsigned short*>(src + e0 + 2 * t + 1);
+        }
+        w[t] = (uint32_t)lo | ((uint32_t)hi << 16);
+      }
+      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
 }
 
+/* Stage tile `it` of a pass: all keys, or the sample (nrows = ns sample rows). */
+template <typename T, bool SAMPLE>
+static __device__ __forceinline__ void dsv_tk_stage(uint32_t* dst, int sw, const T* kb,
+                                                    const dsv_topk_args& a, int64_t nrows, int it,
+                                                    int dp, int tid) {
+  if constexpr (SAMPLE)
+    dsv_tk_stage_sample<T>(dst, sw, kb, a.k_ss, (int64_t)it * TK_TILE, nrows, a.S, (int)a.r, dp,
+                           a.kvec, tid);
+  else
+    dsv_stage_rows16<T>(dst, sw, kb, a.k_ss, (int64_t)it * TK_TILE, TK_TILE, nrows, (int)a.r, dp,
+                        a.kvec, tid, TK_THREADS);
+}
+
+/* One pass of kind MODE over a key stream (all S keys, or the ns sample rows): the groups in
+ * that mode take part, the others wait. Called by all threads; a BAND pass ends with the
+ * above-band counts in bin 255 of the slabs. */
+template <typename T, int KS, int SW, bool TWO, int MODE, bool SAMPLE, int GPC, bool HASB>
+static __device__ __forceinline__ void dsv_tk_pass(const dsv_topk_args& a, const T* kb,
+                                                   int64_t nrows, uint32_t* ktile,
+                                                   const uint32_t (&A)[KS][3][4],
+                                                   dsv_tk_groups<GPC>& gs, uint32_t* hist,
+                                                   bool warp_active, int tid, int lane, int gA,
+                                                   int gB, bool vA, bool vB) {
+  const int j4 = lane & 3;
+  const dsv_tk_prm pA = dsv_tk_load<MODE>(gs, hist, gA, vA);
+  const dsv_tk_prm pB = dsv_tk_load<MODE>(gs, hist, gB, HASB && vB);
+  const uint32_t sink = smem_u32(reinterpret_cast<uint32_t*>(&gs + 1) + tid);
+  uint32_t aboveA = 0, aboveB = 0;
+  const int ntiles = (int)((nrows + TK_TILE - 1) / TK_TILE);
+  const int nv = (int)nrows;
+  dsv_tk_stage<T, SAMPLE>(ktile, SW, kb, a, nrows, 0, KS * 16, tid);
+  cp_async_commit();
+  for (int it = 0; it < ntiles; ++it) {
+    cp_async_wait_all();
+    __syncthreads();
+    if (it + 1 < ntiles)
+      dsv_tk_stage<T, SAMPLE>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, a, nrows, it + 1,
+                              KS * 16, tid);
+    cp_async_commit();
+    if (!warp_active) continue;
+    dsv_tk_tile<T, KS, SW, TWO, MODE, HASB>(ktile + (it & 1) * TK_TILE * SW, A, lane, j4,
+                                            it * TK_TILE, nv, pA, pB, aboveA, aboveB, sink);
+  }
+  if constexpr (MODE == TK_BAND) {
+    /* the quad of lanes (lane >> 2) holds all keys of its groups */
+    aboveA += __shfl_xor_sync(DSV_FULL_MASK, aboveA, 1);
+    aboveA += __shfl_xor_sync(DSV_FULL_MASK, aboveA, 2);
+    aboveB += __shfl_xor_sync(DSV_FULL_MASK, aboveB, 1);
+    aboveB += __shfl_xor_sync(DSV_FULL_MASK, aboveB, 2);
+    if (warp_active && j4 == 0) {
+      if (vA) hist[gA * TK_BINS + TK_BINS - 1] = aboveA;
+      if (HASB && vB) hist[gB * TK_BINS + TK_BINS - 1] = aboveB;
+    }
+  }
+  __syncwarp();
+}
+
+/* Boundary bin of a 256-bin slab for rank `need` from the top; a band slab gets bin 0 = nkeys
+ * minus the rest. All lanes return the same bin, the count above it and its count. Requires
+ * need <= the slab's total. */
+static __device__ __forceinline__ void dsv_tk_find(const uint32_t* slab, uint32_t need, int lane,
+                                                   bool band, uint32_t nkeys, uint32_t& bin,
+                                                   uint32_t& above_out, uint32_t& cnt) {
+  const uint4 c0 = *reinterpret_cast<const uint4*>(slab + lane * 8);
+  const uint4 c1 = *reinterpret_cast<const uint4*>(slab + lane * 8 + 4);
+  uint32_t c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+  uint32_t csum = 0;
+#pragma unroll
+  for (int t = 0; t < 8; ++t) csum += c[t];
+  if (band) {
+    const uint32_t total = __reduce_add_sync(DSV_FULL_MASK, csum);
+    if (lane == 0) {
+      c[0] += nkeys - total;
+      csum += nkeys - total;
+    }
+  }
+  uint32_t s = csum;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t t = __shfl_down_sync(DSV_FULL_MASK, s, off);
+    if (lane + off < 32) s += t;
+  }
+  const uint32_t bal = __ballot_sync(DSV_FULL_MASK, s >= need);
+  const int L = bal ? 31 - __clz((int)bal) : 0;
+  uint32_t above = s - csum, bsel = 0, bcnt = 0;
+  bool found = false;
+#pragma unroll
+  for (int t = 7; t >= 0; --t) {
+    if (!found) {
+      if (above + c[t] >= need) {
+        found = true;
+        bsel = (uint32_t)t;
+        bcnt = c[t];
+      } else {
+        above += c[t];
+      }
+    }
+  }
+  above_out = __shfl_sync(DSV_FULL_MASK, above, L);
+  bin = (uint32_t)L * 8u + __shfl_sync(DSV_FULL_MASK, bsel, L);
+  cnt = __shfl_sync(DSV_FULL_MASK, bcnt, L);
+}
+
+/* the next pass of an unresolved group whose window [lo, hi] (lo < hi) holds cnt keys */
+template <int GPC>
+static __device__ __forceinline__ void dsv_tk_plan(dsv_tk_groups<GPC>& gs, int g) {
+  if (gs.cnt[g] <= TK_CAP) {
+    gs.mode[g] = TK_COLLECT;
+    gs.s[g] = 0;
+  } else {
+    const int bits = 32 - __clz((int)(gs.hi[g] - gs.lo[g]));
+    gs.mode[g] = TK_HIST;
+    gs.s[g] = bits > 8 ? bits - 8 : 0;
+  }
+  gs.top[g] = gs.hi[g];
+}
+
+/* After a pass over all keys: every group of this warp that took part (mode == pass_mode)
+ * narrows its window (or resolves T and q). Whole warp; lane 0 writes the state. */
+template <int GPW, int GPC>
+static __device__ __forceinline__ void dsv_tk_resolve(dsv_tk_groups<GPC>& gs, uint32_t* hist,
+                                                      int pass_mode, int warp, int lane, int ngl,
+                                                      uint32_t S) {
+  for (int gi = 0; gi < GPW; ++gi) {
+    const int gl = warp * GPW + gi;
+    if (gl >= ngl) break;
+    const int mode = gs.mode[gl];
+    if (gs.done[gl] || mode != pass_mode) continue;
+    const uint32_t* slab = hist + gl * TK_BINS;
+    const int need = gs.need[gl];
+    const int n = gs.ccnt[gl] < TK_CAP ? gs.ccnt[gl] : TK_CAP;
+    __syncwarp(); /* every lane has read the state before any lane writes it */
+    if (mode == TK_COLLECT) {
+      /* the window's keys: T = the one with #(> T) < need <= #(>= T) (the first lane that
+       * finds it writes) */
+      for (int i0 = 0; i0 < n; i0 += 32) {
+        const int i = i0 + lane;
+        uint32_t x = 0;
+        int gt = 0, ge = 0;
+        if (i < n) {
+          x = slab[i];
+          for (int j = 0; j < n; ++j) {
+            const uint32_t y = slab[j];
+            gt += y > x;
+            ge += y >= x;
+          }
+        }
+        const uint32_t hit = __ballot_sync(DSV_FULL_MASK, i < n && gt < need && need <= ge);
+        if (hit && lane == __ffs((int)hit) - 1) {
+          gs.lo[gl] = x;
+          gs.need[gl] = need - gt;
+        }
+        if (hit) break;
+      }
+      __syncwarp();
+      if (lane == 0) {
+        gs.done[gl] = 1;
+        gs.mode[gl] = TK_OFF;
+      }
+      continue;
+    }
+    uint32_t b, above, cnt;
+    dsv_tk_find(slab, (uint32_t)need, lane, mode == TK_BAND, S, b, above, cnt);
+    if (lane == 0) {
+      const uint64_t lo = gs.lo[gl], hi = gs.hi[gl], top = gs.top[gl];
+      const int s = gs.s[gl];
+      uint64_t nlo, nhi;
+      if (mode == TK_BAND && b == 0) { /* below the band */
+        nlo = 0;
+        nhi = lo - 1;
+      } else if (mode == TK_BAND && b == TK_BINS - 1) { /* above the band */
+        nlo = top + 1;
+        nhi = hi;
+      } else {
+        nlo = lo + ((uint64_t)(b - (mode == TK_BAND)) << s);
+        nhi = nlo + ((uint64_t)1 << s) - 1;
+        if (nhi > top) nhi = top;
+      }
+      const int nneed = need - (int)above;
+      gs.lo[gl] = (uint32_t)nlo;
+      gs.hi[gl] = (uint32_t)nhi;
+      gs.need[gl] = nneed;
+      gs.cnt[gl] = (int)cnt;
+      if ((int)cnt == nneed) { /* the whole window: every key >= lo */
+        gs.done[gl] = 2;
+        gs.mode[gl] = TK_OFF;
+      } else if (nlo == nhi) { /* one key value: T = lo, take need of its ties */
+        gs.done[gl] = 1;
+        gs.mode[gl] = TK_OFF;
+      } else {
+        dsv_tk_plan(gs, gl);
+      }
+    }
+  }
+}
 
 template <typename T, int RP, bool TWO, int GPW>
 __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_args a) {
@@ -167,25 +504,22 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   static_assert(GPW == 16 || GPW == 8, "GPW: 16 or 8 groups per warp");
   constexpr bool HASB = GPW == 16;
   constexpr int GPC = TK_WARPS * GPW; /* groups per CTA */
+  static_assert(GPC <= TK_THREADS, "one thread per group in the CTA-wide votes");
   constexpr int KS = RP / 16;
   constexpr int SW = RP / 2 + 4; /* 32-bit words per staged key row (conflict-free B loads) */
   /* Tile loops. With TWO (the default): the MMA chains of all 8 blocks of a tile first, then
-   * branch-free histogram updates (fewer instructions, more independent MMAs in flight;
-   * identical lists). Without (TWO = false, csrc/dev/): one 8-key block at a time (unroll 2),
-   * histogram atomics behind a branch. ptxas (CUDA 13.0) miscompiles fully unrolled
-   * fp16 tile loops for RP >= 48 (HMMA results overwritten unread: seen in the SASS and as lost
-   * keys on the H200), so those instantiations always keep the block-at-a-time loops. */
+   * branch-free updates (fewer instructions, more independent MMAs in flight; identical lists).
+   * Without (TWO = false, csrc/dev/): one 8-key block at a time (unroll 2). ptxas (CUDA 13.0)
+   * miscompiles fully unrolled fp16 tile loops for RP >= 48 (HMMA results overwritten unread:
+   * seen in the SASS and as lost keys on the H200), so those instantiations always keep the
+   * block-at-a-time loops. */
   constexpr bool kTwoPhase = TWO && (dsv_is_bf16<T>::value || RP <= 32);
   extern __shared__ __align__(16) unsigned char dsv_tk_smem[];
-  uint32_t* hist = reinterpret_cast<uint32_t*>(dsv_tk_smem); /* [warps][GPW][256] */
+  uint32_t* hist = reinterpret_cast<uint32_t*>(dsv_tk_smem); /* [GPC][256] slabs */
   float* reps = reinterpret_cast<float*>(dsv_tk_smem);       /* alias, prologue: [GPC][RP] */
-  uint32_t* ktile = hist + TK_WARPS * GPW * TK_BINS;         /* [2][TILE][SW] */
-  uint32_t* st_prefix = ktile + 2 * TK_TILE * SW;            /* [GPC] */
-  int* st_need = reinterpret_cast<int*>(st_prefix + GPC);    /* [GPC] */
-  int* st_done = st_need + GPC;                              /* [GPC] */
-  int* st_base = st_done + GPC;                              /* [GPC] */
-  uint32_t* dummy = reinterpret_cast<uint32_t*>(st_base + GPC); /* [threads] sink slots */
-  (void)dummy;
+  uint32_t* ktile = hist + GPC * TK_BINS;                    /* [2][TILE][SW] */
+  dsv_tk_groups<GPC>& gs = *reinterpret_cast<dsv_tk_groups<GPC>*>(ktile + 2 * TK_TILE * SW);
+  /* followed by [threads] sink slots */
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t bh = blockIdx.x / a.tiles_per_bh;
@@ -278,152 +612,131 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   }
   __syncthreads(); /* reps (aliasing hist) no longer read */
 
-  for (int i = tid; i < GPC; i += TK_THREADS) {
-    st_prefix[i] = 0;
-    st_need[i] = (int)Keff;
-    st_done[i] = 0;
-    st_base[i] = 0;
-  }
 
   const bool warp_active = (warp * GPW) < ngl;
   const bool vA = gA < ngl, vB = HASB && gB < ngl;
   uint32_t* histw = hist + warp * GPW * TK_BINS;
   const T* kb = reinterpret_cast<const T*>(a.k) + b * a.k_sb + h * a.k_sh;
-  const int ntiles = (int)((S + TK_TILE - 1) / TK_TILE);
 
-  /* ---- radix-select passes (skipped when every key is selected) ---- */
+  /* ---- selection: T and q per group (skipped when every key is selected) ---- */
   if (Keff < S) {
-    for (int pass = 0; pass < 4; ++pass) {
-      const int shift = 24 - 8 * pass;
-      const uint32_t pmask = pass == 0 ? 0u : (0xFFFFFFFFu << (shift + 8));
-      for (int i = lane; i < GPW * TK_BINS; i += 32) histw[i] = 0;
-      __syncthreads(); /* also publishes the states written in the previous pass */
-      const bool all_done = __syncthreads_and(tid >= ngl || st_done[tid] != 0);
-      if (all_done) break;
-      const uint32_t prefA = st_prefix[gA], prefB = HASB ? st_prefix[gB] : 0u;
-      const bool actA = vA && !st_done[gA], actB = vB && !st_done[gB];
-      const uint32_t hA_addr = smem_u32(histw + (lane >> 2) * TK_BINS);
-      const uint32_t hB_addr = hA_addr + 8 * TK_BINS * 4;
-      const uint32_t sink = smem_u32(dummy + tid);
-      (void)hA_addr;
-      (void)hB_addr;
-      (void)sink;
-
-      dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, 0, TK_TILE, S, (int)a.r, RP, a.kvec, tid,
-                          TK_THREADS);
-      cp_async_commit();
-      for (int it = 0; it < ntiles; ++it) {
-        cp_async_wait_all();
-        __syncthreads();
-        if (it + 1 < ntiles) {
-          dsv_stage_rows16<T>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, a.k_ss,
-                              (int64_t)(it + 1) * TK_TILE, TK_TILE, S, (int)a.r, RP, a.kvec, tid,
-                              TK_THREADS);
-        }
-        cp_async_commit();
-        if (!warp_active) continue;
-        const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
-        const int64_t t0 = (int64_t)it * TK_TILE;
-        if constexpr (kTwoPhase) {
-          dsv_tk_hist_tile<T, KS, SW, HASB>(kt, A, lane, j4, (int)t0, S32, hA_addr, hB_addr, sink,
-                                           pmask, prefA, prefB, shift, actA, actB);
-        } else {
-        /* one block at a time, branchy atomics (see kTwoPhase) */
-#pragma unroll 2
-        for (int blk = 0; blk < TK_TILE / 8; ++blk) {
-          const int n = blk * 8 + (lane >> 2);
-          float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-          for (int ks = 0; ks < KS; ++ks) {
-            const uint32_t b0 = kt[n * SW + ks * 8 + j4], b1 = kt[n * SW + ks * 8 + j4 + 4];
-            mma16816<T>(d, A[ks][2][0], A[ks][2][1], A[ks][2][2], A[ks][2][3], b0, b1);
-            mma16816<T>(d, A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
-            mma16816<T>(d, A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
-          }
-          const int key0 = (int)t0 + blk * 8 + j4 * 2;
-          const bool k0 = key0 < S32, k1 = key0 + 1 < S32;
-          const uint32_t u0 = dsv_float_key(d[0]), u1 = dsv_float_key(d[1]);
-          const uint32_t u2 = dsv_float_key(d[2]), u3 = dsv_float_key(d[3]);
-          uint32_t* hA = histw + (lane >> 2) * TK_BINS;
-          uint32_t* hB = hA + 8 * TK_BINS;
-          if (actA && k0 && (u0 & pmask) == prefA) atomicAdd(hA + ((u0 >> shift) & 255u), 1u);
-          if (actA && k1 && (u1 & pmask) == prefA) atomicAdd(hA + ((u1 >> shift) & 255u), 1u);
-          if (actB && k0 && (u2 & pmask) == prefB) atomicAdd(hB + ((u2 >> shift) & 255u), 1u);
-          if (actB && k1 && (u3 & pmask) == prefB) atomicAdd(hB + ((u3 >> shift) & 255u), 1u);
-        }
-        }
+    if (a.sample && S >= TK_MIN_S) {
+      /* 0. the sample: T_lo / T_hi per group (two 8-bit radix passes over ns sample keys) */
+      const int64_t ns = (S + TK_STRIDE - 1) / TK_STRIDE;
+      const float mu = (float)Keff * (float)ns / (float)S, sd = sqrtf(mu);
+      const float flo = ceilf(mu + 4.f * sd + 2.f), fhi = floorf(mu - 4.f * sd - 2.f);
+      const int m_lo = flo >= (float)ns ? (int)ns : (int)flo;
+      const int m_hi = fhi < 1.f ? 0 : (int)fhi;
+      for (int i = tid; i < GPC; i += TK_THREADS) {
+        gs.mode[i] = TK_HIST;
+        gs.lo[i] = 0u;
+        gs.hi[i] = 0xFFFFFFFFu;
+        gs.top[i] = 0xFFFFFFFFu;
+        gs.s[i] = 24;
+        gs.done[i] = 0;
       }
-      __syncwarp();
-
-      /* boundary bin of every group of this warp */
-      for (int gi = 0; gi < GPW; ++gi) {
-        const int gl = warp * GPW + gi;
-        if (gl >= ngl) break;
-        if (st_done[gl]) continue;
-        const uint32_t* hg = histw + gi * TK_BINS + lane * 8;
-        const uint4 c0 = *reinterpret_cast<const uint4*>(hg);
-        const uint4 c1 = *reinterpret_cast<const uint4*>(hg + 4);
-        const uint32_t c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-        uint32_t csum = 0;
-#pragma unroll
-        for (int t = 0; t < 8; ++t) csum += c[t];
-        uint32_t s = csum;
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-          const uint32_t t = __shfl_down_sync(DSV_FULL_MASK, s, off);
-          if (lane + off < 32) s += t;
-        }
-        const uint32_t need = (uint32_t)st_need[gl];
-        const uint32_t bal = __ballot_sync(DSV_FULL_MASK, s >= need);
-        const int L = bal ? 31 - __clz((int)bal) : 0;
-        uint32_t above = s - csum, bsel = 0, bcnt = 0;
-        bool found = false;
-#pragma unroll
-        for (int t = 7; t >= 0; --t) {
-          if (!found) {
-            if (above + c[t] >= need) {
-              found = true;
-              bsel = (uint32_t)t;
-              bcnt = c[t];
+      for (int sp = 0; sp < 2; ++sp) {
+        __syncwarp(); /* every lane's reads of the slabs (dsv_tk_find) before they are cleared */
+        for (int i = lane; i < GPW * TK_BINS; i += 32) histw[i] = 0;
+        __syncthreads();
+        dsv_tk_pass<T, KS, SW, kTwoPhase, TK_HIST, true, GPC, HASB>(
+            a, kb, ns, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
+        for (int gi = 0; gi < GPW; ++gi) {
+          const int gl = warp * GPW + gi;
+          if (gl >= ngl) break;
+          const uint32_t* slab = hist + gl * TK_BINS;
+          uint32_t bl, al, cl, bh8 = 0, ah = 0, ch = 0;
+          const uint32_t nlo = sp == 0 ? (uint32_t)m_lo : (uint32_t)gs.sneed_lo[gl];
+          const int nhi = sp == 0 ? m_hi : gs.sneed_hi[gl];
+          dsv_tk_find(slab, nlo, lane, false, 0u, bl, al, cl);
+          if (nhi > 0) dsv_tk_find(slab, (uint32_t)nhi, lane, false, 0u, bh8, ah, ch);
+          if (lane == 0) {
+            const uint32_t lo = gs.lo[gl];
+            if (sp == 0) {
+              gs.lo[gl] = bl << 24;
+              gs.hi[gl] = (bl << 24) | 0xFFFFFFu;
+              gs.top[gl] = gs.hi[gl];
+              gs.s[gl] = 16;
+              gs.sneed_lo[gl] = (int)(nlo - al);
+              gs.sneed_hi[gl] = (nhi > 0 && bh8 == bl) ? nhi - (int)al : 0;
+              gs.thi[gl] = nhi > 0 ? ((bh8 << 24) | 0xFFFFFFu) : 0xFFFFFFFFu;
             } else {
-              above += c[t];
+              gs.lo[gl] = lo + (bl << 16);                                   /* T_lo */
+              gs.hi[gl] = nhi > 0 ? lo + (bh8 << 16) + 0xFFFFu : gs.thi[gl]; /* T_hi */
             }
           }
         }
-        above = __shfl_sync(DSV_FULL_MASK, above, L);
-        bsel = __shfl_sync(DSV_FULL_MASK, bsel, L);
-        bcnt = __shfl_sync(DSV_FULL_MASK, bcnt, L);
-        if (lane == 0) {
-          const uint32_t nneed = need - above;
-          st_prefix[gl] |= ((uint32_t)L * 8u + bsel) << shift;
-          st_need[gl] = (int)nneed;
-          if (nneed == bcnt || shift == 0 || bal == 0) st_done[gl] = (nneed == bcnt || bal == 0) ? 2 : 1;
-        }
       }
+      __syncthreads();
+      /* the band pass's parameters: [T_lo, T_hi] in 254 power-of-two bins */
+      for (int i = tid; i < GPC; i += TK_THREADS) {
+        const uint32_t tlo = gs.lo[i], thi = gs.hi[i];
+        const uint32_t w = thi - tlo;
+        int s = 0;
+        while ((w >> s) > 253u) ++s;
+        const uint64_t top = (uint64_t)tlo + ((uint64_t)254 << s) - 1;
+        gs.top[i] = top > 0xFFFFFFFFull ? 0xFFFFFFFFu : (uint32_t)top;
+        gs.s[i] = s;
+        gs.hi[i] = 0xFFFFFFFFu;
+        gs.mode[i] = TK_BAND;
+        gs.need[i] = (int)Keff;
+        gs.cnt[i] = S32;
+        gs.done[i] = 0;
+      }
+    } else {
+      for (int i = tid; i < GPC; i += TK_THREADS) {
+        gs.lo[i] = 0u;
+        gs.hi[i] = 0xFFFFFFFFu;
+        gs.need[i] = (int)Keff;
+        gs.cnt[i] = S32;
+        gs.done[i] = 0;
+        dsv_tk_plan(gs, i);
+      }
+    }
+    /* 1-2. band / generic / collect passes over all keys until every group is resolved */
+    for (int pass = 0; pass < TK_MAX_PASSES; ++pass) {
+      __syncwarp(); /* every lane's reads of the slabs (dsv_tk_find) before they are cleared */
+      for (int i = lane; i < GPW * TK_BINS; i += 32) histw[i] = 0;
+      if (lane < GPW) gs.ccnt[warp * GPW + lane] = 0;
+      __syncthreads(); /* also publishes the states written in the previous pass */
+      const bool all_done = __syncthreads_and(tid >= ngl || gs.done[tid] != 0);
+      if (all_done) break;
+      /* the pass kind: BAND (the first, sampled), else HIST while any group needs one (the
+       * collecting groups wait), else COLLECT */
+      const bool band = __syncthreads_or(tid < ngl && gs.mode[tid] == TK_BAND);
+      const bool hst = __syncthreads_or(tid < ngl && gs.mode[tid] == TK_HIST);
+      const int kind = band ? TK_BAND : (hst ? TK_HIST : TK_COLLECT);
+      if (kind == TK_BAND)
+        dsv_tk_pass<T, KS, SW, kTwoPhase, TK_BAND, false, GPC, HASB>(
+            a, kb, S, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
+      else if (kind == TK_HIST)
+        dsv_tk_pass<T, KS, SW, kTwoPhase, TK_HIST, false, GPC, HASB>(
+            a, kb, S, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
+      else
+        dsv_tk_pass<T, KS, SW, kTwoPhase, TK_COLLECT, false, GPC, HASB>(
+            a, kb, S, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
+      dsv_tk_resolve<GPW>(gs, hist, kind, warp, lane, ngl, (uint32_t)S);
     }
   }
   __syncthreads();
 
-  /* ---- compaction pass: ascending positions ---- */
+  /* ---- 3. compaction pass: {u > T} and the first q of {u == T}, ascending positions ---- */
   {
-    /* threshold keys of this lane's two score groups */
-    uint32_t TA = 0, TB = 0;
-    if (Keff < S) {
-      TA = st_prefix[gA];
-      TB = HASB ? st_prefix[gB] : 0u;
-    }
+    const uint32_t TA = (Keff < S && vA) ? gs.lo[gA] : 0u; /* K >= S: every key, T = 0 */
+    const uint32_t TB = (Keff < S && vB) ? gs.lo[gB] : 0u;
     const int sel_grp = j4 >> 1, w = j4 & 1;
-    const int gC = sel_grp ? gB : gA;
-    const bool vC = HASB ? gC < ngl : !sel_grp && vA; /* without HASB rows 8-15 hold no group */
+    const int gC = (HASB && sel_grp) ? gB : gA;
+    const bool vC = sel_grp ? vB : vA; /* without HASB rows 8-15 hold no group */
     int64_t qC;
-    if (!HASB && !vC) qC = 0;
-    else if (Keff >= S) qC = S;            /* every key: T = 0 (lowest key), all ties */
-    else if (st_done[gC] == 2) qC = S;     /* boundary bin taken completely */
-    else qC = st_need[gC];
+    if (!vC) qC = 0;
+    else if (Keff >= S) qC = S;        /* every key: T = 0 (lowest key), all ties */
+    else if (gs.done[gC] == 2) qC = S; /* the whole window: every key >= T */
+    else qC = gs.need[gC];
     int64_t baseC = 0, eqbaseC = 0;
     int32_t* outC = outg0 + (int64_t)gC * kmax;
     const int bsh = 16 * sel_grp + 8 * w;
     const int qbase = lane & ~3;
+    const int ntiles = (int)((S + TK_TILE - 1) / TK_TILE);
 
     dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, 0, TK_TILE, S, (int)a.r, RP, a.kvec, tid,
                         TK_THREADS);
@@ -439,33 +752,24 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       cp_async_commit();
       if (!warp_active) continue;
       const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
-      const int64_t t0 = (int64_t)it * TK_TILE;
+      const int t0 = it * TK_TILE;
       uint32_t mgA = 0, mgB = 0, meA = 0, meB = 0;
       if constexpr (kTwoPhase) {
-        dsv_tk_compact_flags<T, KS, SW, HASB>(kt, A, lane, j4, (int)t0, S32, TA, TB, mgA, mgB, meA,
-                                              meB);
-      } else {
-      /* block at a time, unroll 2 (never fully unrolled: see kTwoPhase) */
-#pragma unroll 2
-      for (int blk = 0; blk < TK_TILE / 8; ++blk) {
-        const int n = blk * 8 + (lane >> 2);
-        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        float dd[TK_TILE / 8][4];
+        dsv_tk_tile_scores<T, KS, SW>(kt, A, lane, j4, dd);
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-          const uint32_t b0 = kt[n * SW + ks * 8 + j4], b1 = kt[n * SW + ks * 8 + j4 + 4];
-          mma16816<T>(d, A[ks][2][0], A[ks][2][1], A[ks][2][2], A[ks][2][3], b0, b1);
-          mma16816<T>(d, A[ks][1][0], A[ks][1][1], A[ks][1][2], A[ks][1][3], b0, b1);
-          mma16816<T>(d, A[ks][0][0], A[ks][0][1], A[ks][0][2], A[ks][0][3], b0, b1);
+        for (int blk = 0; blk < TK_TILE / 8; ++blk) {
+          const int key0 = t0 + blk * 8 + j4 * 2;
+          dsv_tk_flags<HASB>(dd[blk], blk, key0 < S32, key0 + 1 < S32, TA, TB, mgA, mgB, meA, meB);
         }
-        const int key0 = (int)t0 + blk * 8 + j4 * 2;
-        const uint32_t k0 = key0 < S32, k1 = key0 + 1 < S32;
-        const uint32_t u0 = dsv_float_key(d[0]), u1 = dsv_float_key(d[1]);
-        const uint32_t u2 = dsv_float_key(d[2]), u3 = dsv_float_key(d[3]);
-        mgA |= ((k0 & (u0 > TA)) << (2 * blk)) | ((k1 & (u1 > TA)) << (2 * blk + 1));
-        meA |= ((k0 & (u0 == TA)) << (2 * blk)) | ((k1 & (u1 == TA)) << (2 * blk + 1));
-        mgB |= ((k0 & (u2 > TB)) << (2 * blk)) | ((k1 & (u3 > TB)) << (2 * blk + 1));
-        meB |= ((k0 & (u2 == TB)) << (2 * blk)) | ((k1 & (u3 == TB)) << (2 * blk + 1));
-      }
+      } else {
+#pragma unroll 2
+        for (int blk = 0; blk < TK_TILE / 8; ++blk) {
+          float d[4];
+          dsv_tk_block_scores<T, KS, SW>(kt, A, lane, j4, blk, d);
+          const int key0 = t0 + blk * 8 + j4 * 2;
+          dsv_tk_flags<HASB>(d, blk, key0 < S32, key0 + 1 < S32, TA, TB, mgA, mgB, meA, meB);
+        }
       }
       const uint32_t mg = mgA | (mgB << 16), me = meA | (meB << 16);
       uint32_t Wg = 0, We = 0;
@@ -499,7 +803,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       baseC += sel_cnt + sel_other;
       eqbaseC += eq_cnt + eq_other;
     }
-    if (warp_active && vC && w == 0) st_base[gC] = (int)(baseC < Keff ? baseC : Keff);
+    if (warp_active && vC && w == 0) gs.base[gC] = (int)(baseC < Keff ? baseC : Keff);
   }
   __syncwarp();
   /* -1 padding after the selected entries */
@@ -507,7 +811,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
     const int gl = warp * GPW + gi;
     if (gl >= ngl) break;
     int32_t* o = outg0 + (int64_t)gl * kmax;
-    for (int64_t e = st_base[gl] + lane; e < kmax; e += 32) o[e] = -1;
+    for (int64_t e = gs.base[gl] + lane; e < kmax; e += 32) o[e] = -1;
   }
 }
 
@@ -587,6 +891,7 @@ static int dsv_topk_entry(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_
   a.kmax = p->kmax;
   a.tiles_per_bh = (int)dsv_cdiv64(p->num_groups, (int64_t)TK_WARPS * gpw);
   a.kvec = dsv_bshd_rows_aligned16(k_lr, 2);
+  a.sample = tun->tk_sample;
   const int64_t grid = BH * a.tiles_per_bh;
   if (grid > 0x7fffffffLL) return DSV_ERR_UNSUPPORTED;
   const int RP = (int)((p->rank + 15) / 16 * 16);

@@ -14,8 +14,10 @@
  *   km_ratio                backward key-major ratio (0: never key-major, 1e9: wherever allowed)
  *   bwd_ranges              backward key ranges forced on every query-major head (0: automatic)
  *   bwd_rmax                the automatic rule's most key ranges (0: from the L2 size)
- *   tk_gpw                  top-K estimation: query groups per warp, 16 (default) or 8; 0:
- *                           automatic (8 where 16 gives fewer than two CTAs per SM)
+ *   tk_gpw                  top-K estimation: query groups per warp, 16 or 8; 0: automatic
+ *                           (8 where 16 gives fewer than two CTAs per SM; the default)
+ *   tk_sample               top-K estimation: 1 locates each group's threshold from a 1/16
+ *                           sample first (the default), 0 radix passes from the full key range
  */
 #include <errno.h>
 #include <pthread.h>
@@ -82,6 +84,9 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
   } else if (DSV_KEY("tk_gpw")) {
     if (n != 0 && n != 8 && n != 16) return DSV_ERR_TUNING;
     t->tk_gpw = (int)n;
+  } else if (DSV_KEY("tk_sample")) {
+    if (n != 0 && n != 1) return DSV_ERR_TUNING;
+    t->tk_sample = (int)n;
   } else {
     return DSV_ERR_TUNING; /* unknown key */
   }
@@ -131,7 +136,8 @@ int fill(int device, dsv_tuning* t) {
   t->km_ratio = 1.15f;
   t->bwd_ranges = 0;
   t->bwd_rmax = 0;
-  t->tk_gpw = 16; /* 8: benchmarks/PERF_LOG.md, kernels v16 (prediction, to be measured) */
+  t->tk_gpw = 0; /* automatic: measured on the H200, benchmarks/PERF_LOG.md, kernels v16 */
+  t->tk_sample = 1; /* benchmarks/PERF_LOG.md, kernels v12 / v17 */
   const char* spec = getenv("DSV_KERNEL_TUNING");
   return spec ? apply_override(t, spec) : DSV_OK;
 }
@@ -173,8 +179,9 @@ extern "C" int dsv_cuda_kernel_tuning(int device, char* buf, int64_t len) {
   if (st != DSV_OK) return st;
   const int n = snprintf(buf, (size_t)len,
                          "sm_count=%d,l2_bytes=%d,cc=%d,wgmma=%d,km_wgmma=%d,g128=%d,"
-                         "km_ratio=%g,bwd_ranges=%d,bwd_rmax=%d,tk_gpw=%d",
+                         "km_ratio=%g,bwd_ranges=%d,bwd_rmax=%d,tk_gpw=%d,tk_sample=%d",
                          t->sm_count, t->l2_bytes, t->cc, t->wgmma, t->km_wgmma, t->g128,
-                         (double)t->km_ratio, t->bwd_ranges, t->bwd_rmax, t->tk_gpw);
+                         (double)t->km_ratio, t->bwd_ranges, t->bwd_rmax, t->tk_gpw,
+                         t->tk_sample);
   return n >= 0 && n < len ? DSV_OK : DSV_ERR_NOMEM;
 }

@@ -35,11 +35,14 @@ typedef struct dsv_tuning {
   int bwd_ranges;   /* backward, query-major dK / dV: 0 = key ranges per head by the automatic
                        rule, R >= 1 forces R ranges on every head (at most 16) */
   int bwd_rmax;     /* the automatic rule's most ranges: 0 = from the L2 size (at most 8) */
-  int tk_gpw;       /* top-K estimation: query groups per warp, 16 (the default: rows 0-15 of the
-                       score tile) or 8 (rows 0-7: twice the warps for the same groups and half
-                       the selection work per warp, for grids that leave the device short of
-                       warps, e.g. G = 128); 0: automatic, 8 where 16 would give fewer than two
-                       CTAs per SM */
+  int tk_gpw;       /* top-K estimation: query groups per warp, 16 (rows 0-15 of the score tile)
+                       or 8 (rows 0-7: twice the warps for the same groups and half the
+                       selection work per warp, for grids that leave the device short of warps,
+                       e.g. G = 128); 0: automatic (the default), 8 where 16 would give fewer
+                       than two CTAs per SM */
+  int tk_sample;    /* top-K estimation: 1 (the default) = a 1/16 sample of the keys locates each
+                       group's threshold to a band first, 0 = radix passes from the full key
+                       range (same lists) */
 } dsv_tuning;
 
 /* The tuning of `device` (filled on first use, then cached): DSV_OK, DSV_ERR_CUDA when the

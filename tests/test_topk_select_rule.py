@@ -1,16 +1,16 @@
-"""The selection rule of csrc/dev/topk_sampled.cu, emulated on the CPU pass by pass on the
+"""The selection rule of csrc/cuda/topk_estimate.cu, emulated on the CPU pass by pass on the
 uint32 score keys, against a stable sort: the list must be the exact top-K (ties towards the
 lower position, ascending) for every score distribution, whatever the sample suggests.
 
 The emulation mirrors the kernel's arithmetic (sample ranks, 8 + 8-bit sample select, band bins,
 boundary-bin search from the top, window updates, collect, generic 256-bin passes, the
 compaction's tie rule), so the cases that make the sample mislead (scores of the sampled
-positions shifted up or down), that defeat the collect pass (more than TKS_CAP equal keys at the
+positions shifted up or down), that defeat the collect pass (more than TK_CAP equal keys at the
 boundary), ties everywhere, NaN / +-inf, K = 0 / 1 / S - 1 / S / above S exercise the kernel's
-fallbacks here, with the collect pass run as such and folded into the compaction (the list
-shift of dsv_tks_unfold, emulated lane by lane); tests/test_topk_sampled_cuda.py checks the
-kernels themselves on a GPU. Scores are
-float32 as the kernel's; selections are exact, so no tolerance applies.
+fallbacks here, with the sample (kernel tuning tk_sample = 1, the default) and without it
+(generic radix passes from the full key range); tests/test_topk_paths_cuda.py checks the kernel
+itself on a GPU. Scores are float32 as the kernel's; selections are exact, so no tolerance
+applies.
 """
 import math
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 M32 = 0xFFFFFFFF
-STRIDE, MIN_S, CAP, MAX_PASSES, BINS, FOLD_CAP = 16, 4096, 256, 6, 256, 64
+STRIDE, MIN_S, CAP, MAX_PASSES, BINS = 16, 4096, 256, 6, 256
 OFF, HIST, BAND, COLLECT = 0, 1, 2, 3
 
 
@@ -31,7 +31,7 @@ def float_keys(x):
 
 
 def sample_positions(ns, S):
-    """dsv_tks_sample_key: sample row i is key min(16 i + h(i), S - 1), h(i) the top 4 bits of
+    """dsv_tk_sample_key: sample row i is key min(16 i + h(i), S - 1), h(i) the top 4 bits of
     the 32-bit product i * 0x9E3779B1."""
     i = torch.arange(ns, dtype=torch.int64)
     j = i * STRIDE + (((i * 0x9E3779B1) & M32) >> 28)
@@ -39,7 +39,7 @@ def sample_positions(ns, S):
 
 
 def find(c, need):
-    """Highest bin b with sum(c[b:]) >= need: (b, count above b, c[b]) (dsv_tks_find)."""
+    """Highest bin b with sum(c[b:]) >= need: (b, count above b, c[b]) (dsv_tk_find)."""
     suffix = torch.flip(torch.cumsum(torch.flip(c, [0]), 0), [0])
     ok = torch.nonzero(suffix >= need).flatten()
     assert ok.numel() > 0, "need above the slab's total"
@@ -48,7 +48,7 @@ def find(c, need):
 
 
 def plan(st):
-    """dsv_tks_plan: collect when the window holds <= CAP keys, else a 256-bin histogram."""
+    """dsv_tk_plan: collect when the window holds <= CAP keys, else a 256-bin histogram."""
     if st["cnt"] <= CAP:
         st.update(mode=COLLECT, s=0)
     else:
@@ -81,65 +81,16 @@ def sample_band(keys, K):
     return t_lo, t_hi
 
 
-def unfold(keys, K, st, gen):
-    """The folded collect (dsv_dev_topk_estimate_fold_cuda): the compaction writes the keys above
-    the window and every window key (list entries from K on into a spill), the window keys are
-    appended as (key, position) pairs in any order, and dsv_tks_unfold keeps the `need` best
-    and closes the gaps, 32 lanes x 8 entries per batch, each lane with its own cursor."""
-    lo, hi, need, n = st["lo"], st["hi"], st["need"], st["cnt"]
-    win = (keys >= lo) & (keys <= hi)
-    prov = torch.nonzero((keys > hi) | win).flatten()
-    assert prov.numel() == K - need + n
-    out = prov[:K].clone()
-    spill = prov[K:]
-    wpos = torch.nonzero(win).flatten()
-    wrank = torch.searchsorted(prov, wpos)  # list index of the o-th window key
-    perm = torch.randperm(n, generator=gen)
-    pu, pp = keys[wpos][perm], wpos[perm]  # the pairs, in atomics order
-    drop, lr = [], []
-    for i in range(n):
-        r = int(((pu > pu[i]) | ((pu == pu[i]) & (pp < pp[i]))).sum())
-        o = int((pp < pp[i]).sum())
-        drop.append(r >= need)
-        lr.append(int(wrank[o]))
-    DR = sorted(x for x, d in zip(lr, drop) if d)
-    m = n - need
-    assert len(DR) == m
-    L = K + m
-    cursor = [0] * 32
-    jb = DR[0]
-    while jb < L:
-        e = {}
-        for t in range(8):
-            for lane in range(32):
-                j = jb + 32 * t + lane
-                if j < L:
-                    e[j] = int(out[j]) if j < K else int(spill[j - K])
-        for t in range(8):
-            for lane in range(32):
-                j = jb + 32 * t + lane
-                if j < L:
-                    k = cursor[lane]
-                    while k < m and DR[k] < j:
-                        k += 1
-                    cursor[lane] = k
-                    if not (k < m and DR[k] == j):
-                        out[j - k] = e[j]
-        jb += 32 * 8
-    return out
-
-
-def select(keys, K, fold_gen=None):
-    """The kernel's list for one group: (positions, full passes before the compaction); with
-    fold_gen (a generator for the pairs' order), a collect pass of a window of at most FOLD_CAP
-    keys is folded into the compaction (the fold kernel)."""
+def select(keys, K, sample=True):
+    """The kernel's list for one group: (positions, full passes before the compaction); sample:
+    the kernel tuning tk_sample (False: generic passes from the full key range)."""
     S = keys.numel()
     K = min(max(K, 0), S)
     if K == 0:
         return torch.empty(0, dtype=torch.int64), 0
     if K == S:
         return torch.arange(S), 0
-    if S >= MIN_S:
+    if sample and S >= MIN_S:
         t_lo, t_hi = sample_band(keys, K)
         s = 0
         while ((t_hi - t_lo) >> s) > 253:
@@ -152,8 +103,6 @@ def select(keys, K, fold_gen=None):
     passes = 0
     while not st["done"]:
         assert passes < MAX_PASSES, "no resolution within the pass bound"
-        if fold_gen is not None and st["mode"] == COLLECT and st["cnt"] <= FOLD_CAP:
-            return unfold(keys, K, st, fold_gen), passes
         passes += 1
         lo, hi, top, s, mode, need = (st[x] for x in ("lo", "hi", "top", "s", "mode", "need"))
         inw = (keys >= lo) & (keys <= hi)
@@ -205,8 +154,9 @@ def check(keys, K):
     got, passes = select(keys, K)
     ref = reference(keys, K)
     assert torch.equal(got, ref), f"S={keys.numel()} K={K}: list differs from the exact top-K"
-    folded, _ = select(keys, K, fold_gen=torch.Generator().manual_seed(K))
-    assert torch.equal(folded, ref), f"S={keys.numel()} K={K}: folded list differs"
+    radix, rpasses = select(keys, K, sample=False)
+    assert torch.equal(radix, ref), f"S={keys.numel()} K={K}: list without the sample differs"
+    assert rpasses <= MAX_PASSES - 1  # generic passes from the full range + one collect
     return passes
 
 
@@ -290,7 +240,7 @@ def test_misleading_samples(gen):
 
 def test_pass_bound_worst_cases(gen):
     """Adversarial spreads (scores over many binades, denormals, huge values) stay within the
-    kernel's TKS_MAX_PASSES (asserted in select)."""
+    kernel's TK_MAX_PASSES (asserted in select)."""
     S = 12000
     x = torch.randn(S, generator=gen) * torch.exp2(torch.randint(-140, 120, (S,), generator=gen)
                                                     .float())
