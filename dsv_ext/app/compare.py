@@ -2,6 +2,7 @@
 
     python -m dsv_ext.app.compare --config configs/small.yaml [--out DIR] [--steps N] [--device cuda]
         [--resume] [--time-limit SECONDS] [--samples N] [--sample-steps N] [--keep-checkpoints]
+        [--arms both|dense|dsv] [--seeds N] [--report-only]
 
 Trains the config twice with :func:`dsv_ext.app.train.train` (``attention=dense``: plain SDPA, and
 ``attention=dsv``: DSVAttention under a DSVController), then writes into ``--out`` (default
@@ -24,6 +25,11 @@ Long runs in time-limited chunks: ``--time-limit S`` stops the current run with 
 before S seconds have passed and exits (exit code 0, "incomplete" printed); the same command with
 ``--resume`` continues it exactly where it stopped (runs already finished are skipped), and the
 call that finishes both runs writes the report from the metrics of all chunks.
+
+Two GPUs: ``--arms dense --device cuda:0`` and ``--arms dsv --device cuda:1`` in two processes
+with the same ``--out`` train the arms side by side (same init, data, noise and seed: the runs do
+not depend on each other); the one that finishes last finds both runs done and writes the report
+and the sample strip (or run ``--resume`` once both are done).
 
 With ``--seeds N`` (N >= 2; 3 or more for a usable interval) the pair is trained N times, seed
 ``train.seed + i`` for run i (model init, data order, noise), each pair into ``seed<i>/`` as
@@ -123,28 +129,42 @@ def _run_state(run_dir: str, steps: int) -> str:
     return "partial" if os.path.exists(os.path.join(run_dir, "ckpt_last.pt")) else "new"
 
 
+ARMS = ("dense", "dsv")
+
+
 def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
             device: Optional[str] = None, progress: bool = True,
             keep_checkpoints: bool = False, resume: bool = False,
             time_limit_s: Optional[float] = None, samples: int = 0,
-            sample_steps: int = 20, min_chunk_s: float = 30.0) -> Dict[str, Any]:
+            sample_steps: int = 20, min_chunk_s: float = 30.0,
+            arms: Sequence[str] = ARMS) -> Dict[str, Any]:
     """Train ``cfg`` with full attention and with DSV into ``out_dir``/dense and /dsv, then write
     the report (see the module docstring). Returns the report dict; ``res["complete"]`` is False
     when ``time_limit_s`` ran out first (then only the checkpoints are written: call again with
     ``resume=True`` to continue; runs already finished are not trained again). A run is not
-    started or continued with less than ``min_chunk_s`` seconds (or a quarter of the limit) left."""
+    started or continued with less than ``min_chunk_s`` seconds (or a quarter of the limit) left.
+    ``arms``: train only these of "dense" / "dsv" (e.g. one per GPU, two processes on the same
+    ``out_dir``); the report is written by the call that finds both runs finished, so a call for
+    one arm reports only when the other is already done (else it returns incomplete, keeping the
+    checkpoints that the sample strip needs)."""
     import time
 
+    arms = tuple(arms)
+    if not arms or any(a not in ARMS for a in arms):
+        raise ValueError(f"arms: expected a non-empty subset of {ARMS}, got {arms}")
     t_start = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)
     target = int(steps if steps is not None else (cfg.get("train") or {}).get("steps", 500))
     runs = {}
     complete = True
-    for att in ("dense", "dsv"):
+    for att in ARMS:
         run_dir = os.path.join(out_dir, att)
-        state = _run_state(run_dir, target) if resume else "new"
+        state = _run_state(run_dir, target) if (resume or att not in arms) else "new"
         if state == "done":
             runs[att] = None
+            continue
+        if att not in arms:  # the other process's arm: not finished yet
+            complete = False
             continue
         left = None if time_limit_s is None else time_limit_s - (time.perf_counter() - t_start)
         if left is not None and left < min(min_chunk_s, 0.25 * time_limit_s):
@@ -162,12 +182,24 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
             complete = False
             break
     if not complete:
-        done = {a: _read_metrics(os.path.join(out_dir, a))[0] for a in ("dense", "dsv")}
+        done = {a: _read_metrics(os.path.join(out_dir, a))[0] for a in ARMS}
         at = {a: (h[-1]["step"] if h else 0) for a, h in done.items()}
-        print(f"compare: time limit reached (full attention at step {at['dense']}/{target}, DSV at "
-              f"step {at['dsv']}/{target}); run the same command with --resume to continue",
-              file=sys.stderr)
+        mine_done = all(_run_state(os.path.join(out_dir, a), target) == "done" for a in arms)
+        why = ("the other arm is not finished: the call that finds both finished (or --report-only "
+               "for the runs as they stand) writes the report" if mine_done else
+               "time limit reached; run the same command with --resume to continue")
+        print(f"compare: full attention at step {at['dense']}/{target}, DSV at step "
+              f"{at['dsv']}/{target}: {why}", file=sys.stderr)
         return {"complete": False, "steps": target, "progress": at}
+    lock = os.path.join(out_dir, ".report.lock")
+    if len(arms) < len(ARMS):  # two processes may both find both runs done: one reports
+        try:
+            os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            note = "both runs are done; the other arm's process writes the report"
+            print(f"compare: {note}", file=sys.stderr)
+            return {"complete": False, "steps": target, "progress": {a: target for a in ARMS},
+                    "note": note}
     res = build_report(cfg, out_dir, _summaries(out_dir))
     have_ckpts = all(os.path.exists(os.path.join(out_dir, a, "ckpt_last.pt")) for a in ("dense", "dsv"))
     if samples > 0 and not have_ckpts:  # a finished comparison reported again: keep its samples
@@ -186,10 +218,12 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
             print(f"compare: no sample strip ({e}); pip install pillow", file=sys.stderr)
     write_report(res, out_dir)
     if not keep_checkpoints:  # keep the folder small enough to commit
-        for att in ("dense", "dsv"):
+        for att in ARMS:
             for f in os.listdir(os.path.join(out_dir, att)):
                 if f.startswith("ckpt_") and f.endswith(".pt"):
                     os.remove(os.path.join(out_dir, att, f))
+    if os.path.exists(lock):
+        os.remove(lock)
     return res
 
 
@@ -622,6 +656,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--report-only", action="store_true",
                    help="write compare.md / .png / .json from the runs in --out as they stand (also "
                         "unfinished ones: compared at the last step both validated); trains nothing")
+    p.add_argument("--arms", choices=("both",) + ARMS, default="both",
+                   help="train only one arm (e.g. --arms dense --device cuda:0 and --arms dsv "
+                        "--device cuda:1 in two processes on the same --out); the call that finds "
+                        "both runs finished writes the report")
     p.add_argument("--val-videos", type=int, default=None,
                    help="validation videos (overrides train.val_videos; each at every train.val_timesteps)")
     a = p.parse_args(argv)
@@ -644,6 +682,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(open(os.path.join(out, "compare.md")).read())
             print(f"outputs in {out}")
             return 0
+        arms = ARMS if a.arms == "both" else (a.arms,)
+        if a.seeds > 1 and a.arms != "both":
+            raise ValueError("--arms: one arm at a time trains one pair (--seeds 1)")
         if a.seeds > 1:  # the pair per seed, then the statistics over seeds (dsv_ext/app/seeds.py)
             r = compare_seeds(cfg, out, a.seeds, steps=a.steps, device=a.device,
                               progress=not a.no_progress, keep_checkpoints=a.keep_checkpoints,
@@ -652,13 +693,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return report(r, out, "compare_seeds.md")
         res = compare(cfg, out, steps=a.steps, device=a.device, progress=not a.no_progress,
                       keep_checkpoints=a.keep_checkpoints, resume=a.resume,
-                      time_limit_s=a.time_limit, samples=a.samples, sample_steps=a.sample_steps)
+                      time_limit_s=a.time_limit, samples=a.samples, sample_steps=a.sample_steps,
+                      arms=arms)
         return report(res, out, "compare.md")
 
     def report(res, out: str, md: str) -> int:
         if not res.get("complete", True):
-            print(f"incomplete: {json.dumps(res['progress'])} of {res['steps']} steps; "
-                  f"continue with --resume --out {out}")
+            print(res.get("note") or f"incomplete: {json.dumps(res['progress'])} of {res['steps']} "
+                  f"steps; continue with --resume --out {out}")
             return 0
         print(open(os.path.join(out, md)).read())
         print(f"outputs in {out}")
