@@ -2,8 +2,8 @@
 # The multi-seed comparison (python -m dsv_ext.app.compare --seeds N) with the seeds trained side by
 # side: one compare process per seed, each into $RUN/seed<S> (seed i on GPU i mod the number of
 # GPUs), then the statistics over the seeds (compare_seeds.md / .json). Processes that share a
-# GPU share its time, so their tokens/s are not a
-# speed measurement (speed: a run alone, or benchmarks/bench_train.py). Resumable: when the time
+# GPU share its time, so their tokens/s are not a speed measurement (speed: a run alone, or
+# benchmarks/bench_train.py). Resumable: when the time
 # runs out each seed stops with its checkpoints; call again (same machine, $RUN kept) to continue.
 #   usage: bash benchmarks/compare_seeds.sh
 #   carry: .devso (a prebuilt extension, benchmarks/build_devso.sh) and, without network, a folder
