@@ -96,8 +96,9 @@ def kernel_tuning(device=None) -> dict:
     ``bwd_ranges`` / ``bwd_rmax`` (the backward's key ranges: forced count / the automatic
     rule's most; 0 = automatic), ``tk_gpw`` (the top-K estimation's query groups per warp: 16,
     8, or 0, the default: automatic), ``tk_sample`` (1, the default: the estimation locates each
-    group's threshold from a 1/16 sample of the keys first; 0: radix passes only). It is chosen once per device; the
-    environment variable ``DSV_KERNEL_TUNING="key=value,..."`` overrides keys for experiments.
+    group's threshold from a 1/16 sample of the keys first; 0: radix passes only). It is chosen
+    once per device; the environment variable ``DSV_KERNEL_TUNING="key=value,..."`` overrides
+    keys for experiments.
     A build without CUDA kernels gives ``{"cuda_kernels": 0}``.
 
     >>> import dsv_ext.ops
