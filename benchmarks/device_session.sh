@@ -37,9 +37,9 @@ case " $STEPS " in *" ab "*)  # the attention kernels before (.devso-before) and
     done; done
   else echo "ab: no .devso-before (bash benchmarks/build_devso.sh REV)"; fi;;
 esac
-case " $STEPS " in *" topk "*)  # top-K estimation: sample on / off x 16 / 8 groups per warp, interleaved
+case " $STEPS " in *" topk "*)  # top-K estimation under kernel tunings (TOPK_TUNINGS), interleaved
   mkdir -p "$OUT/topk"
-  for r in 1 2; do for grp in 128 64; do for t in tk_sample=1,tk_gpw=16 tk_sample=1,tk_gpw=8 tk_sample=0,tk_gpw=16 tk_sample=0,tk_gpw=8; do
+  for r in 1 2; do for grp in 128 64; do for t in ${TOPK_TUNINGS:-tk_gpw=16 tk_gpw=8 tk_split=2,tk_gpw=16 tk_split=2,tk_gpw=8}; do
     DSV_KERNEL_TUNING=$t timeout ${TOPK_LIMIT:-60} python3 benchmarks/bench_topk.py --heads 24 --group $grp \
       --shapes ${TOPK_SHAPES:-65536:0.1,65536:0.46,16384:0.1,131072:0.1} --json "$OUT/topk/g${grp}_${t}_$r.json" \
       > "$OUT/topk_g${grp}_${t}_$r.log" 2>&1

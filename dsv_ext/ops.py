@@ -61,7 +61,7 @@ def has_cuda_kernels() -> bool:
 
 # the keys that DSV_KERNEL_TUNING may set (csrc/cuda/tuning.cu)
 KERNEL_TUNING_KEYS = ("sm_count", "l2_bytes", "wgmma", "km_wgmma", "g128", "km_ratio",
-                      "bwd_ranges", "bwd_rmax", "tk_gpw", "tk_sample")
+                      "bwd_ranges", "bwd_rmax", "tk_gpw", "tk_sample", "tk_split")
 
 
 def _check_tuning_env() -> None:
@@ -96,8 +96,9 @@ def kernel_tuning(device=None) -> dict:
     ``bwd_ranges`` / ``bwd_rmax`` (the backward's key ranges: forced count / the automatic
     rule's most; 0 = automatic), ``tk_gpw`` (the top-K estimation's query groups per warp: 16,
     8, or 0, the default: automatic), ``tk_sample`` (1, the default: the estimation locates each
-    group's threshold from a 1/16 sample of the keys first; 0: radix passes only). It is chosen
-    once per device; the environment variable ``DSV_KERNEL_TUNING="key=value,..."`` overrides
+    group's threshold from a 1/16 sample of the keys first; 0: radix passes only), ``tk_split``
+    (1, the default; 2: clusters of two CTAs per set of groups, each scoring half of the keys).
+    It is chosen once per device; the environment variable ``DSV_KERNEL_TUNING="key=value,..."`` overrides
     keys for experiments.
     A build without CUDA kernels gives ``{"cuda_kernels": 0}``.
 

@@ -8,8 +8,9 @@ compaction's tie rule), so the cases that make the sample mislead (scores of the
 positions shifted up or down), that defeat the collect pass (more than TK_CAP equal keys at the
 boundary), ties everywhere, NaN / +-inf, K = 0 / 1 / S - 1 / S / above S exercise the kernel's
 fallbacks here, with the sample (kernel tuning tk_sample = 1, the default) and without it
-(generic radix passes from the full key range); tests/test_topk_paths_cuda.py checks the kernel
-itself on a GPU. Scores are float32 as the kernel's; selections are exact, so no tolerance
+(generic radix passes from the full key range), in one CTA and split over a cluster of CTAs
+(tk_split: each CTA's own counts place its part of the list); tests/test_topk_paths_cuda.py
+checks the kernel itself on a GPU. Scores are float32 as the kernel's; selections are exact, so no tolerance
 applies.
 """
 import math
@@ -144,6 +145,101 @@ def select(keys, K, sample=True):
     return torch.nonzero(sel).flatten()[:K], passes
 
 
+def select_split(keys, K, CL, sample=True):
+    """The list as a cluster of CL CTAs writes it (kernel tuning tk_split): CTA r scores the keys
+    of its range (whole 64-key tiles, the CTAs in order), the decisions come from the summed
+    histograms (so they are select's), and each CTA keeps its own counts above and in the window;
+    the list is each CTA's part (its keys above T and its share of the ties at T, the first ones
+    in position order) at the offset of what the CTAs before it select."""
+    S = keys.numel()
+    K = min(max(K, 0), S)
+    if K == 0:
+        return torch.empty(0, dtype=torch.int64)
+    tile = 64
+    kt = -(-(-(-S // tile)) // CL) * tile
+    ranges = [(min(S, r * kt), min(S, (r + 1) * kt)) for r in range(CL)]
+    own = [keys[b:e] for b, e in ranges]
+    if K == S:
+        return torch.cat([torch.arange(b, e) for b, e in ranges])
+    above = [0] * CL
+    wcnt = [e - b for b, e in ranges]
+    if sample and S >= MIN_S:
+        t_lo, t_hi = sample_band(keys, K)  # the summed sample histograms: select's
+        s = 0
+        while ((t_hi - t_lo) >> s) > 253:
+            s += 1
+        st = dict(mode=BAND, lo=t_lo, hi=M32, top=min(t_lo + (254 << s) - 1, M32), s=s, need=K,
+                  cnt=S, done=0)
+    else:
+        st = dict(lo=0, hi=M32, need=K, cnt=S, done=0)
+        plan(st)
+    passes = 0
+    while not st["done"]:
+        assert passes < MAX_PASSES
+        passes += 1
+        lo, hi, top, s, mode, need = (st[x] for x in ("lo", "hi", "top", "s", "mode", "need"))
+        if mode == COLLECT:
+            parts = [k[(k >= lo) & (k <= hi)] for k in own]
+            vals = torch.cat(parts)
+            assert vals.numel() == st["cnt"] <= CAP
+            T = int(torch.sort(vals, descending=True).values[need - 1])
+            st.update(lo=T, need=need - int((vals > T).sum()), done=1)
+            for r in range(CL):
+                above[r] += int((parts[r] > T).sum())
+                wcnt[r] = int((parts[r] == T).sum())
+            continue
+        off = 1 if mode == BAND else 0
+        cs = []
+        for r, k in enumerate(own):
+            inw = (k >= lo) & (k <= hi)
+            h = inw & (k <= top)
+            c = torch.bincount(off + ((k[h] - lo) >> s), minlength=BINS)
+            if mode == BAND:
+                c[BINS - 1] = int((inw & (k > top)).sum())
+                c[0] = wcnt[r] - int(c.sum())  # own keys below the band (the window is all keys)
+            cs.append(c)
+        c = sum(cs)
+        if mode == BAND:
+            assert int(c[0]) == S - int(c[1:].sum())
+        b, above_all, cnt = find(c, need)
+        for r in range(CL):
+            above[r] += int(cs[r][b + 1:].sum())
+            wcnt[r] = int(cs[r][b])
+        if mode == BAND and b == 0:
+            nlo, nhi = 0, lo - 1
+        elif mode == BAND and b == BINS - 1:
+            nlo, nhi = top + 1, hi
+        else:
+            nlo = lo + ((b - off) << s)
+            nhi = min(nlo + (1 << s) - 1, top)
+        nneed = need - above_all
+        st.update(lo=nlo, hi=nhi, need=nneed, cnt=cnt)
+        assert sum(above) == K - nneed and sum(wcnt) == cnt
+        if cnt == nneed:
+            st["done"] = 2
+        elif nlo == nhi:
+            st["done"] = 1
+        else:
+            plan(st)
+    T, need = st["lo"], st["need"]
+    out, base, ties_before = [], 0, 0
+    for r, (b, e) in enumerate(ranges):
+        k = own[r]
+        if st["done"] == 2:
+            q, sel = S, above[r] + wcnt[r]
+        else:
+            q = min(max(need - ties_before, 0), wcnt[r])
+            sel = above[r] + q
+            ties_before += wcnt[r]
+        eq = k == T
+        part = torch.nonzero((k > T) | (eq & (torch.cumsum(eq.to(torch.int64), 0) <= q))).flatten()
+        assert part.numel() == sel and base == sum(p.numel() for p in out)
+        out.append(part + b)
+        base += sel
+    assert base == K
+    return torch.cat(out)
+
+
 def reference(keys, K):
     K = min(max(K, 0), keys.numel())
     order = torch.sort(keys, descending=True, stable=True).indices[:K]
@@ -157,6 +253,9 @@ def check(keys, K):
     radix, rpasses = select(keys, K, sample=False)
     assert torch.equal(radix, ref), f"S={keys.numel()} K={K}: list without the sample differs"
     assert rpasses <= MAX_PASSES - 1  # generic passes from the full range + one collect
+    for CL, smp in ((2, True), (2, False), (3, True)):
+        got = select_split(keys, K, CL, sample=smp)
+        assert torch.equal(got, ref), f"S={keys.numel()} K={K}: a cluster of {CL} differs"
     return passes
 
 

@@ -1,8 +1,8 @@
 /*
  * ptx.cuh - the inline-PTX wrappers of dsv-ext's CUDA kernels, one name for each instruction:
  * tensor-core MMAs (mma.sync m16n8k16), ldmatrix / movmatrix, cp.async, TMA bulk reductions,
- * proxy fences and ex2. Every kernel file uses these (through attention_common.cuh or
- * cuda_common.cuh); the Hopper warpgroup MMAs (wgmma) are in wgmma.cuh.
+ * proxy fences, ex2 and thread-block clusters. Every kernel file uses these (through
+ * attention_common.cuh or cuda_common.cuh); the Hopper warpgroup MMAs (wgmma) are in wgmma.cuh.
  */
 #ifndef DSV_PTX_CUH
 #define DSV_PTX_CUH
@@ -141,6 +141,38 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Thread-block clusters (sm_90): the CTA's rank in its cluster, the cluster-wide barrier (every
+ * thread of every CTA of the cluster; release / acquire: shared-memory writes before it are
+ * visible to the other CTAs after it), and reads of another CTA's shared memory (distributed
+ * shared memory): dsv_cluster_map turns this CTA's shared address into the same variable's
+ * address in CTA `rank`. */
+__device__ __forceinline__ uint32_t dsv_cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void dsv_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ uint32_t dsv_cluster_map(uint32_t saddr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(saddr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ uint32_t dsv_ld_cluster_u32(uint32_t caddr) {
+  uint32_t v;
+  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(caddr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 dsv_ld_cluster_v4(uint32_t caddr) {
+  uint4 v;
+  asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(caddr) : "memory");
+  return v;
 }
 
 #endif /* DSV_PTX_CUH */

@@ -45,8 +45,13 @@
  *    At S = 64k and K = 10% a group takes ~3.1 passes of all scores (band, collect, compaction;
  *    the radix select alone: 4 histogram passes + the compaction). Times: benchmarks/PERF_LOG.md
  *    (v12, v16, v17).
+ *  - Clusters (tuning tk_split = 2, sm_90): two CTAs share a set of groups, each scoring half
+ *    of the keys; after every pass each adds the other's histograms (distributed shared memory)
+ *    and takes the same decisions, and its own counts above / in the window place its half of
+ *    every list (dsv_tk_find_split, dsv_tk_resolve_split; PERF_LOG v18).
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "cuda_common.cuh"
 #include "tuning.h"
@@ -90,14 +95,22 @@ struct dsv_tk_groups {
   uint32_t thi[GPC]; /* sample stage: T_hi when known from 8 bits only */
 };
 
+/* a cluster's split (tk_split): per group, this CTA's keys above the window and in it (after the
+ * collect: equal to T); for the compaction, its ties to take and its first list index */
+template <int GPC>
+struct dsv_tk_split {
+  int above[GPC], wcnt[GPC];
+  int q[GPC], base[GPC];
+};
+
 /* shared memory: [GPC][256] histogram slabs, [2][TILE][SW] key tiles, the group states,
- * [threads] sink slots */
-template <int RP, int GPW>
+ * [threads] sink slots, and with a cluster (CL > 1) the split counts */
+template <int RP, int GPW, int CL>
 static size_t dsv_topk_smem_bytes() {
   constexpr int GPC = TK_WARPS * GPW;
   const int SW = RP / 2 + 4;
   return (size_t)GPC * TK_BINS * 4 + (size_t)2 * TK_TILE * SW * 4 + sizeof(dsv_tk_groups<GPC>) +
-         (size_t)TK_THREADS * 4 + 16;
+         (size_t)TK_THREADS * 4 + 16 + (CL > 1 ? sizeof(dsv_tk_split<GPC>) : 0);
 }
 
 /* spread bit (2*b + e) of an 8-bit value to bit (8*b + e), b < 4, e < 2 */
@@ -300,25 +313,26 @@ static __device__ __forceinline__ void dsv_tk_stage_sample(uint32_t* smem, int s
   }
 }
 
-/* Stage tile `it` of a pass: all keys, or the sample (nrows = ns sample rows). */
+/* Stage tile `it` of a pass over the stream rows [base, end): keys, or sample rows (end: ns or
+ * this CTA's part of them). */
 template <typename T, bool SAMPLE>
 static __device__ __forceinline__ void dsv_tk_stage(uint32_t* dst, int sw, const T* kb,
-                                                    const dsv_topk_args& a, int64_t nrows, int it,
-                                                    int dp, int tid) {
+                                                    const dsv_topk_args& a, int64_t base,
+                                                    int64_t end, int it, int dp, int tid) {
   if constexpr (SAMPLE)
-    dsv_tk_stage_sample<T>(dst, sw, kb, a.k_ss, (int64_t)it * TK_TILE, nrows, a.S, (int)a.r, dp,
-                           a.kvec, tid);
+    dsv_tk_stage_sample<T>(dst, sw, kb, a.k_ss, base + (int64_t)it * TK_TILE, end, a.S, (int)a.r,
+                           dp, a.kvec, tid);
   else
-    dsv_stage_rows16<T>(dst, sw, kb, a.k_ss, (int64_t)it * TK_TILE, TK_TILE, nrows, (int)a.r, dp,
-                        a.kvec, tid, TK_THREADS);
+    dsv_stage_rows16<T>(dst, sw, kb, a.k_ss, base + (int64_t)it * TK_TILE, TK_TILE, end,
+                        (int)a.r, dp, a.kvec, tid, TK_THREADS);
 }
 
-/* One pass of kind MODE over a key stream (all S keys, or the ns sample rows): the groups in
- * that mode take part, the others wait. Called by all threads; a BAND pass ends with the
- * above-band counts in bin 255 of the slabs. */
+/* One pass of kind MODE over the stream rows [base, end) (keys, or sample rows; all of them, or
+ * this CTA's part in a cluster): the groups in that mode take part, the others wait. Called by
+ * all threads; a BAND pass ends with the above-band counts in bin 255 of the slabs. */
 template <typename T, int KS, int SW, bool TWO, int MODE, bool SAMPLE, int GPC, bool HASB>
 static __device__ __forceinline__ void dsv_tk_pass(const dsv_topk_args& a, const T* kb,
-                                                   int64_t nrows, uint32_t* ktile,
+                                                   int64_t base, int64_t end, uint32_t* ktile,
                                                    const uint32_t (&A)[KS][3][4],
                                                    dsv_tk_groups<GPC>& gs, uint32_t* hist,
                                                    bool warp_active, int tid, int lane, int gA,
@@ -328,15 +342,16 @@ static __device__ __forceinline__ void dsv_tk_pass(const dsv_topk_args& a, const
   const dsv_tk_prm pB = dsv_tk_load<MODE>(gs, hist, gB, HASB && vB);
   const uint32_t sink = smem_u32(reinterpret_cast<uint32_t*>(&gs + 1) + tid);
   uint32_t aboveA = 0, aboveB = 0;
+  const int64_t nrows = end - base;
   const int ntiles = (int)((nrows + TK_TILE - 1) / TK_TILE);
   const int nv = (int)nrows;
-  dsv_tk_stage<T, SAMPLE>(ktile, SW, kb, a, nrows, 0, KS * 16, tid);
+  dsv_tk_stage<T, SAMPLE>(ktile, SW, kb, a, base, end, 0, KS * 16, tid); /* zeros if empty */
   cp_async_commit();
   for (int it = 0; it < ntiles; ++it) {
     cp_async_wait_all();
     __syncthreads();
     if (it + 1 < ntiles)
-      dsv_tk_stage<T, SAMPLE>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, a, nrows, it + 1,
+      dsv_tk_stage<T, SAMPLE>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, a, base, end, it + 1,
                               KS * 16, tid);
     cp_async_commit();
     if (!warp_active) continue;
@@ -496,12 +511,197 @@ static __device__ __forceinline__ void dsv_tk_resolve(dsv_tk_groups<GPC>& gs, ui
   }
 }
 
-template <typename T, int RP, bool TWO, int GPW>
+/* ---- cluster split (tk_split = CL > 1): the CL CTAs of a cluster share one set of groups, CTA c
+ * scores the keys of its part of [0, S) (and of the sample); after every pass each CTA adds the
+ * others' partial histograms (distributed shared memory) and takes the same decisions, and it
+ * keeps its own counts, which place its part of each list. */
+
+/* dsv_tk_find over the sum of the CL CTAs' slabs; also this CTA's count above the boundary bin
+ * and in it (a band slab's bin 0: own_nkeys minus the rest). */
+template <int CL>
+static __device__ __forceinline__ void dsv_tk_find_split(const uint32_t* slab, uint32_t crank,
+                                                         uint32_t need, int lane, bool band,
+                                                         uint32_t nkeys, uint32_t own_nkeys,
+                                                         uint32_t& bin, uint32_t& above_out,
+                                                         uint32_t& cnt, uint32_t& above_own,
+                                                         uint32_t& cnt_own) {
+  const uint4 o0 = *reinterpret_cast<const uint4*>(slab + lane * 8);
+  const uint4 o1 = *reinterpret_cast<const uint4*>(slab + lane * 8 + 4);
+  uint32_t own[8] = {o0.x, o0.y, o0.z, o0.w, o1.x, o1.y, o1.z, o1.w};
+  uint32_t c[8];
+#pragma unroll
+  for (int t = 0; t < 8; ++t) c[t] = own[t];
+#pragma unroll
+  for (int r = 1; r < CL; ++r) {
+    const uint32_t ra = dsv_cluster_map(smem_u32(slab + lane * 8), (crank + r) % CL);
+    const uint4 v0 = dsv_ld_cluster_v4(ra), v1 = dsv_ld_cluster_v4(ra + 16);
+    c[0] += v0.x, c[1] += v0.y, c[2] += v0.z, c[3] += v0.w;
+    c[4] += v1.x, c[5] += v1.y, c[6] += v1.z, c[7] += v1.w;
+  }
+  uint32_t csum = 0, osum = 0;
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    csum += c[t];
+    osum += own[t];
+  }
+  if (band) {
+    const uint32_t total = __reduce_add_sync(DSV_FULL_MASK, csum);
+    const uint32_t own_total = __reduce_add_sync(DSV_FULL_MASK, osum);
+    if (lane == 0) {
+      c[0] += nkeys - total;
+      csum += nkeys - total;
+      own[0] += own_nkeys - own_total;
+      osum += own_nkeys - own_total;
+    }
+  }
+  uint32_t s = csum;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t t = __shfl_down_sync(DSV_FULL_MASK, s, off);
+    if (lane + off < 32) s += t;
+  }
+  const uint32_t bal = __ballot_sync(DSV_FULL_MASK, s >= need);
+  const int L = bal ? 31 - __clz((int)bal) : 0;
+  uint32_t above = s - csum, bsel = 0, bcnt = 0;
+  bool found = false;
+#pragma unroll
+  for (int t = 7; t >= 0; --t) {
+    if (!found) {
+      if (above + c[t] >= need) {
+        found = true;
+        bsel = (uint32_t)t;
+        bcnt = c[t];
+      } else {
+        above += c[t];
+      }
+    }
+  }
+  above_out = __shfl_sync(DSV_FULL_MASK, above, L);
+  const uint32_t tb = __shfl_sync(DSV_FULL_MASK, bsel, L);
+  bin = (uint32_t)L * 8u + tb;
+  cnt = __shfl_sync(DSV_FULL_MASK, bcnt, L);
+  uint32_t oa = lane > L ? osum : 0u, oc = 0;
+  if (lane == L) {
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      if ((uint32_t)t > tb) oa += own[t];
+      if ((uint32_t)t == tb) oc = own[t];
+    }
+  }
+  above_own = __reduce_add_sync(DSV_FULL_MASK, oa);
+  cnt_own = __reduce_add_sync(DSV_FULL_MASK, oc);
+}
+
+/* dsv_tk_resolve for a cluster: the same decisions from the summed histograms (a collect pass:
+ * the other CTAs' window keys appended to this CTA's slab first), and this CTA's counts. */
+template <int GPW, int GPC, int CL>
+static __device__ __forceinline__ void dsv_tk_resolve_split(dsv_tk_groups<GPC>& gs,
+                                                            dsv_tk_split<GPC>& sp, uint32_t* hist,
+                                                            int pass_mode, int warp, int lane,
+                                                            int ngl, uint32_t S, uint32_t crank) {
+  for (int gi = 0; gi < GPW; ++gi) {
+    const int gl = warp * GPW + gi;
+    if (gl >= ngl) break;
+    const int mode = gs.mode[gl];
+    if (gs.done[gl] || mode != pass_mode) continue;
+    uint32_t* slab = hist + gl * TK_BINS;
+    const int need = gs.need[gl];
+    __syncwarp(); /* every lane has read the state before any lane writes it */
+    if (mode == TK_COLLECT) {
+      const int n_own = gs.ccnt[gl] < TK_CAP ? gs.ccnt[gl] : TK_CAP;
+      int n = n_own;
+#pragma unroll 1
+      for (int r = 1; r < CL; ++r) { /* the window holds <= TK_CAP keys in all */
+        const uint32_t other = (crank + r) % CL;
+        int m = (int)dsv_ld_cluster_u32(dsv_cluster_map(smem_u32(gs.ccnt + gl), other));
+        m = m < TK_CAP - n ? m : TK_CAP - n;
+        const uint32_t ra = dsv_cluster_map(smem_u32(slab), other);
+        for (int i = lane; i < m; i += 32) slab[n + i] = dsv_ld_cluster_u32(ra + 4u * i);
+        n += m;
+      }
+      __syncwarp();
+      for (int i0 = 0; i0 < n; i0 += 32) {
+        const int i = i0 + lane;
+        uint32_t x = 0;
+        int gt = 0, ge = 0;
+        if (i < n) {
+          x = slab[i];
+          for (int j = 0; j < n; ++j) {
+            const uint32_t y = slab[j];
+            gt += y > x;
+            ge += y >= x;
+          }
+        }
+        const uint32_t hit = __ballot_sync(DSV_FULL_MASK, i < n && gt < need && need <= ge);
+        if (hit && lane == __ffs((int)hit) - 1) {
+          gs.lo[gl] = x;
+          gs.need[gl] = need - gt;
+        }
+        if (hit) break;
+      }
+      __syncwarp();
+      const uint32_t T = gs.lo[gl];
+      int gt = 0, eq = 0; /* this CTA's window keys above T and equal to it */
+      for (int i = lane; i < n_own; i += 32) {
+        gt += slab[i] > T;
+        eq += slab[i] == T;
+      }
+      gt = (int)__reduce_add_sync(DSV_FULL_MASK, (uint32_t)gt);
+      eq = (int)__reduce_add_sync(DSV_FULL_MASK, (uint32_t)eq);
+      if (lane == 0) {
+        sp.above[gl] += gt;
+        sp.wcnt[gl] = eq;
+        gs.done[gl] = 1;
+        gs.mode[gl] = TK_OFF;
+      }
+      continue;
+    }
+    uint32_t b, above, cnt, above_own, cnt_own;
+    dsv_tk_find_split<CL>(slab, crank, (uint32_t)need, lane, mode == TK_BAND, S,
+                          (uint32_t)sp.wcnt[gl], b, above, cnt, above_own, cnt_own);
+    if (lane == 0) {
+      const uint64_t lo = gs.lo[gl], hi = gs.hi[gl], top = gs.top[gl];
+      const int s = gs.s[gl];
+      uint64_t nlo, nhi;
+      if (mode == TK_BAND && b == 0) { /* below the band */
+        nlo = 0;
+        nhi = lo - 1;
+      } else if (mode == TK_BAND && b == TK_BINS - 1) { /* above the band */
+        nlo = top + 1;
+        nhi = hi;
+      } else {
+        nlo = lo + ((uint64_t)(b - (mode == TK_BAND)) << s);
+        nhi = nlo + ((uint64_t)1 << s) - 1;
+        if (nhi > top) nhi = top;
+      }
+      const int nneed = need - (int)above;
+      gs.lo[gl] = (uint32_t)nlo;
+      gs.hi[gl] = (uint32_t)nhi;
+      gs.need[gl] = nneed;
+      gs.cnt[gl] = (int)cnt;
+      sp.above[gl] += (int)above_own;
+      sp.wcnt[gl] = (int)cnt_own;
+      if ((int)cnt == nneed) { /* the whole window: every key >= lo */
+        gs.done[gl] = 2;
+        gs.mode[gl] = TK_OFF;
+      } else if (nlo == nhi) { /* one key value: T = lo, take need of its ties */
+        gs.done[gl] = 1;
+        gs.mode[gl] = TK_OFF;
+      } else {
+        dsv_tk_plan(gs, gl);
+      }
+    }
+  }
+}
+
+template <typename T, int RP, bool TWO, int GPW, int CL>
 __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_args a) {
   /* GPW groups per warp: 16 (rows 0-7 and 8-15 of the MMA tile: groups A and B of a lane) or 8
    * (rows 0-7 only: twice the warps for the same groups, half the selection work per warp,
-   * where the grid is too small to fill the device) */
+   * where the grid is too small to fill the device). CL CTAs per cluster share the groups and
+   * split the keys (1: no cluster). */
   static_assert(GPW == 16 || GPW == 8, "GPW: 16 or 8 groups per warp");
+  static_assert(CL >= 1 && CL <= 8, "CL: 1 to 8 CTAs per cluster");
   constexpr bool HASB = GPW == 16;
   constexpr int GPC = TK_WARPS * GPW; /* groups per CTA */
   static_assert(GPC <= TK_THREADS, "one thread per group in the CTA-wide votes");
@@ -519,11 +719,15 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   float* reps = reinterpret_cast<float*>(dsv_tk_smem);       /* alias, prologue: [GPC][RP] */
   uint32_t* ktile = hist + GPC * TK_BINS;                    /* [2][TILE][SW] */
   dsv_tk_groups<GPC>& gs = *reinterpret_cast<dsv_tk_groups<GPC>*>(ktile + 2 * TK_TILE * SW);
-  /* followed by [threads] sink slots */
+  /* followed by [threads] sink slots, then (CL > 1) the split counts */
+  dsv_tk_split<GPC>& sp = *reinterpret_cast<dsv_tk_split<GPC>*>(
+      reinterpret_cast<uint32_t*>(&gs + 1) + TK_THREADS);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t bh = blockIdx.x / a.tiles_per_bh;
-  const int tile = (int)(blockIdx.x - bh * a.tiles_per_bh);
+  const uint32_t crank = CL > 1 ? dsv_cluster_rank() : 0u;
+  const unsigned cid = blockIdx.x / CL; /* the cluster: one set of groups */
+  const int64_t bh = cid / a.tiles_per_bh;
+  const int tile = (int)(cid - bh * a.tiles_per_bh);
   const int64_t b = bh / a.H, h = bh - b * a.H;
   const int64_t g0 = (int64_t)tile * GPC;
   const int64_t S = a.S, NG = a.NG, kmax = a.kmax;
@@ -533,10 +737,18 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   K = K < 0 ? 0 : (K > kmax ? kmax : K);
   const int64_t Keff = K < S ? K : S;
   int32_t* outg0 = a.out + (bh * NG + g0) * kmax;
+  /* this CTA's keys [kbeg, kend): whole tiles, the CTAs in order */
+  int64_t kbeg = 0, kend = S;
+  if constexpr (CL > 1) {
+    const int64_t kt = ((S + TK_TILE - 1) / TK_TILE + CL - 1) / CL * TK_TILE;
+    kbeg = crank * kt < S ? crank * kt : S;
+    kend = kbeg + kt < S ? kbeg + kt : S;
+  }
 
   if (Keff == 0) {
     const int64_t n = (int64_t)ngl * kmax;
-    for (int64_t e = tid; e < n; e += TK_THREADS) outg0[e] = -1;
+    if (crank == 0)
+      for (int64_t e = tid; e < n; e += TK_THREADS) outg0[e] = -1;
     return;
   }
 
@@ -620,9 +832,22 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
 
   /* ---- selection: T and q per group (skipped when every key is selected) ---- */
   if (Keff < S) {
+    if constexpr (CL > 1) {
+      for (int i = tid; i < GPC; i += TK_THREADS) {
+        sp.above[i] = 0;
+        sp.wcnt[i] = (int)(kend - kbeg);
+      }
+    }
     if (a.sample && S >= TK_MIN_S) {
-      /* 0. the sample: T_lo / T_hi per group (two 8-bit radix passes over ns sample keys) */
+      /* 0. the sample: T_lo / T_hi per group (two 8-bit radix passes over ns sample keys; this
+       * CTA's part [sbeg, send) of them in a cluster) */
       const int64_t ns = (S + TK_STRIDE - 1) / TK_STRIDE;
+      int64_t sbeg = 0, send = ns;
+      if constexpr (CL > 1) {
+        const int64_t st = ((ns + TK_TILE - 1) / TK_TILE + CL - 1) / CL * TK_TILE;
+        sbeg = crank * st < ns ? crank * st : ns;
+        send = sbeg + st < ns ? sbeg + st : ns;
+      }
       const float mu = (float)Keff * (float)ns / (float)S, sd = sqrtf(mu);
       const float flo = ceilf(mu + 4.f * sd + 2.f), fhi = floorf(mu - 4.f * sd - 2.f);
       const int m_lo = flo >= (float)ns ? (int)ns : (int)flo;
@@ -635,24 +860,34 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         gs.s[i] = 24;
         gs.done[i] = 0;
       }
-      for (int sp = 0; sp < 2; ++sp) {
+      for (int sp8 = 0; sp8 < 2; ++sp8) {
+        if constexpr (CL > 1) dsv_cluster_sync(); /* the others have read this CTA's slabs */
         __syncwarp(); /* every lane's reads of the slabs (dsv_tk_find) before they are cleared */
         for (int i = lane; i < GPW * TK_BINS; i += 32) histw[i] = 0;
         __syncthreads();
         dsv_tk_pass<T, KS, SW, kTwoPhase, TK_HIST, true, GPC, HASB>(
-            a, kb, ns, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
+            a, kb, sbeg, send, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
+        if constexpr (CL > 1) dsv_cluster_sync(); /* every CTA's partial histograms complete */
         for (int gi = 0; gi < GPW; ++gi) {
           const int gl = warp * GPW + gi;
           if (gl >= ngl) break;
           const uint32_t* slab = hist + gl * TK_BINS;
           uint32_t bl, al, cl, bh8 = 0, ah = 0, ch = 0;
-          const uint32_t nlo = sp == 0 ? (uint32_t)m_lo : (uint32_t)gs.sneed_lo[gl];
-          const int nhi = sp == 0 ? m_hi : gs.sneed_hi[gl];
-          dsv_tk_find(slab, nlo, lane, false, 0u, bl, al, cl);
-          if (nhi > 0) dsv_tk_find(slab, (uint32_t)nhi, lane, false, 0u, bh8, ah, ch);
+          const uint32_t nlo = sp8 == 0 ? (uint32_t)m_lo : (uint32_t)gs.sneed_lo[gl];
+          const int nhi = sp8 == 0 ? m_hi : gs.sneed_hi[gl];
+          if constexpr (CL > 1) {
+            uint32_t x0, x1;
+            dsv_tk_find_split<CL>(slab, crank, nlo, lane, false, 0u, 0u, bl, al, cl, x0, x1);
+            if (nhi > 0)
+              dsv_tk_find_split<CL>(slab, crank, (uint32_t)nhi, lane, false, 0u, 0u, bh8, ah, ch,
+                                    x0, x1);
+          } else {
+            dsv_tk_find(slab, nlo, lane, false, 0u, bl, al, cl);
+            if (nhi > 0) dsv_tk_find(slab, (uint32_t)nhi, lane, false, 0u, bh8, ah, ch);
+          }
           if (lane == 0) {
             const uint32_t lo = gs.lo[gl];
-            if (sp == 0) {
+            if (sp8 == 0) {
               gs.lo[gl] = bl << 24;
               gs.hi[gl] = (bl << 24) | 0xFFFFFFu;
               gs.top[gl] = gs.hi[gl];
@@ -695,6 +930,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
     }
     /* 1-2. band / generic / collect passes over all keys until every group is resolved */
     for (int pass = 0; pass < TK_MAX_PASSES; ++pass) {
+      if constexpr (CL > 1) dsv_cluster_sync(); /* the others have read this CTA's slabs */
       __syncwarp(); /* every lane's reads of the slabs (dsv_tk_find) before they are cleared */
       for (int i = lane; i < GPW * TK_BINS; i += 32) histw[i] = 0;
       if (lane < GPW) gs.ccnt[warp * GPW + lane] = 0;
@@ -708,17 +944,63 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       const int kind = band ? TK_BAND : (hst ? TK_HIST : TK_COLLECT);
       if (kind == TK_BAND)
         dsv_tk_pass<T, KS, SW, kTwoPhase, TK_BAND, false, GPC, HASB>(
-            a, kb, S, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
+            a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
       else if (kind == TK_HIST)
         dsv_tk_pass<T, KS, SW, kTwoPhase, TK_HIST, false, GPC, HASB>(
-            a, kb, S, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
+            a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
       else
         dsv_tk_pass<T, KS, SW, kTwoPhase, TK_COLLECT, false, GPC, HASB>(
-            a, kb, S, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
-      dsv_tk_resolve<GPW>(gs, hist, kind, warp, lane, ngl, (uint32_t)S);
+            a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
+      if constexpr (CL > 1) {
+        dsv_cluster_sync(); /* every CTA's partial histograms / window keys complete */
+        dsv_tk_resolve_split<GPW, GPC, CL>(gs, sp, hist, kind, warp, lane, ngl, (uint32_t)S,
+                                           crank);
+      } else {
+        dsv_tk_resolve<GPW>(gs, hist, kind, warp, lane, ngl, (uint32_t)S);
+      }
     }
   }
   __syncthreads();
+  if constexpr (CL > 1) {
+    /* this CTA's part of each list: its ties to take (the first `need` ties in position order,
+     * the CTAs in order) and its first list index (what the CTAs before it select) */
+    dsv_cluster_sync(); /* every CTA's counts final */
+    for (int g = tid; g < ngl; g += TK_THREADS) {
+      const int done = Keff < S ? gs.done[g] : 3;
+      const int need = gs.need[g];
+      int64_t before = 0, ties_before = 0;
+      int q = 0;
+      for (uint32_t r = 0; r <= crank; ++r) {
+        int above, wcnt;
+        if (r == crank) {
+          above = sp.above[g];
+          wcnt = sp.wcnt[g];
+        } else {
+          above = (int)dsv_ld_cluster_u32(dsv_cluster_map(smem_u32(sp.above + g), r));
+          wcnt = (int)dsv_ld_cluster_u32(dsv_cluster_map(smem_u32(sp.wcnt + g), r));
+        }
+        int64_t sel;
+        if (done == 3) { /* every key: the range's keys */
+          const int64_t kt = ((S + TK_TILE - 1) / TK_TILE + CL - 1) / CL * TK_TILE;
+          const int64_t rb = r * kt < S ? r * kt : S, re = rb + kt < S ? rb + kt : S;
+          sel = re - rb;
+          q = (int)sel;
+        } else if (done == 2) { /* the whole window */
+          sel = above + wcnt;
+          q = wcnt;
+        } else { /* T and need of its ties */
+          const int64_t left = need - ties_before;
+          q = (int)(left < 0 ? 0 : (left < wcnt ? left : wcnt));
+          sel = above + q;
+          ties_before += wcnt;
+        }
+        if (r < crank) before += sel;
+      }
+      sp.q[g] = q;
+      sp.base[g] = (int)before;
+    }
+    dsv_cluster_sync(); /* no CTA reads another's shared memory after this */
+  }
 
   /* ---- 3. compaction pass: {u > T} and the first q of {u == T}, ascending positions ---- */
   {
@@ -731,14 +1013,15 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
     if (!vC) qC = 0;
     else if (Keff >= S) qC = S;        /* every key: T = 0 (lowest key), all ties */
     else if (gs.done[gC] == 2) qC = S; /* the whole window: every key >= T */
-    else qC = gs.need[gC];
-    int64_t baseC = 0, eqbaseC = 0;
+    else qC = CL > 1 ? sp.q[gC] : gs.need[gC];
+    int64_t baseC = CL > 1 && vC ? sp.base[gC] : 0, eqbaseC = 0;
     int32_t* outC = outg0 + (int64_t)gC * kmax;
     const int bsh = 16 * sel_grp + 8 * w;
     const int qbase = lane & ~3;
-    const int ntiles = (int)((S + TK_TILE - 1) / TK_TILE);
+    const int nkeys32 = (int)(kend - kbeg); /* this CTA's keys (S without a cluster) */
+    const int ntiles = (int)((kend - kbeg + TK_TILE - 1) / TK_TILE);
 
-    dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, 0, TK_TILE, S, (int)a.r, RP, a.kvec, tid,
+    dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, kbeg, TK_TILE, kend, (int)a.r, RP, a.kvec, tid,
                         TK_THREADS);
     cp_async_commit();
     for (int it = 0; it < ntiles; ++it) {
@@ -746,8 +1029,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       __syncthreads();
       if (it + 1 < ntiles) {
         dsv_stage_rows16<T>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, a.k_ss,
-                            (int64_t)(it + 1) * TK_TILE, TK_TILE, S, (int)a.r, RP, a.kvec, tid,
-                            TK_THREADS);
+                            kbeg + (int64_t)(it + 1) * TK_TILE, TK_TILE, kend, (int)a.r, RP,
+                            a.kvec, tid, TK_THREADS);
       }
       cp_async_commit();
       if (!warp_active) continue;
@@ -760,7 +1043,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
 #pragma unroll
         for (int blk = 0; blk < TK_TILE / 8; ++blk) {
           const int key0 = t0 + blk * 8 + j4 * 2;
-          dsv_tk_flags<HASB>(dd[blk], blk, key0 < S32, key0 + 1 < S32, TA, TB, mgA, mgB, meA, meB);
+          dsv_tk_flags<HASB>(dd[blk], blk, key0 < nkeys32, key0 + 1 < nkeys32, TA, TB, mgA, mgB,
+                             meA, meB);
         }
       } else {
 #pragma unroll 2
@@ -768,7 +1052,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
           float d[4];
           dsv_tk_block_scores<T, KS, SW>(kt, A, lane, j4, blk, d);
           const int key0 = t0 + blk * 8 + j4 * 2;
-          dsv_tk_flags<HASB>(d, blk, key0 < S32, key0 + 1 < S32, TA, TB, mgA, mgB, meA, meB);
+          dsv_tk_flags<HASB>(d, blk, key0 < nkeys32, key0 + 1 < nkeys32, TA, TB, mgA, mgB, meA,
+                             meB);
         }
       }
       const uint32_t mg = mgA | (mgB << 16), me = meA | (meB << 16);
@@ -792,7 +1077,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       int64_t rank = baseC + (w ? sel_other : 0);
       if (vC) {
         uint32_t x = sel;
-        const int32_t pos0 = (int32_t)(t0 + 32 * w);
+        const int32_t pos0 = (int32_t)(kbeg + t0 + 32 * w);
         while (x) {
           const int bit = __ffs(x) - 1;
           x &= x - 1;
@@ -806,40 +1091,65 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
     if (warp_active && vC && w == 0) gs.base[gC] = (int)(baseC < Keff ? baseC : Keff);
   }
   __syncwarp();
-  /* -1 padding after the selected entries */
+  /* -1 padding after the selected entries (a cluster: its first CTA, after all Keff) */
+  if (CL > 1 && crank != 0) return;
   for (int gi = 0; gi < GPW; ++gi) {
     const int gl = warp * GPW + gi;
     if (gl >= ngl) break;
     int32_t* o = outg0 + (int64_t)gl * kmax;
-    for (int64_t e = gs.base[gl] + lane; e < kmax; e += 32) o[e] = -1;
+    const int start = CL > 1 ? (int)Keff : gs.base[gl];
+    for (int64_t e = start + lane; e < kmax; e += 32) o[e] = -1;
   }
 }
 
-template <typename T, int RP, bool TWO, int GPW>
+/* grid: the groups' CTAs (clusters of CL CTAs: grid is CL x the sets of groups) */
+template <typename T, int RP, bool TWO, int GPW, int CL>
 static int dsv_topk_launch_v(const dsv_topk_args& a, int64_t grid, cudaStream_t st) {
-  const size_t smem = dsv_topk_smem_bytes<RP, GPW>();
-  DSV_CUDA_TRY(cudaFuncSetAttribute(dsv_topk_kernel<T, RP, TWO, GPW>,
+  const size_t smem = dsv_topk_smem_bytes<RP, GPW, CL>();
+  DSV_CUDA_TRY(cudaFuncSetAttribute(dsv_topk_kernel<T, RP, TWO, GPW, CL>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  dsv_topk_kernel<T, RP, TWO, GPW><<<(unsigned)grid, TK_THREADS, smem, st>>>(a);
+  if constexpr (CL == 1) {
+    dsv_topk_kernel<T, RP, TWO, GPW, CL><<<(unsigned)grid, TK_THREADS, smem, st>>>(a);
+  } else {
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDim = dim3((unsigned)grid, 1, 1);
+    cfg.blockDim = dim3(TK_THREADS, 1, 1);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CL;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    DSV_CUDA_TRY(cudaLaunchKernelEx(&cfg, dsv_topk_kernel<T, RP, TWO, GPW, CL>, a));
+  }
   DSV_CUDA_CHECK_LAUNCH();
   return DSV_OK;
 }
 
 template <typename T, int RP, bool TWO>
-static int dsv_topk_launch_gpw(const dsv_topk_args& a, int gpw, int64_t grid, cudaStream_t st) {
-  return gpw == 8 ? dsv_topk_launch_v<T, RP, TWO, 8>(a, grid, st)
-                  : dsv_topk_launch_v<T, RP, TWO, 16>(a, grid, st);
+static int dsv_topk_launch_gpw(const dsv_topk_args& a, int gpw, int split, int64_t grid,
+                               cudaStream_t st) {
+  if (split == 2)
+    return gpw == 8 ? dsv_topk_launch_v<T, RP, TWO, 8, 2>(a, grid, st)
+                    : dsv_topk_launch_v<T, RP, TWO, 16, 2>(a, grid, st);
+  return gpw == 8 ? dsv_topk_launch_v<T, RP, TWO, 8, 1>(a, grid, st)
+                  : dsv_topk_launch_v<T, RP, TWO, 16, 1>(a, grid, st);
 }
 
 /* The shipped tile loops are the two-phase ones (dsv_topk_entry<true>; the block-at-a-time
  * instantiation, TWO = false, is csrc/dev/topk_block_at_a_time.cu). */
 template <typename T, bool TWO>
-static int dsv_topk_dispatch(const dsv_topk_args& a, int RP, int gpw, int64_t grid, cudaStream_t st) {
+static int dsv_topk_dispatch(const dsv_topk_args& a, int RP, int gpw, int split, int64_t grid,
+                             cudaStream_t st) {
   switch (RP) {
-    case 16: return dsv_topk_launch_gpw<T, 16, TWO>(a, gpw, grid, st);
-    case 32: return dsv_topk_launch_gpw<T, 32, TWO>(a, gpw, grid, st);
-    case 48: return dsv_topk_launch_gpw<T, 48, TWO>(a, gpw, grid, st);
-    case 64: return dsv_topk_launch_gpw<T, 64, TWO>(a, gpw, grid, st);
+    case 16: return dsv_topk_launch_gpw<T, 16, TWO>(a, gpw, split, grid, st);
+    case 32: return dsv_topk_launch_gpw<T, 32, TWO>(a, gpw, split, grid, st);
+    case 48: return dsv_topk_launch_gpw<T, 48, TWO>(a, gpw, split, grid, st);
+    case 64: return dsv_topk_launch_gpw<T, 64, TWO>(a, gpw, split, grid, st);
   }
   return DSV_ERR_UNSUPPORTED;
 }
@@ -892,12 +1202,15 @@ static int dsv_topk_entry(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_
   a.tiles_per_bh = (int)dsv_cdiv64(p->num_groups, (int64_t)TK_WARPS * gpw);
   a.kvec = dsv_bshd_rows_aligned16(k_lr, 2);
   a.sample = tun->tk_sample;
-  const int64_t grid = BH * a.tiles_per_bh;
+  /* tk_split = 2: clusters of two CTAs per set of groups, each scoring half of the keys */
+  const int split = tun->tk_split == 2 && tun->cc >= 90 ? 2 : 1;
+  const int64_t grid = BH * a.tiles_per_bh * split;
   if (grid > 0x7fffffffLL) return DSV_ERR_UNSUPPORTED;
   const int RP = (int)((p->rank + 15) / 16 * 16);
   cudaStream_t st = (cudaStream_t)stream;
-  if (p->dtype == DSV_BFLOAT16) return dsv_topk_dispatch<__nv_bfloat16, TWO>(a, RP, gpw, grid, st);
-  return dsv_topk_dispatch<__half, TWO>(a, RP, gpw, grid, st);
+  if (p->dtype == DSV_BFLOAT16)
+    return dsv_topk_dispatch<__nv_bfloat16, TWO>(a, RP, gpw, split, grid, st);
+  return dsv_topk_dispatch<__half, TWO>(a, RP, gpw, split, grid, st);
 }
 
 extern "C" int dsv_topk_estimate_cuda(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_lr,

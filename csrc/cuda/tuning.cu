@@ -18,6 +18,8 @@
  *                           (8 where 16 gives fewer than two CTAs per SM; the default)
  *   tk_sample               top-K estimation: 1 locates each group's threshold from a 1/16
  *                           sample first (the default), 0 radix passes from the full key range
+ *   tk_split                top-K estimation: 1 CTA per set of groups (the default), or 2: a
+ *                           cluster of two, each scoring half of the keys
  */
 #include <errno.h>
 #include <pthread.h>
@@ -87,6 +89,9 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
   } else if (DSV_KEY("tk_sample")) {
     if (n != 0 && n != 1) return DSV_ERR_TUNING;
     t->tk_sample = (int)n;
+  } else if (DSV_KEY("tk_split")) {
+    if (n != 1 && n != 2) return DSV_ERR_TUNING;
+    t->tk_split = (int)n; /* takes effect from compute capability 9.0 (clusters) */
   } else {
     return DSV_ERR_TUNING; /* unknown key */
   }
@@ -138,6 +143,7 @@ int fill(int device, dsv_tuning* t) {
   t->bwd_rmax = 0;
   t->tk_gpw = 0; /* automatic: measured on the H200, benchmarks/PERF_LOG.md, kernels v16 */
   t->tk_sample = 1; /* benchmarks/PERF_LOG.md, kernels v12 / v17 */
+  t->tk_split = 1;  /* 2: benchmarks/PERF_LOG.md, kernels v18 (prediction, to be measured) */
   const char* spec = getenv("DSV_KERNEL_TUNING");
   return spec ? apply_override(t, spec) : DSV_OK;
 }
@@ -179,9 +185,9 @@ extern "C" int dsv_cuda_kernel_tuning(int device, char* buf, int64_t len) {
   if (st != DSV_OK) return st;
   const int n = snprintf(buf, (size_t)len,
                          "sm_count=%d,l2_bytes=%d,cc=%d,wgmma=%d,km_wgmma=%d,g128=%d,"
-                         "km_ratio=%g,bwd_ranges=%d,bwd_rmax=%d,tk_gpw=%d,tk_sample=%d",
+                         "km_ratio=%g,bwd_ranges=%d,bwd_rmax=%d,tk_gpw=%d,tk_sample=%d,tk_split=%d",
                          t->sm_count, t->l2_bytes, t->cc, t->wgmma, t->km_wgmma, t->g128,
                          (double)t->km_ratio, t->bwd_ranges, t->bwd_rmax, t->tk_gpw,
-                         t->tk_sample);
+                         t->tk_sample, t->tk_split);
   return n >= 0 && n < len ? DSV_OK : DSV_ERR_NOMEM;
 }
