@@ -82,85 +82,24 @@ def sample_band(keys, K):
     return t_lo, t_hi
 
 
-def select(keys, K, sample=True):
+def select(keys, K, sample=True, CL=1):
     """The kernel's list for one group: (positions, full passes before the compaction); sample:
-    the kernel tuning tk_sample (False: generic passes from the full key range)."""
+    the kernel tuning tk_sample (False: generic passes from the full key range); CL: the CTAs
+    that share the group (tk_split). CTA r scores the keys of its range (whole 64-key tiles, the
+    CTAs in order), the decisions come from the summed histograms, and each CTA keeps its own
+    counts above and in the window; the list is each CTA's part (its keys above T and its share
+    of the ties at T, the first ones in position order) at the offset of what the CTAs before it
+    select."""
     S = keys.numel()
     K = min(max(K, 0), S)
     if K == 0:
         return torch.empty(0, dtype=torch.int64), 0
-    if K == S:
-        return torch.arange(S), 0
-    if sample and S >= MIN_S:
-        t_lo, t_hi = sample_band(keys, K)
-        s = 0
-        while ((t_hi - t_lo) >> s) > 253:
-            s += 1
-        st = dict(mode=BAND, lo=t_lo, hi=M32, top=min(t_lo + (254 << s) - 1, M32), s=s, need=K,
-                  cnt=S, done=0)
-    else:
-        st = dict(lo=0, hi=M32, need=K, cnt=S, done=0)
-        plan(st)
-    passes = 0
-    while not st["done"]:
-        assert passes < MAX_PASSES, "no resolution within the pass bound"
-        passes += 1
-        lo, hi, top, s, mode, need = (st[x] for x in ("lo", "hi", "top", "s", "mode", "need"))
-        inw = (keys >= lo) & (keys <= hi)
-        if mode == COLLECT:
-            vals = keys[inw]
-            assert vals.numel() == st["cnt"] <= CAP
-            T = int(torch.sort(vals, descending=True).values[need - 1])
-            st.update(lo=T, need=need - int((vals > T).sum()), done=1)
-            continue
-        h = inw & (keys <= top)
-        off = 1 if mode == BAND else 0
-        c = torch.bincount(off + ((keys[h] - lo) >> s), minlength=BINS)
-        assert c.numel() == BINS
-        if mode == BAND:
-            assert int(c[BINS - 1]) == 0 and int(c[0]) == 0
-            c[BINS - 1] = int((inw & (keys > top)).sum())
-            c[0] = S - int(c.sum())
-        b, above, cnt = find(c, need)
-        if mode == BAND and b == 0:
-            nlo, nhi = 0, lo - 1
-        elif mode == BAND and b == BINS - 1:
-            nlo, nhi = top + 1, hi
-        else:
-            nlo = lo + ((b - off) << s)
-            nhi = min(nlo + (1 << s) - 1, top)
-        nneed = need - above
-        st.update(lo=nlo, hi=nhi, need=nneed, cnt=cnt)
-        if cnt == nneed:
-            st["done"] = 2
-        elif nlo == nhi:
-            st["done"] = 1
-        else:
-            plan(st)
-    # compaction: {key > T} and the first q of {key == T}
-    T = st["lo"]
-    q = S if st["done"] == 2 else st["need"]
-    eq = keys == T
-    sel = (keys > T) | (eq & (torch.cumsum(eq.to(torch.int64), 0) <= q))
-    return torch.nonzero(sel).flatten()[:K], passes
-
-
-def select_split(keys, K, CL, sample=True):
-    """The list as a cluster of CL CTAs writes it (kernel tuning tk_split): CTA r scores the keys
-    of its range (whole 64-key tiles, the CTAs in order), the decisions come from the summed
-    histograms (so they are select's), and each CTA keeps its own counts above and in the window;
-    the list is each CTA's part (its keys above T and its share of the ties at T, the first ones
-    in position order) at the offset of what the CTAs before it select."""
-    S = keys.numel()
-    K = min(max(K, 0), S)
-    if K == 0:
-        return torch.empty(0, dtype=torch.int64)
     tile = 64
     kt = -(-(-(-S // tile)) // CL) * tile
     ranges = [(min(S, r * kt), min(S, (r + 1) * kt)) for r in range(CL)]
     own = [keys[b:e] for b, e in ranges]
     if K == S:
-        return torch.cat([torch.arange(b, e) for b, e in ranges])
+        return torch.cat([torch.arange(b, e) for b, e in ranges]), 0
     above = [0] * CL
     wcnt = [e - b for b, e in ranges]
     if sample and S >= MIN_S:
@@ -175,7 +114,7 @@ def select_split(keys, K, CL, sample=True):
         plan(st)
     passes = 0
     while not st["done"]:
-        assert passes < MAX_PASSES
+        assert passes < MAX_PASSES, "no resolution within the pass bound"
         passes += 1
         lo, hi, top, s, mode, need = (st[x] for x in ("lo", "hi", "top", "s", "mode", "need"))
         if mode == COLLECT:
@@ -237,7 +176,7 @@ def select_split(keys, K, CL, sample=True):
         out.append(part + b)
         base += sel
     assert base == K
-    return torch.cat(out)
+    return torch.cat(out), passes
 
 
 def reference(keys, K):
@@ -254,7 +193,7 @@ def check(keys, K):
     assert torch.equal(radix, ref), f"S={keys.numel()} K={K}: list without the sample differs"
     assert rpasses <= MAX_PASSES - 1  # generic passes from the full range + one collect
     for CL, smp in ((2, True), (2, False), (3, True)):
-        got = select_split(keys, K, CL, sample=smp)
+        got, _ = select(keys, K, sample=smp, CL=CL)
         assert torch.equal(got, ref), f"S={keys.numel()} K={K}: a cluster of {CL} differs"
     return passes
 

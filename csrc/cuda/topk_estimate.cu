@@ -48,7 +48,7 @@
  *  - Clusters (tuning tk_split = 2, sm_90): two CTAs share a set of groups, each scoring half
  *    of the keys; after every pass each adds the other's histograms (distributed shared memory)
  *    and takes the same decisions, and its own counts above / in the window place its half of
- *    every list (dsv_tk_find_split, dsv_tk_resolve_split; PERF_LOG v18).
+ *    every list (dsv_tk_find_split, dsv_tk_resolve; PERF_LOG v18).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -372,25 +372,12 @@ static __device__ __forceinline__ void dsv_tk_pass(const dsv_topk_args& a, const
   __syncwarp();
 }
 
-/* Boundary bin of a 256-bin slab for rank `need` from the top; a band slab gets bin 0 = nkeys
- * minus the rest. All lanes return the same bin, the count above it and its count. Requires
- * need <= the slab's total. */
-static __device__ __forceinline__ void dsv_tk_find(const uint32_t* slab, uint32_t need, int lane,
-                                                   bool band, uint32_t nkeys, uint32_t& bin,
-                                                   uint32_t& above_out, uint32_t& cnt) {
-  const uint4 c0 = *reinterpret_cast<const uint4*>(slab + lane * 8);
-  const uint4 c1 = *reinterpret_cast<const uint4*>(slab + lane * 8 + 4);
-  uint32_t c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-  uint32_t csum = 0;
-#pragma unroll
-  for (int t = 0; t < 8; ++t) csum += c[t];
-  if (band) {
-    const uint32_t total = __reduce_add_sync(DSV_FULL_MASK, csum);
-    if (lane == 0) {
-      c[0] += nkeys - total;
-      csum += nkeys - total;
-    }
-  }
+/* Boundary bin of 256 bins for rank `need` from the top, lane l holding bins 8 l .. 8 l + 7 (c,
+ * their sum csum): all lanes return the same bin, the count above it and its count. Requires
+ * need <= the bins' total. */
+static __device__ __forceinline__ void dsv_tk_find_bins(const uint32_t (&c)[8], uint32_t csum,
+                                                        uint32_t need, int lane, uint32_t& bin,
+                                                        uint32_t& above_out, uint32_t& cnt) {
   uint32_t s = csum;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
@@ -418,6 +405,26 @@ static __device__ __forceinline__ void dsv_tk_find(const uint32_t* slab, uint32_
   cnt = __shfl_sync(DSV_FULL_MASK, bcnt, L);
 }
 
+/* dsv_tk_find_bins of a 256-bin slab; a band slab gets bin 0 = nkeys minus the rest. */
+static __device__ __forceinline__ void dsv_tk_find(const uint32_t* slab, uint32_t need, int lane,
+                                                   bool band, uint32_t nkeys, uint32_t& bin,
+                                                   uint32_t& above_out, uint32_t& cnt) {
+  const uint4 c0 = *reinterpret_cast<const uint4*>(slab + lane * 8);
+  const uint4 c1 = *reinterpret_cast<const uint4*>(slab + lane * 8 + 4);
+  uint32_t c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+  uint32_t csum = 0;
+#pragma unroll
+  for (int t = 0; t < 8; ++t) csum += c[t];
+  if (band) {
+    const uint32_t total = __reduce_add_sync(DSV_FULL_MASK, csum);
+    if (lane == 0) {
+      c[0] += nkeys - total;
+      csum += nkeys - total;
+    }
+  }
+  dsv_tk_find_bins(c, csum, need, lane, bin, above_out, cnt);
+}
+
 /* the next pass of an unresolved group whose window [lo, hi] (lo < hi) holds cnt keys */
 template <int GPC>
 static __device__ __forceinline__ void dsv_tk_plan(dsv_tk_groups<GPC>& gs, int g) {
@@ -430,85 +437,6 @@ static __device__ __forceinline__ void dsv_tk_plan(dsv_tk_groups<GPC>& gs, int g
     gs.s[g] = bits > 8 ? bits - 8 : 0;
   }
   gs.top[g] = gs.hi[g];
-}
-
-/* After a pass over all keys: every group of this warp that took part (mode == pass_mode)
- * narrows its window (or resolves T and q). Whole warp; lane 0 writes the state. */
-template <int GPW, int GPC>
-static __device__ __forceinline__ void dsv_tk_resolve(dsv_tk_groups<GPC>& gs, uint32_t* hist,
-                                                      int pass_mode, int warp, int lane, int ngl,
-                                                      uint32_t S) {
-  for (int gi = 0; gi < GPW; ++gi) {
-    const int gl = warp * GPW + gi;
-    if (gl >= ngl) break;
-    const int mode = gs.mode[gl];
-    if (gs.done[gl] || mode != pass_mode) continue;
-    const uint32_t* slab = hist + gl * TK_BINS;
-    const int need = gs.need[gl];
-    const int n = gs.ccnt[gl] < TK_CAP ? gs.ccnt[gl] : TK_CAP;
-    __syncwarp(); /* every lane has read the state before any lane writes it */
-    if (mode == TK_COLLECT) {
-      /* the window's keys: T = the one with #(> T) < need <= #(>= T) (the first lane that
-       * finds it writes) */
-      for (int i0 = 0; i0 < n; i0 += 32) {
-        const int i = i0 + lane;
-        uint32_t x = 0;
-        int gt = 0, ge = 0;
-        if (i < n) {
-          x = slab[i];
-          for (int j = 0; j < n; ++j) {
-            const uint32_t y = slab[j];
-            gt += y > x;
-            ge += y >= x;
-          }
-        }
-        const uint32_t hit = __ballot_sync(DSV_FULL_MASK, i < n && gt < need && need <= ge);
-        if (hit && lane == __ffs((int)hit) - 1) {
-          gs.lo[gl] = x;
-          gs.need[gl] = need - gt;
-        }
-        if (hit) break;
-      }
-      __syncwarp();
-      if (lane == 0) {
-        gs.done[gl] = 1;
-        gs.mode[gl] = TK_OFF;
-      }
-      continue;
-    }
-    uint32_t b, above, cnt;
-    dsv_tk_find(slab, (uint32_t)need, lane, mode == TK_BAND, S, b, above, cnt);
-    if (lane == 0) {
-      const uint64_t lo = gs.lo[gl], hi = gs.hi[gl], top = gs.top[gl];
-      const int s = gs.s[gl];
-      uint64_t nlo, nhi;
-      if (mode == TK_BAND && b == 0) { /* below the band */
-        nlo = 0;
-        nhi = lo - 1;
-      } else if (mode == TK_BAND && b == TK_BINS - 1) { /* above the band */
-        nlo = top + 1;
-        nhi = hi;
-      } else {
-        nlo = lo + ((uint64_t)(b - (mode == TK_BAND)) << s);
-        nhi = nlo + ((uint64_t)1 << s) - 1;
-        if (nhi > top) nhi = top;
-      }
-      const int nneed = need - (int)above;
-      gs.lo[gl] = (uint32_t)nlo;
-      gs.hi[gl] = (uint32_t)nhi;
-      gs.need[gl] = nneed;
-      gs.cnt[gl] = (int)cnt;
-      if ((int)cnt == nneed) { /* the whole window: every key >= lo */
-        gs.done[gl] = 2;
-        gs.mode[gl] = TK_OFF;
-      } else if (nlo == nhi) { /* one key value: T = lo, take need of its ties */
-        gs.done[gl] = 1;
-        gs.mode[gl] = TK_OFF;
-      } else {
-        dsv_tk_plan(gs, gl);
-      }
-    }
-  }
 }
 
 /* ---- cluster split (tk_split = CL > 1): the CL CTAs of a cluster share one set of groups, CTA c
@@ -554,32 +482,9 @@ static __device__ __forceinline__ void dsv_tk_find_split(const uint32_t* slab, u
       osum += own_nkeys - own_total;
     }
   }
-  uint32_t s = csum;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const uint32_t t = __shfl_down_sync(DSV_FULL_MASK, s, off);
-    if (lane + off < 32) s += t;
-  }
-  const uint32_t bal = __ballot_sync(DSV_FULL_MASK, s >= need);
-  const int L = bal ? 31 - __clz((int)bal) : 0;
-  uint32_t above = s - csum, bsel = 0, bcnt = 0;
-  bool found = false;
-#pragma unroll
-  for (int t = 7; t >= 0; --t) {
-    if (!found) {
-      if (above + c[t] >= need) {
-        found = true;
-        bsel = (uint32_t)t;
-        bcnt = c[t];
-      } else {
-        above += c[t];
-      }
-    }
-  }
-  above_out = __shfl_sync(DSV_FULL_MASK, above, L);
-  const uint32_t tb = __shfl_sync(DSV_FULL_MASK, bsel, L);
-  bin = (uint32_t)L * 8u + tb;
-  cnt = __shfl_sync(DSV_FULL_MASK, bcnt, L);
+  dsv_tk_find_bins(c, csum, need, lane, bin, above_out, cnt);
+  const int L = (int)(bin >> 3);
+  const uint32_t tb = bin & 7u;
   uint32_t oa = lane > L ? osum : 0u, oc = 0;
   if (lane == L) {
 #pragma unroll
@@ -592,13 +497,15 @@ static __device__ __forceinline__ void dsv_tk_find_split(const uint32_t* slab, u
   cnt_own = __reduce_add_sync(DSV_FULL_MASK, oc);
 }
 
-/* dsv_tk_resolve for a cluster: the same decisions from the summed histograms (a collect pass:
- * the other CTAs' window keys appended to this CTA's slab first), and this CTA's counts. */
+/* After a pass over all keys: every group of this warp that took part (mode == pass_mode)
+ * narrows its window (or resolves T and q). Whole warp; lane 0 writes the state. In a cluster
+ * (CL > 1) the decisions come from the CTAs' summed histograms (a collect pass: the other CTAs'
+ * window keys appended to this CTA's slab first), and sp keeps this CTA's own counts. */
 template <int GPW, int GPC, int CL>
-static __device__ __forceinline__ void dsv_tk_resolve_split(dsv_tk_groups<GPC>& gs,
-                                                            dsv_tk_split<GPC>& sp, uint32_t* hist,
-                                                            int pass_mode, int warp, int lane,
-                                                            int ngl, uint32_t S, uint32_t crank) {
+static __device__ __forceinline__ void dsv_tk_resolve(dsv_tk_groups<GPC>& gs,
+                                                      dsv_tk_split<GPC>& sp, uint32_t* hist,
+                                                      int pass_mode, int warp, int lane, int ngl,
+                                                      uint32_t S, uint32_t crank) {
   for (int gi = 0; gi < GPW; ++gi) {
     const int gl = warp * GPW + gi;
     if (gl >= ngl) break;
@@ -606,20 +513,24 @@ static __device__ __forceinline__ void dsv_tk_resolve_split(dsv_tk_groups<GPC>& 
     if (gs.done[gl] || mode != pass_mode) continue;
     uint32_t* slab = hist + gl * TK_BINS;
     const int need = gs.need[gl];
+    const int n_own = gs.ccnt[gl] < TK_CAP ? gs.ccnt[gl] : TK_CAP;
     __syncwarp(); /* every lane has read the state before any lane writes it */
     if (mode == TK_COLLECT) {
-      const int n_own = gs.ccnt[gl] < TK_CAP ? gs.ccnt[gl] : TK_CAP;
       int n = n_own;
+      if constexpr (CL > 1) {
 #pragma unroll 1
-      for (int r = 1; r < CL; ++r) { /* the window holds <= TK_CAP keys in all */
-        const uint32_t other = (crank + r) % CL;
-        int m = (int)dsv_ld_cluster_u32(dsv_cluster_map(smem_u32(gs.ccnt + gl), other));
-        m = m < TK_CAP - n ? m : TK_CAP - n;
-        const uint32_t ra = dsv_cluster_map(smem_u32(slab), other);
-        for (int i = lane; i < m; i += 32) slab[n + i] = dsv_ld_cluster_u32(ra + 4u * i);
-        n += m;
+        for (int r = 1; r < CL; ++r) { /* the window holds <= TK_CAP keys in all */
+          const uint32_t other = (crank + r) % CL;
+          int m = (int)dsv_ld_cluster_u32(dsv_cluster_map(smem_u32(gs.ccnt + gl), other));
+          m = m < TK_CAP - n ? m : TK_CAP - n;
+          const uint32_t ra = dsv_cluster_map(smem_u32(slab), other);
+          for (int i = lane; i < m; i += 32) slab[n + i] = dsv_ld_cluster_u32(ra + 4u * i);
+          n += m;
+        }
+        __syncwarp();
       }
-      __syncwarp();
+      /* the window's keys: T = the one with #(> T) < need <= #(>= T) (the first lane that
+       * finds it writes) */
       for (int i0 = 0; i0 < n; i0 += 32) {
         const int i = i0 + lane;
         uint32_t x = 0;
@@ -640,25 +551,32 @@ static __device__ __forceinline__ void dsv_tk_resolve_split(dsv_tk_groups<GPC>& 
         if (hit) break;
       }
       __syncwarp();
-      const uint32_t T = gs.lo[gl];
-      int gt = 0, eq = 0; /* this CTA's window keys above T and equal to it */
-      for (int i = lane; i < n_own; i += 32) {
-        gt += slab[i] > T;
-        eq += slab[i] == T;
+      if constexpr (CL > 1) {
+        const uint32_t T = gs.lo[gl];
+        int gt = 0, eq = 0; /* this CTA's window keys above T and equal to it */
+        for (int i = lane; i < n_own; i += 32) {
+          gt += slab[i] > T;
+          eq += slab[i] == T;
+        }
+        gt = (int)__reduce_add_sync(DSV_FULL_MASK, (uint32_t)gt);
+        eq = (int)__reduce_add_sync(DSV_FULL_MASK, (uint32_t)eq);
+        if (lane == 0) {
+          sp.above[gl] += gt;
+          sp.wcnt[gl] = eq;
+        }
       }
-      gt = (int)__reduce_add_sync(DSV_FULL_MASK, (uint32_t)gt);
-      eq = (int)__reduce_add_sync(DSV_FULL_MASK, (uint32_t)eq);
       if (lane == 0) {
-        sp.above[gl] += gt;
-        sp.wcnt[gl] = eq;
         gs.done[gl] = 1;
         gs.mode[gl] = TK_OFF;
       }
       continue;
     }
-    uint32_t b, above, cnt, above_own, cnt_own;
-    dsv_tk_find_split<CL>(slab, crank, (uint32_t)need, lane, mode == TK_BAND, S,
-                          (uint32_t)sp.wcnt[gl], b, above, cnt, above_own, cnt_own);
+    uint32_t b, above, cnt, above_own = 0, cnt_own = 0;
+    if constexpr (CL > 1)
+      dsv_tk_find_split<CL>(slab, crank, (uint32_t)need, lane, mode == TK_BAND, S,
+                            (uint32_t)sp.wcnt[gl], b, above, cnt, above_own, cnt_own);
+    else
+      dsv_tk_find(slab, (uint32_t)need, lane, mode == TK_BAND, S, b, above, cnt);
     if (lane == 0) {
       const uint64_t lo = gs.lo[gl], hi = gs.hi[gl], top = gs.top[gl];
       const int s = gs.s[gl];
@@ -679,8 +597,10 @@ static __device__ __forceinline__ void dsv_tk_resolve_split(dsv_tk_groups<GPC>& 
       gs.hi[gl] = (uint32_t)nhi;
       gs.need[gl] = nneed;
       gs.cnt[gl] = (int)cnt;
-      sp.above[gl] += (int)above_own;
-      sp.wcnt[gl] = (int)cnt_own;
+      if constexpr (CL > 1) {
+        sp.above[gl] += (int)above_own;
+        sp.wcnt[gl] = (int)cnt_own;
+      }
       if ((int)cnt == nneed) { /* the whole window: every key >= lo */
         gs.done[gl] = 2;
         gs.mode[gl] = TK_OFF;
@@ -951,13 +871,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       else
         dsv_tk_pass<T, KS, SW, kTwoPhase, TK_COLLECT, false, GPC, HASB>(
             a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
-      if constexpr (CL > 1) {
-        dsv_cluster_sync(); /* every CTA's partial histograms / window keys complete */
-        dsv_tk_resolve_split<GPW, GPC, CL>(gs, sp, hist, kind, warp, lane, ngl, (uint32_t)S,
-                                           crank);
-      } else {
-        dsv_tk_resolve<GPW>(gs, hist, kind, warp, lane, ngl, (uint32_t)S);
-      }
+      if constexpr (CL > 1) dsv_cluster_sync(); /* every CTA's partial histograms complete */
+      dsv_tk_resolve<GPW, GPC, CL>(gs, sp, hist, kind, warp, lane, ngl, (uint32_t)S, crank);
     }
   }
   __syncthreads();
