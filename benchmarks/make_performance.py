@@ -254,6 +254,36 @@ reductions cost). Times in ms; speedup = cuDNN fwd+bwd / (estimate + forward + b
 """
 
 
+def section_topk():
+    d = _load("topk_paths/topk_paths.json")
+    tunings = ["tk_sample=1,tk_gpw=16", "tk_sample=1,tk_gpw=8", "tk_sample=0,tk_gpw=16",
+               "tk_sample=0,tk_gpw=8"]
+    shapes = sorted({(r["G"], r["S"], r["frac"]) for r in d["records"]}, key=lambda x: (-x[0], x[1], x[2]))
+    rows = []
+    for G, S, frac in shapes:
+        ms = []
+        for t in tunings:
+            v = sorted(r["ms"] for r in d["records"] if (r["G"], r["S"], r["frac"], r["tuning"]) == (G, S, frac, t))
+            ms.append(v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2]))
+        groups = -(-S // G)
+        gpw = 8 if d["records"][0]["H"] * -(-groups // 64) < 2 * 132 else 16
+        rows.append((G, _tok(S), f"{round(100 * frac)}%", *(_ms(m) for m in ms),
+                     f"{_ms(ms[0] if gpw == 16 else ms[1])} (GPW {gpw})"))
+    t = _table(["G", "S", "K", "sample, GPW 16", "sample, GPW 8", "radix, GPW 16", "radix, GPW 8",
+                "default"], rows)
+    return f"""## Top-K estimation
+
+`benchmarks/bench_topk.py` under kernel tunings (`results/topk_paths/`): the estimation kernel
+with the sampled threshold band (`tk_sample=1`, the default) or radix passes only, with 16 or 8
+query groups per warp (`tk_gpw`; the default picks 8 where 16 gives fewer than two CTAs per SM);
+{d['records'][0]['H']} heads, rank {d['records'][0]['r']}, bf16, K = the fraction of S; ms, the
+median of two interleaved rounds. Every setting gives the same lists entry for entry.
+{_prov(d['date'], d['commit'], d['card'], 'torch ' + d['torch'])}
+
+{t}
+"""
+
+
 def section_det():
     d = _load("deterministic/deterministic.json")
     r0 = d[0]
@@ -676,7 +706,7 @@ kernel numbers came about: [benchmarks/PERF_LOG.md](../benchmarks/PERF_LOG.md).
 ## Summary
 
 {summary_table('')}
-""", section_kernels(), section_bwd(), section_det(), section_train(), section_sampling(), section_cp(),
+""", section_kernels(), section_bwd(), section_topk(), section_det(), section_train(), section_sampling(), section_cp(),
              section_equal_recall(), section_where_sparse_pays(), section_long_video(), section_quality(), section_soak(), section_cpu()]
     return "\n".join(parts)
 
