@@ -14,6 +14,7 @@ differs from what is committed.
 import argparse
 import json
 import os
+import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -261,12 +262,12 @@ def section_topk():
     shapes = sorted({(r["G"], r["S"], r["frac"]) for r in d["records"]}, key=lambda x: (-x[0], x[1], x[2]))
     rows = []
     for G, S, frac in shapes:
-        ms = []
-        for t in tunings:
-            v = sorted(r["ms"] for r in d["records"] if (r["G"], r["S"], r["frac"], r["tuning"]) == (G, S, frac, t))
-            ms.append(v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2]))
-        groups = -(-S // G)
-        gpw = 8 if d["records"][0]["H"] * -(-groups // 64) < 2 * 132 else 16
+        ms = [statistics.median(r["ms"] for r in d["records"]
+                                if (r["G"], r["S"], r["frac"], r["tuning"]) == (G, S, frac, t))
+              for t in tunings]
+        # the automatic rule of csrc/cuda/topk_estimate.cu: 8 groups per warp where 64 groups
+        # per CTA would give fewer than two CTAs per SM (the H200's 132)
+        gpw = 8 if d["records"][0]["H"] * -(-(-(-S // G)) // 64) < 2 * 132 else 16
         rows.append((G, _tok(S), f"{round(100 * frac)}%", *(_ms(m) for m in ms),
                      f"{_ms(ms[0] if gpw == 16 else ms[1])} (GPW {gpw})"))
     t = _table(["G", "S", "K", "sample, GPW 16", "sample, GPW 8", "radix, GPW 16", "radix, GPW 8",

@@ -882,7 +882,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
     dsv_cluster_sync(); /* every CTA's counts final */
     for (int g = tid; g < ngl; g += TK_THREADS) {
       const int done = Keff < S ? gs.done[g] : 3;
-      const int need = gs.need[g];
+      const int need = done == 3 ? 0 : gs.need[g];
       int64_t before = 0, ties_before = 0;
       int q = 0;
       for (uint32_t r = 0; r <= crank; ++r) {
