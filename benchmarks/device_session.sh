@@ -8,7 +8,7 @@
 #   usage: bash benchmarks/device_session.sh   (carry .dsvwheels for diffusers, .devso if built)
 #   env:   STEPS="tests bench ncu san" (default; also ab compare infer train grid topk det soak), BUILD_LIMIT,
 #          TEST_ARGS (e.g. "-m cuda": the GPU tests alone; the CPU ones run in CI),
-#          TEST_LIMIT, BENCH_LIMIT, ...
+#          TEST_LIMIT, BENCH_LIMIT, SAN_STEPS / SAN_PATHS (tests/run_sanitizer.sh), ...
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"tests bench ncu san"}
@@ -39,7 +39,7 @@ case " $STEPS " in *" ab "*)  # the attention kernels before (.devso-before) and
 esac
 case " $STEPS " in *" topk "*)  # top-K estimation under kernel tunings (TOPK_TUNINGS), interleaved
   mkdir -p "$OUT/topk"
-  for r in 1 2; do for grp in 128 64; do for t in ${TOPK_TUNINGS:-tk_gpw=16 tk_gpw=8 tk_split=2,tk_gpw=16 tk_split=2,tk_gpw=8}; do
+  for r in 1 2; do for grp in 128 64; do for t in ${TOPK_TUNINGS:-tk_split=1 tk_split=2}; do
     DSV_KERNEL_TUNING=$t timeout ${TOPK_LIMIT:-60} python3 benchmarks/bench_topk.py --heads 24 --group $grp \
       --shapes ${TOPK_SHAPES:-65536:0.1,65536:0.46,16384:0.1,131072:0.1} --json "$OUT/topk/g${grp}_${t}_$r.json" \
       > "$OUT/topk_g${grp}_${t}_$r.log" 2>&1
@@ -81,7 +81,7 @@ case " $STEPS " in *" soak "*)
   echo "soak rc=$?"; tail -20 "$OUT/soak.log";;
 esac
 case " $STEPS " in *" san "*)
-  timeout ${SAN_LIMIT:-400} bash tests/run_sanitizer.sh "$OUT/san"; echo "sanitizer rc=$?";;
+  timeout ${SAN_LIMIT:-400} bash tests/run_sanitizer.sh "$OUT/san" ${SAN_STEPS:-}; echo "sanitizer rc=$?";;
 esac
 date -u
 (cd "$OUT" && tar czf /tmp/logs.tgz . && find . -type f -delete && find . -mindepth 1 -type d -delete && mv /tmp/logs.tgz .)

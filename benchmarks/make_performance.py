@@ -272,6 +272,18 @@ def section_topk():
                      f"{_ms(ms[0] if gpw == 16 else ms[1])} (GPW {gpw})"))
     t = _table(["G", "S", "K", "sample, GPW 16", "sample, GPW 8", "radix, GPW 16", "radix, GPW 8",
                 "default"], rows)
+    ds = _load("topk_split/topk_split.json")
+    rows = []
+    for G, S, frac in sorted({(r["G"], r["S"], r["frac"]) for r in ds["records"]},
+                             key=lambda x: (-x[0], x[1], x[2])):
+        ms = [statistics.median(r["ms"] for r in ds["records"]
+                                if (r["G"], r["S"], r["frac"], r["tuning"]) == (G, S, frac, t))
+              for t in ("tk_split=1", "tk_split=2")]
+        # the automatic rule: clusters of two where 16 groups per warp gives under 2 CTAs per SM
+        small = ds["records"][0]["H"] * -(-(-(-S // G)) // 64) < 2 * 132
+        rows.append((G, _tok(S), f"{round(100 * frac)}%", _ms(ms[0]), _ms(ms[1]), _x(ms[0] / ms[1]),
+                     "2" if small else "1"))
+    ts = _table(["G", "S", "K", "one CTA", "cluster of two", "speedup", "default picks"], rows)
     return f"""## Top-K estimation
 
 `benchmarks/bench_topk.py` under kernel tunings (`results/topk_paths/`): the estimation kernel
@@ -282,6 +294,14 @@ median of two interleaved rounds. Every setting gives the same lists entry for e
 {_prov(d['date'], d['commit'], d['card'], 'torch ' + d['torch'])}
 
 {t}
+
+Clusters of two CTAs (`tk_split=2`, `results/topk_split/`): each CTA scores half of the keys and
+the two add their histograms through distributed shared memory, so a set of groups runs on twice
+the CTAs with half the chain of passes per warp; the default (`tk_split=0`) takes them where 16
+groups per warp would give fewer than two CTAs per SM. Sampled band, automatic GPW, ms, the
+median of two interleaved rounds. {_prov(ds['date'], ds['commit'], ds['card'], 'torch ' + ds['torch'])}
+
+{ts}
 """
 
 

@@ -97,7 +97,8 @@ def kernel_tuning(device=None) -> dict:
     rule's most; 0 = automatic), ``tk_gpw`` (the top-K estimation's query groups per warp: 16,
     8, or 0, the default: automatic), ``tk_sample`` (1, the default: the estimation locates each
     group's threshold from a 1/16 sample of the keys first; 0: radix passes only), ``tk_split``
-    (1, the default; 2: clusters of two CTAs per set of groups, each scoring half of the keys).
+    (1: one CTA per set of query groups; 2: clusters of two CTAs, each scoring half of the keys;
+    0, the default: automatic).
     It is chosen once per device; the environment variable
     ``DSV_KERNEL_TUNING="key=value,..."`` overrides keys for experiments.
     A build without CUDA kernels gives ``{"cuda_kernels": 0}``.

@@ -17,6 +17,7 @@
 # Needs a GPU (Firecracker machines: sanitizer works; gVisor: not).
 # Usage: tests/run_sanitizer.sh [logdir] [steps...]   (default steps: memcheck racecheck fuzz;
 #        `tests/run_sanitizer.sh /tmp/san fuzz` runs only the fuzz matrix under memcheck)
+#        env SAN_PATHS="tk_split=2 racecheck:tk_split=2" limits the `paths` step to those settings
 # Exit status 0 only when every step reports 0 errors and the driver exits 0.
 set -u
 cd "$(dirname "$0")/.."
@@ -34,10 +35,10 @@ for step in $STEPS; do
     racecheck) tool=racecheck; extra="--racecheck-report all"; only=""; skip="fuzz";;
     fuzz) tool=memcheck; extra="--leak-check no"; only="fuzz"; skip="";;
     paths)
-      for t in km_ratio=0,bwd_ranges=1 km_ratio=0,bwd_ranges=3 km_ratio=0,bwd_rmax=4 \
+      for t in ${SAN_PATHS:-km_ratio=0,bwd_ranges=1 km_ratio=0,bwd_ranges=3 km_ratio=0,bwd_rmax=4 \
                km_ratio=1e9,bwd_ranges=1 km_ratio=0,wgmma=0 km_ratio=1e9,wgmma=0 \
                km_ratio=1e9,bwd_ranges=1,km_wgmma=1 km_ratio=1e9,bwd_ranges=1,km_wgmma=2 \
-               tk_gpw=16 racecheck:tk_gpw=16 tk_sample=0 tk_split=2 racecheck:tk_split=2; do
+               tk_gpw=16 racecheck:tk_gpw=16 tk_sample=0 tk_split=2 racecheck:tk_split=2}; do
         sec=sparse_attention tool=memcheck extra="--leak-check no"
         case $t in *wgmma=*) sec=sparse_attention,kv_blocks;; esac
         case $t in *tk_gpw=*|tk_sample=*|*tk_split=*) sec=ops_kernels;; esac

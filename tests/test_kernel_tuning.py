@@ -84,8 +84,9 @@ def test_defaults_from_the_device():
     assert t["km_ratio"] == pytest.approx(1.15) and t["bwd_ranges"] == 0 and t["bwd_rmax"] == 0
     assert t["km_wgmma"] == 1  # the wgmma key-major pass by default (PERF_LOG kernels v14)
     assert t["g128"] == 1  # the 128-row kernels by default (PERF_LOG kernels v15)
-    # top-K estimation: groups per warp automatic (v16), the sampled band (v17), no cluster (v18)
-    assert t["tk_gpw"] == 0 and t["tk_sample"] == 1 and t["tk_split"] == 1
+    # top-K estimation: groups per warp automatic (v16), the sampled band (v17), clusters
+    # automatic (v18)
+    assert t["tk_gpw"] == 0 and t["tk_sample"] == 1 and t["tk_split"] == 0
 
 
 @gpu

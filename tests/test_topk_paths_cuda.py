@@ -62,7 +62,8 @@ SETTINGS = [
     ("tk_split=2,tk_gpw=8", {"tk_sample": 1, "tk_gpw": 8, "tk_split": 2}),  # clusters of two
     ("tk_split=2,tk_gpw=16", {"tk_sample": 1, "tk_gpw": 16, "tk_split": 2}),
     ("tk_split=2,tk_sample=0", {"tk_sample": 0, "tk_gpw": 0, "tk_split": 2}),
-    ("", {"tk_sample": 1, "tk_gpw": 0, "tk_split": 1}),  # the defaults
+    ("tk_split=1", {"tk_sample": 1, "tk_gpw": 0, "tk_split": 1}),  # one CTA per set of groups
+    ("", {"tk_sample": 1, "tk_gpw": 0, "tk_split": 0}),  # the defaults
 ]
 
 _CHILD = r"""

@@ -514,6 +514,7 @@ static __device__ __forceinline__ void dsv_tk_resolve(dsv_tk_groups<GPC>& gs,
     uint32_t* slab = hist + gl * TK_BINS;
     const int need = gs.need[gl];
     const int n_own = gs.ccnt[gl] < TK_CAP ? gs.ccnt[gl] : TK_CAP;
+    const int wcnt_own = CL > 1 ? sp.wcnt[gl] : 0;
     __syncwarp(); /* every lane has read the state before any lane writes it */
     if (mode == TK_COLLECT) {
       int n = n_own;
@@ -574,7 +575,7 @@ static __device__ __forceinline__ void dsv_tk_resolve(dsv_tk_groups<GPC>& gs,
     uint32_t b, above, cnt, above_own = 0, cnt_own = 0;
     if constexpr (CL > 1)
       dsv_tk_find_split<CL>(slab, crank, (uint32_t)need, lane, mode == TK_BAND, S,
-                            (uint32_t)sp.wcnt[gl], b, above, cnt, above_own, cnt_own);
+                            (uint32_t)wcnt_own, b, above, cnt, above_own, cnt_own);
     else
       dsv_tk_find(slab, (uint32_t)need, lane, mode == TK_BAND, S, b, above, cnt);
     if (lane == 0) {
@@ -1092,11 +1093,16 @@ static int dsv_topk_entry(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_
   const dsv_tuning* tun = nullptr;
   const int tst = dsv_tuning_current(&tun);
   if (tst != DSV_OK) return tst;
-  /* groups per warp: the tuning's, or automatic: 8 where 16 would leave the grid under two CTAs
-   * per SM (the estimation is then bound by each warp's chain of passes, not by issue) */
+  /* groups per warp and CTAs per set of groups: the tuning's, or automatic: where 16 groups per
+   * warp would leave the grid under two CTAs per SM, the estimation is bound by each warp's
+   * chain of passes, not by issue: 8 groups per warp, and clusters of two CTAs that each score
+   * half of the keys (compute capability 9.0 and up; kernels v16 and v18 in PERF_LOG.md) */
+  const bool small = BH * dsv_cdiv64(p->num_groups, (int64_t)TK_GPC) < 2LL * tun->sm_count;
   int gpw = tun->tk_gpw;
-  if (gpw != 8 && gpw != 16)
-    gpw = BH * dsv_cdiv64(p->num_groups, (int64_t)TK_GPC) < 2LL * tun->sm_count ? 8 : 16;
+  if (gpw != 8 && gpw != 16) gpw = small ? 8 : 16;
+  int split = tun->tk_split;
+  if (split != 1 && split != 2) split = small ? 2 : 1;
+  if (tun->cc < 90) split = 1;
   dsv_topk_args a;
   a.q = q_lr.data;
   a.k = k_lr.data;
@@ -1117,8 +1123,6 @@ static int dsv_topk_entry(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_
   a.tiles_per_bh = (int)dsv_cdiv64(p->num_groups, (int64_t)TK_WARPS * gpw);
   a.kvec = dsv_bshd_rows_aligned16(k_lr, 2);
   a.sample = tun->tk_sample;
-  /* tk_split = 2: clusters of two CTAs per set of groups, each scoring half of the keys */
-  const int split = tun->tk_split == 2 && tun->cc >= 90 ? 2 : 1;
   const int64_t grid = BH * a.tiles_per_bh * split;
   if (grid > 0x7fffffffLL) return DSV_ERR_UNSUPPORTED;
   const int RP = (int)((p->rank + 15) / 16 * 16);

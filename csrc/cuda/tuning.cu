@@ -18,8 +18,10 @@
  *                           (8 where 16 gives fewer than two CTAs per SM; the default)
  *   tk_sample               top-K estimation: 1 locates each group's threshold from a 1/16
  *                           sample first (the default), 0 radix passes from the full key range
- *   tk_split                top-K estimation: 1 CTA per set of groups (the default), or 2: a
- *                           cluster of two, each scoring half of the keys
+ *   tk_split                top-K estimation: 1 CTA per set of groups, or 2: a cluster of two,
+ *                           each scoring half of the keys; 0: automatic (2 where 16 groups per
+ *                           warp gives fewer than two CTAs per SM, from compute capability 9.0;
+ *                           the default)
  */
 #include <errno.h>
 #include <pthread.h>
@@ -90,8 +92,8 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
     if (n != 0 && n != 1) return DSV_ERR_TUNING;
     t->tk_sample = (int)n;
   } else if (DSV_KEY("tk_split")) {
-    if (n != 1 && n != 2) return DSV_ERR_TUNING;
-    t->tk_split = (int)n; /* takes effect from compute capability 9.0 (clusters) */
+    if (n != 0 && n != 1 && n != 2) return DSV_ERR_TUNING;
+    t->tk_split = (int)n; /* 2 takes effect from compute capability 9.0 (clusters) */
   } else {
     return DSV_ERR_TUNING; /* unknown key */
   }
@@ -143,7 +145,7 @@ int fill(int device, dsv_tuning* t) {
   t->bwd_rmax = 0;
   t->tk_gpw = 0; /* automatic: measured on the H200, benchmarks/PERF_LOG.md, kernels v16 */
   t->tk_sample = 1; /* benchmarks/PERF_LOG.md, kernels v12 / v17 */
-  t->tk_split = 1;  /* 2: benchmarks/PERF_LOG.md, kernels v18 (prediction, to be measured) */
+  t->tk_split = 0;  /* automatic: measured on the H200, benchmarks/PERF_LOG.md, kernels v18 */
   const char* spec = getenv("DSV_KERNEL_TUNING");
   return spec ? apply_override(t, spec) : DSV_OK;
 }

@@ -43,9 +43,10 @@ typedef struct dsv_tuning {
   int tk_sample;    /* top-K estimation: 1 (the default) = a 1/16 sample of the keys locates each
                        group's threshold to a band first, 0 = radix passes from the full key
                        range (same lists) */
-  int tk_split;     /* top-K estimation: CTAs per set of groups, 1 (the default) or 2 (a thread-
-                       block cluster, each CTA scoring half of the keys: twice the CTAs and half
-                       the chain of passes per warp; same lists) */
+  int tk_split;     /* top-K estimation: CTAs per set of groups, 1 or 2 (a thread-block cluster,
+                       each CTA scoring half of the keys: twice the CTAs and half the chain of
+                       passes per warp; same lists); 0: automatic (the default), 2 where 16
+                       groups per warp would give fewer than two CTAs per SM */
 } dsv_tuning;
 
 /* The tuning of `device` (filled on first use, then cached): DSV_OK, DSV_ERR_CUDA when the
