@@ -320,6 +320,7 @@ def compare_seeds(cfg: Dict[str, Any], out_dir: str, seeds: int, steps: Optional
                                             and r["dense_tokens_per_s_after_switch"]] or [float("nan")]),
         "dsv_sparsity": [scalar(d.get("dsv_sparsity")) for d in dsv],
         "dsv_recall": [scalar(d.get("dsv_recall")) for d in dsv],
+        "dsv_sparse_blocks": [d.get("dsv_sparse_blocks") for d in dsv],
         "runs": runs,
     }
     res["provenance"] = provenance(runs[0]["device"])

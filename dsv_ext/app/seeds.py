@@ -90,6 +90,12 @@ def write_seeds_table(res: Dict[str, Any], path: str) -> None:
         L += [f"DSV speed after its switch: {sp['mean']:.2f}x full attention (mean over seeds); mean sparsity "
               f"{', '.join(fmt(x, 3) for x in res['dsv_sparsity'])}, recall "
               f"{', '.join(fmt(x, 3) for x in res['dsv_recall'])} per seed.", ""]
+    nsp = res.get("dsv_sparse_blocks") or []
+    if nsp and all(n is not None for n in nsp):
+        L += [f"Blocks running sparse at the end of DSV's run: {', '.join(str(n) for n in nsp)} per seed."
+              + (" **No block ran sparse in any seed: the gap compares two runs that both trained "
+                 "with dense attention** (it measures training noise, not sparse attention)."
+                 if not any(nsp) else ""), ""]
     ev = max([x for x in (d["eval_se"], s["eval_se"]) if x is not None], default=None)
     spread = max([x for x in (d["std"], s["std"]) if x is not None], default=None)
     if ev is not None and spread is not None and ev > 0.5 * spread:
