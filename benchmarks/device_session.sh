@@ -6,7 +6,8 @@
 # on the attention kernels, and compute-sanitizer. Each step has its own time limit so the call
 # ends in time; all logs are packed into $OUT/logs.tgz (one file to copy back).
 #   usage: bash benchmarks/device_session.sh   (carry .dsvwheels for diffusers, .devso if built)
-#   env:   STEPS="tests bench ncu san" (default; also ab compare infer train grid topk det soak), BUILD_LIMIT,
+#   env:   STEPS="tests bench ncu san" (default; also ab tun compare infer train grid topk det soak),
+#          BUILD_LIMIT, TUNINGS (the tun step's DSV_KERNEL_TUNING settings), AB_ARGS,
 #          TEST_ARGS (e.g. "-m cuda": the GPU tests alone; the CPU ones run in CI),
 #          TEST_LIMIT, BENCH_LIMIT, SAN_STEPS / SAN_PATHS (tests/run_sanitizer.sh), ...
 set -u
@@ -36,6 +37,14 @@ case " $STEPS " in *" ab "*)  # the attention kernels before (.devso-before) and
       echo "ab $w$r rc=$?"; grep -E "^\| [0-9]" "$OUT/ab/$w$r/kernels.md" 2>/dev/null | cut -c1-160
     done; done
   else echo "ab: no .devso-before (bash benchmarks/build_devso.sh REV)"; fi;;
+esac
+case " $STEPS " in *" tun "*)  # the attention kernels under kernel tunings (TUNINGS), interleaved, same call
+  AB="python3 benchmarks/bench_kernels.py ${AB_ARGS:---S 65536 --D 128 --G 128 --sparsity 0.9 --dist random smooth --dense cudnn} --reps 5"
+  for r in 1 2; do for t in ${TUNINGS:-g128_bulk=0 g128_bulk=1}; do
+    n=$(echo "$t" | tr '=,' '__')
+    DSV_KERNEL_TUNING=$t timeout ${AB_LIMIT:-100} $AB --out "$OUT/tun/${n}_$r" > "$OUT/tun_${n}_$r.log" 2>&1
+    echo "tun $t run $r rc=$?"; grep -E "^\| [0-9]" "$OUT/tun/${n}_$r/kernels.md" 2>/dev/null | cut -c1-160
+  done; done;;
 esac
 case " $STEPS " in *" topk "*)  # top-K estimation under kernel tunings (TOPK_TUNINGS), interleaved
   mkdir -p "$OUT/topk"
