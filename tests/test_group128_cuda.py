@@ -193,10 +193,11 @@ def test_g128_agrees_with_64_row_kernels(tmp_path, bulk):
     """g128 = 1 (128 rows per CTA; its backward's dK / dV reductions from registers, or with
     g128_bulk = 1 as TMA bulk reductions through shared memory) against g128 = 0 (two CTAs of
     64): forward within twice the reference bound (TOL2), the same -inf lse rows; the backward
-    within twice the gradient bound (GTOL2); NaN in q (either warpgroup's rows), dout, K or V reaches exactly the elements it
-    reaches on the 64-row kernels, and a NaN query or dout row of group 1 leaves the other
-    groups' dq finite. Where wgmma runs (the 128-row kernels' condition), dK / dV of the larger
-    case are not bit-identical between the two (the 128-row kernel sums rows in its own order)."""
+    within twice the gradient bound (GTOL2); NaN in q (either warpgroup's rows), dout, K or V
+    reaches exactly the elements it reaches on the 64-row kernels, and a NaN query or dout row
+    of group 1 leaves the other groups' dq finite. Where wgmma runs (the 128-row kernels'
+    condition), dK / dV of the larger case are not bit-identical between the two (the 128-row
+    kernel sums rows in its own order)."""
     need_backend()
     if os.environ.get("DSV_TEST_PATH"):
         pytest.skip("inside a path run")

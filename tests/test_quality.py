@@ -155,7 +155,8 @@ def test_compare_seeds(tmp_path):
         assert res["stage2_rel_gap"] is None and res["stage2_verdict"] is None
     md = open(tmp_path / "compare_seeds.md").read()
     assert "95% interval" in md and "Gap against 1%" in md and "Measured " in md
-    nsp = [json.load(open(tmp_path / f"seed{s}" / "dsv" / "summary.json"))["dsv_sparse_blocks"] for s in (0, 1)]
+    nsp = [json.load(open(tmp_path / f"seed{s}" / "dsv" / "summary.json"))["dsv_sparse_blocks"]
+           for s in (0, 1)]
     assert res["dsv_sparse_blocks"] == nsp
     assert "Blocks running sparse at the end" in md
     assert ("No block ran sparse in any seed" in md) == (not any(nsp))
