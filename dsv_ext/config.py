@@ -140,8 +140,8 @@ class DSVConfig:
     sparsity was set by DSVController.set_sparsity) use the theta rule."""
     recall_target: float = 0.95
     """Recall target of the "recall" K rule: mean fraction of the exact attention mass the
-    predicted lists must cover. Provisional default, to be replaced by one chosen from the measured
-    quality frontier (docs/QUALITY.md)."""
+    predicted lists must cover. The default is the lowest target of the measured quality frontier
+    whose paired loss increase is resolved below 1% (docs/QUALITY.md)."""
     recall_max_density: float = 0.5
     """"recall" rule: a head that needs more than this fraction of the keys to reach the target
     attends to all keys (K = S: exact attention for that head); a block whose heads all do stays
