@@ -253,7 +253,7 @@ def _sc_controller_cp(rank, world):
     solo = [dist.new_group([r]) for r in range(world)]  # collective: every rank creates all
     cfg = DSVConfig(group_size=G, rank=R, row_sample_stride=4, k_multiple=G, min_density=0.0,
                     force_stage2_step=3, profile_every=1, use_calibration=False, dispatch_threshold=0.0,
-                    recall_target=0.6, recall_max_density=1.0)  # recall rule: untrained predictors, K < S
+                    recall_target=0.3, recall_max_density=1.0)  # recall rule: untrained predictors, K < S
     torch.manual_seed(SEED + 21)
     dim = 2 * D
     ref = torch.nn.Sequential(dsv_ext.DSVAttention(dim, 2, config=cfg), dsv_ext.DSVAttention(dim, 2, config=cfg))
