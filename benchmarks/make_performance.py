@@ -258,34 +258,35 @@ reductions cost). Times in ms; speedup = cuDNN fwd+bwd / (estimate + forward + b
 """
 
 
+def _topk_medians(records, tunings):
+    """(G, S, frac) -> the median ms of each tuning, shapes by G descending, then S, then K."""
+    shapes = sorted({(r["G"], r["S"], r["frac"]) for r in records}, key=lambda x: (-x[0], x[1], x[2]))
+    return [((G, S, frac), [statistics.median(r["ms"] for r in records
+                                              if (r["G"], r["S"], r["frac"], r["tuning"]) == (G, S, frac, t))
+                            for t in tunings]) for G, S, frac in shapes]
+
+
+def _topk_small_grid(H, S, G):
+    """The automatic rule of csrc/cuda/topk_estimate.cu for tk_gpw and tk_split: 64 groups per CTA
+    would give fewer than two CTAs per SM (the H200's 132): 8 groups per warp, clusters of two."""
+    return H * -(-(-(-S // G)) // 64) < 2 * 132
+
+
 def section_topk():
     d = _load("topk_paths/topk_paths.json")
-    tunings = ["tk_sample=1,tk_gpw=16", "tk_sample=1,tk_gpw=8", "tk_sample=0,tk_gpw=16",
-               "tk_sample=0,tk_gpw=8"]
-    shapes = sorted({(r["G"], r["S"], r["frac"]) for r in d["records"]}, key=lambda x: (-x[0], x[1], x[2]))
+    H = d["records"][0]["H"]
     rows = []
-    for G, S, frac in shapes:
-        ms = [statistics.median(r["ms"] for r in d["records"]
-                                if (r["G"], r["S"], r["frac"], r["tuning"]) == (G, S, frac, t))
-              for t in tunings]
-        # the automatic rule of csrc/cuda/topk_estimate.cu: 8 groups per warp where 64 groups
-        # per CTA would give fewer than two CTAs per SM (the H200's 132)
-        gpw = 8 if d["records"][0]["H"] * -(-(-(-S // G)) // 64) < 2 * 132 else 16
+    for (G, S, frac), ms in _topk_medians(d["records"], ["tk_sample=1,tk_gpw=16", "tk_sample=1,tk_gpw=8",
+                                                         "tk_sample=0,tk_gpw=16", "tk_sample=0,tk_gpw=8"]):
+        gpw = 8 if _topk_small_grid(H, S, G) else 16
         rows.append((G, _tok(S), f"{round(100 * frac)}%", *(_ms(m) for m in ms),
                      f"{_ms(ms[0] if gpw == 16 else ms[1])} (GPW {gpw})"))
     t = _table(["G", "S", "K", "sample, GPW 16", "sample, GPW 8", "radix, GPW 16", "radix, GPW 8",
                 "default"], rows)
     ds = _load("topk_split/topk_split.json")
-    rows = []
-    for G, S, frac in sorted({(r["G"], r["S"], r["frac"]) for r in ds["records"]},
-                             key=lambda x: (-x[0], x[1], x[2])):
-        ms = [statistics.median(r["ms"] for r in ds["records"]
-                                if (r["G"], r["S"], r["frac"], r["tuning"]) == (G, S, frac, t))
-              for t in ("tk_split=1", "tk_split=2")]
-        # the automatic rule: clusters of two where 16 groups per warp gives under 2 CTAs per SM
-        small = ds["records"][0]["H"] * -(-(-(-S // G)) // 64) < 2 * 132
-        rows.append((G, _tok(S), f"{round(100 * frac)}%", _ms(ms[0]), _ms(ms[1]), _x(ms[0] / ms[1]),
-                     "2" if small else "1"))
+    rows = [(G, _tok(S), f"{round(100 * frac)}%", _ms(ms[0]), _ms(ms[1]), _x(ms[0] / ms[1]),
+             "2" if _topk_small_grid(ds["records"][0]["H"], S, G) else "1")
+            for (G, S, frac), ms in _topk_medians(ds["records"], ["tk_split=1", "tk_split=2"])]
     ts = _table(["G", "S", "K", "one CTA", "cluster of two", "speedup", "default picks"], rows)
     return f"""## Top-K estimation
 
