@@ -40,7 +40,7 @@ case " $STEPS " in *" ab "*)  # the attention kernels before (.devso-before) and
 esac
 case " $STEPS " in *" tun "*)  # the attention kernels under kernel tunings (TUNINGS), interleaved, same call
   AB="python3 benchmarks/bench_kernels.py ${AB_ARGS:---S 65536 --D 128 --G 128 --sparsity 0.9 --dist random smooth --dense cudnn} --reps 5"
-  for r in 1 2; do for t in ${TUNINGS:-g128_bulk=0 g128_bulk=1}; do
+  for r in 1 2; do for t in ${TUNINGS:-g128=0 g128=1}; do
     n=$(echo "$t" | tr '=,' '__')
     DSV_KERNEL_TUNING=$t timeout ${AB_LIMIT:-100} $AB --out "$OUT/tun/${n}_$r" > "$OUT/tun_${n}_$r.log" 2>&1
     echo "tun $t run $r rc=$?"; grep -E "^\| [0-9]" "$OUT/tun/${n}_$r/kernels.md" 2>/dev/null | cut -c1-160

@@ -60,8 +60,8 @@ def has_cuda_kernels() -> bool:
 
 
 # the keys that DSV_KERNEL_TUNING may set (csrc/cuda/tuning.cu)
-KERNEL_TUNING_KEYS = ("sm_count", "l2_bytes", "wgmma", "km_wgmma", "g128", "g128_bulk",
-                      "km_ratio", "bwd_ranges", "bwd_rmax", "tk_gpw", "tk_sample", "tk_split")
+KERNEL_TUNING_KEYS = ("sm_count", "l2_bytes", "wgmma", "km_wgmma", "g128", "km_ratio",
+                      "bwd_ranges", "bwd_rmax", "tk_gpw", "tk_sample", "tk_split")
 
 
 def _check_tuning_env() -> None:
@@ -92,9 +92,7 @@ def kernel_tuning(device=None) -> dict:
     ``km_wgmma`` (1, the default: the backward's key-major dK / dV pass among them where it
     applies, 2: for ``kv_block`` 16 too, 0: never), ``g128`` (1, the default: query groups of a
     multiple of 128 queries run 128 rows per CTA on two warpgroups sharing the key tiles where
-    wgmma runs, 0: two CTAs of 64 rows), ``g128_bulk`` (1: the 128-row backward's dK / dV
-    reductions go out as TMA bulk reductions of tiles staged in shared memory; 0, the default:
-    16-byte reductions from registers), ``km_ratio`` (the backward's key-major threshold),
+    wgmma runs, 0: two CTAs of 64 rows), ``km_ratio`` (the backward's key-major threshold),
     ``bwd_ranges`` / ``bwd_rmax`` (the backward's key ranges: forced count / the automatic
     rule's most; 0 = automatic), ``tk_gpw`` (the top-K estimation's query groups per warp: 16,
     8, or 0, the default: automatic), ``tk_sample`` (1, the default: the estimation locates each

@@ -13,8 +13,7 @@
 #              top-K estimation with 16 groups per warp: the small shapes take 8 by default)
 #              runs the ops section under memcheck and racecheck, tk_sample=0 (radix passes
 #              only) under memcheck, tk_split=2 (clusters of two CTAs, distributed shared
-#              memory) under memcheck and racecheck, g128_bulk=1 (the 128-row backward's TMA bulk
-#              reductions) under memcheck and racecheck
+#              memory) under memcheck and racecheck
 # Needs a GPU (Firecracker machines: sanitizer works; gVisor: not).
 # Usage: tests/run_sanitizer.sh [logdir] [steps...]   (default steps: memcheck racecheck fuzz;
 #        `tests/run_sanitizer.sh /tmp/san fuzz` runs only the fuzz matrix under memcheck)
@@ -39,8 +38,7 @@ for step in $STEPS; do
       for t in ${SAN_PATHS:-km_ratio=0,bwd_ranges=1 km_ratio=0,bwd_ranges=3 km_ratio=0,bwd_rmax=4 \
                km_ratio=1e9,bwd_ranges=1 km_ratio=0,wgmma=0 km_ratio=1e9,wgmma=0 \
                km_ratio=1e9,bwd_ranges=1,km_wgmma=1 km_ratio=1e9,bwd_ranges=1,km_wgmma=2 \
-               tk_gpw=16 racecheck:tk_gpw=16 tk_sample=0 tk_split=2 racecheck:tk_split=2 \
-               km_ratio=0,bwd_ranges=1,g128_bulk=1 racecheck:km_ratio=0,bwd_ranges=1,g128_bulk=1}; do
+               tk_gpw=16 racecheck:tk_gpw=16 tk_sample=0 tk_split=2 racecheck:tk_split=2}; do
         sec=sparse_attention tool=memcheck extra="--leak-check no"
         case $t in *wgmma=*) sec=sparse_attention,kv_blocks;; esac
         case $t in *tk_gpw=*|tk_sample=*|*tk_split=*) sec=ops_kernels;; esac

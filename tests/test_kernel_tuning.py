@@ -84,7 +84,6 @@ def test_defaults_from_the_device():
     assert t["km_ratio"] == pytest.approx(1.15) and t["bwd_ranges"] == 0 and t["bwd_rmax"] == 0
     assert t["km_wgmma"] == 1  # the wgmma key-major pass by default (PERF_LOG kernels v14)
     assert t["g128"] == 1  # the 128-row kernels by default (PERF_LOG kernels v15)
-    assert t["g128_bulk"] == 0  # their reductions from registers (v19: bulk to be measured)
     # top-K estimation: groups per warp automatic (v16), the sampled band (v17), clusters
     # automatic (v18)
     assert t["tk_gpw"] == 0 and t["tk_sample"] == 1 and t["tk_split"] == 0
@@ -104,7 +103,7 @@ def test_override_is_reported_and_read_once():
 
 
 @gpu
-@pytest.mark.parametrize("spec", ["bwd_ranges=99", "km_wgmma=3", "g128=2", "g128_bulk=2"])
+@pytest.mark.parametrize("spec", ["bwd_ranges=99", "km_wgmma=3", "g128=2"])
 def test_malformed_override_fails_the_kernels(spec):
     code = ("import torch, dsv_ext\n"
             "q = torch.randn(1, 64, 1, 64, device='cuda', dtype=torch.bfloat16)\n"

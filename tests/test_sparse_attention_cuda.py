@@ -71,10 +71,6 @@ PATHS = {
                                               # pass on mma.sync (dQ still on wgmma)
     "kmajor_mma": "km_ratio=1e9,wgmma=0",     # the same on mma.sync only (forward included)
     "qmajor_mma": "km_ratio=0,wgmma=0",       # query-major on mma.sync only
-    "qmajor_bulk128": "km_ratio=0,bwd_ranges=1,g128_bulk=1",   # query-major; the 128-row
-                                              # kernel's dK / dV reductions as TMA bulk
-                                              # reductions through shared memory (PERF_LOG v19)
-    "qmajor3_bulk128": "km_ratio=0,bwd_ranges=3,g128_bulk=1",  # the same in 3 key ranges
 }
 # the tests of this file that take `path`, and the device-parametrized tests of
 # test_sparse_attention.py (their CUDA cases) that run on every path

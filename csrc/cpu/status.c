@@ -10,8 +10,8 @@ const char* dsv_status_string(int status) {
     case DSV_ERR_NOMEM: return "host allocation failed or workspace too small";
     case DSV_ERR_TUNING:
       return "DSV_KERNEL_TUNING is malformed: expected key=value,... with the keys sm_count, "
-             "l2_bytes, wgmma, km_wgmma, g128, g128_bulk, km_ratio, bwd_ranges, bwd_rmax, tk_gpw, "
-             "tk_sample, tk_split and numbers in their ranges";
+             "l2_bytes, wgmma, km_wgmma, g128, km_ratio, bwd_ranges, bwd_rmax, tk_gpw, tk_sample, "
+             "tk_split and numbers in their ranges";
     default: return "unknown dsv status";
   }
 }

@@ -133,11 +133,6 @@ __device__ __forceinline__ void bulk_wait_read0() {
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-/* A barrier of the n threads (a multiple of 32, whole warps) that name hardware barrier id
- * (1 .. 15; __syncthreads is barrier 0), e.g. one warpgroup's 128. */
-__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t n) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
 
 /* 2^x on the special-function unit, subnormal results flushed to zero (exp2f adds a range
  * check and two multiplies around the same instruction to keep them: 4 more instructions per

@@ -330,7 +330,6 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   prm.km_ratio = ratio;
   prm.km_enabled = L.km_enabled && ratio > 0.f;
   prm.g128 = tun->g128;
-  prm.g128_bulk = tun->g128_bulk;
   {
     const RangeCfg rc = bwd_ranges(sh, tun);
     /* deterministic: one key range, so that dQ is summed in registers (no fp32 reductions) */

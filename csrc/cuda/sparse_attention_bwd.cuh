@@ -55,7 +55,6 @@ struct BwdParams {
   int* bsorted;   /* [B, H, NG, kmax] each list's valid entries, ascending (duplicates kept) */
   int* bnsorted;  /* [B, H, NG] how many */
   int g128;       /* the tuning's g128: groups of a multiple of 128 rows on bwd_wg128_kernel */
-  int g128_bulk;  /* the tuning's g128_bulk: that kernel's reductions as TMA bulk reductions */
 };
 
 __device__ __forceinline__ int clamp_count(int c, int kmax) {

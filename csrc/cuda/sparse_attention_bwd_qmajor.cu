@@ -353,9 +353,7 @@ static int qmajor_passes(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
       if (st != DSV_OK) return st;
     }
     if constexpr (D == 64 || D == 128)
-      if (wg && prm.g128 && prm.G % 128 == 0)
-        return prm.g128_bulk ? bwd_wg128_launch<T, D, BwdParams<T>, true>(sh, prm, stream)
-                             : bwd_wg128_launch<T, D>(sh, prm, stream);
+      if (wg && prm.g128 && prm.G % 128 == 0) return bwd_wg128_launch<T, D>(sh, prm, stream);
     if ((st = qmajor_cfg<T, D, 64, true>(sh, prm, stream)) != DSV_OK) return st;
   }
   return DSV_OK;

@@ -109,52 +109,6 @@ __device__ __forceinline__ void bwg_reduce_rows(float* acc, const float (&a)[D /
   }
 }
 
-/* bwg_reduce_rows through the TMA unit (bwd_wg128_kernel with the tuning's g128_bulk): one
- * warpgroup's 64 x D fp32 tile is staged in shared memory (`stage`, 64 x D floats) and each key
- * row goes out as bulk reductions issued by one thread (wtid: the thread's index in its
- * warpgroup; rows 0..63 by threads 0..63), so that the warpgroup goes on with the next key tile
- * while the L2 adds them. Row x is stored rotated left by r = 8 (x & 3) floats (column c at
- * position (c - r) mod D): the eight rows of one 8-byte store then cover all 32 banks twice (2
- * wavefronts per 256 bytes, the minimum), and the row's reduction is two pieces (columns r ..
- * D - 1 from position 0, columns 0 .. r - 1 from position D - r; 16-byte multiples). The
- * staging tile is reused only after the issuing threads' bulk_wait_read0 for the previous
- * tile and the warpgroup's named barrier `bar`; the caller waits once more before exiting. */
-template <int D>
-__device__ __forceinline__ void bwg_reduce_rows_bulk(float* acc, float* stage,
-                                                     const float (&a)[D / 8][4], const int* ki,
-                                                     int warp, int lane, int wtid, uint32_t bar) {
-  static_assert((D & (D - 1)) == 0 && D >= 32, "rotation by masks: D a power of two");
-  if (wtid < 64) bulk_wait_read0(); /* the previous tile's reductions have read the tile */
-  named_barrier_sync(bar, 128);
-  const int x0 = warp * 16 + (lane >> 2); /* the lane's rows x0 and x0 + 8 */
-  const int rot = 8 * (x0 & 3);           /* the same for x0 + 8 */
-  float* s0 = stage + x0 * D;
-  float* s1 = s0 + 8 * D;
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    const int pos = (8 * j + 2 * (lane & 3) - rot) & (D - 1);
-    *reinterpret_cast<float2*>(s0 + pos) = make_float2(a[j][0], a[j][1]);
-    *reinterpret_cast<float2*>(s1 + pos) = make_float2(a[j][2], a[j][3]);
-  }
-  fence_proxy_async_smem(); /* these stores -> visible to the bulk copies */
-  named_barrier_sync(bar, 128);
-  if (wtid < 64) {
-    const int kid = ki[wtid];
-    if (kid >= 0) {
-      const int r = 8 * (wtid & 3);
-      float* g = acc + (size_t)kid * D;
-      const float* m = stage + wtid * D;
-      if (r == 0) {
-        bulk_reduce_add_f32(g, m, D * 4);
-      } else {
-        bulk_reduce_add_f32(g + r, m, (uint32_t)(D - r) * 4);
-        bulk_reduce_add_f32(g, m + (D - r), (uint32_t)r * 4);
-      }
-    }
-    bulk_commit();
-  }
-}
-
 /* The top of key tile t of a query-major wgmma pass: waits for tile t (its own cp.async groups,
  * fenced to the async proxy, then a CTA barrier: tile t landed for all threads and every
  * warpgroup's MMAs of tile t - 1 are done), refills the stage freed by tile t - 1 with tile
@@ -391,11 +345,8 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
  * are summed in the tensor cores) and adds its 64 x D tile to the fp32 accumulator once: one
  * reduction per key and 128 rows instead of two, the reductions that bound this pass. 1 CTA
  * per SM. Key ranges as bwd_wg_kernel. Rows past a partial last group's end (a whole
- * warpgroup of them possibly) give P = dS = 0 by selects (bwg_p_ds). BULK (the tuning's
- * g128_bulk): the two 64 x D tiles go out through shared memory as TMA bulk reductions
- * (bwg_reduce_rows_bulk; 2 x 64 x D floats more shared memory: 227 KB in all at D = 128, the
- * most a CTA may have), so that the next tile's MMAs overlap the L2's adds (PERF_LOG v19). */
-template <typename T, typename Prm, int D, int NS, bool BULK = false>
+ * warpgroup of them possibly) give P = dS = 0 by selects (bwg_p_ds). */
+template <typename T, typename Prm, int D, int NS>
 __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BM = 128, BN = 64, NT = 256;
@@ -409,13 +360,10 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   T* Vs = Ks + NS * KE;               /* [NS][BN x D] */
   T* Ps = Vs + NS * KE;               /* [2][64 x BN]: P of warpgroup 0's rows, then 1's */
   T* dSs = Ps + 2 * PE;               /* [2][64 x BN]: dS likewise */
-  float* stg = reinterpret_cast<float*>(dSs + 2 * PE);  /* BULK: [2][BN x D] fp32 staging */
-  float* lse2 = stg + (BULK ? 2 * BN * D : 0);          /* [BM] */
+  float* lse2 = reinterpret_cast<float*>(dSs + 2 * PE); /* [BM] */
   float* dlt = lse2 + BM;                               /* [BM] */
   int* kidx = reinterpret_cast<int*>(dlt + BM);         /* [NS][BN] */
-  /* [BM], read only by the prologue's row gathers: BULK puts it in the staging tile, written
-   * first after tile 0's MMAs (so that D = 128 fits the 227 KB a CTA may have) */
-  int* qidx = BULK ? reinterpret_cast<int*>(stg) : kidx + NS * BN;
+  int* qidx = kidx + NS * BN;                           /* [BM] */
 
   const int RG = p.nranges;
   QmajorCta c;
@@ -505,25 +453,20 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
     wg_wait<0>(); /* dQ and the 128-row product; before the next top barrier */
     wg_fence_regs<D / 2>(&dq[0][0]);
     wg_fence_regs<D / 2>(&acc[0][0]);
-    if constexpr (BULK)
-      bwg_reduce_rows_bulk<D>(red, stg + wg * BN * D, acc, ki, warp, lane, tid & 127, 1 + wg);
-    else
-      bwg_reduce_rows<D>(red, acc, ki, warp, lane);
+    bwg_reduce_rows<D>(red, acc, ki, warp, lane);
   }
   cp_async_wait<0>();
-  if constexpr (BULK)
-    if ((tid & 127) < 64) bulk_wait_read0(); /* shared memory stays until the bulk reads end */
   bwg_dq_out<T, D>(p, dq, RG, c.bh, c.b, c.h, c.row0 + 64 * wg, wl0, c.nrows - 64 * wg, lane);
 #endif
 }
 
-template <typename T, int D, typename Prm, bool BULK = false>
+template <typename T, int D, typename Prm>
 static int bwd_wg128_launch(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
   constexpr int NS = 2, BM = 128, BN = 64;
   const size_t smem = 1024 + (size_t)(2 * BM + 2 * NS * BN) * D * sizeof(T) +
-                      (size_t)2 * BM * BN * sizeof(T) + (BULK ? (size_t)2 * BN * D * 4 : 0) +
-                      2 * BM * sizeof(float) + (size_t)(NS * BN + (BULK ? 0 : BM)) * sizeof(int);
-  auto kern = bwd_wg128_kernel<T, Prm, D, NS, BULK>;
+                      (size_t)2 * BM * BN * sizeof(T) + 2 * BM * sizeof(float) +
+                      (size_t)(NS * BN + BM) * sizeof(int);
+  auto kern = bwd_wg128_kernel<T, Prm, D, NS>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
     return DSV_ERR_CUDA;

@@ -11,9 +11,6 @@
  *   g128                    1 groups of a multiple of 128 queries on the 128-row kernels (two
  *                           warpgroups share the key tiles; with wgmma on, token lists, D 64 /
  *                           128; the default), 0 two CTAs of 64 rows
- *   g128_bulk               1 the 128-row backward's dK / dV reductions as TMA bulk reductions
- *                           of fp32 tiles staged in shared memory, 0 16-byte reductions from
- *                           registers (the default)
  *   km_ratio                backward key-major ratio (0: never key-major, 1e9: wherever allowed)
  *   bwd_ranges              backward key ranges forced on every query-major head (0: automatic)
  *   bwd_rmax                the automatic rule's most key ranges (0: from the L2 size)
@@ -82,9 +79,6 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
   } else if (DSV_KEY("g128")) {
     if (n != 0 && n != 1) return DSV_ERR_TUNING;
     t->g128 = (int)n; /* takes effect only where wgmma is on */
-  } else if (DSV_KEY("g128_bulk")) {
-    if (n != 0 && n != 1) return DSV_ERR_TUNING;
-    t->g128_bulk = (int)n;
   } else if (DSV_KEY("bwd_ranges")) {
     if (n < 0 || n > 16) return DSV_ERR_TUNING;
     t->bwd_ranges = (int)n;
@@ -145,7 +139,6 @@ int fill(int device, dsv_tuning* t) {
 #endif
   t->km_wgmma = 1; /* measured on the H200 at S = 64k: benchmarks/PERF_LOG.md, kernels v13 */
   t->g128 = 1;     /* measured on the H200 at S = 64k: benchmarks/PERF_LOG.md, kernels v15 */
-  t->g128_bulk = 0; /* 1: benchmarks/PERF_LOG.md, kernels v19 (prediction, to be measured) */
   /* measured crossover on the H200 at S = 64k, D = 128 (benchmarks/PERF_LOG.md, kernels v3) */
   t->km_ratio = 1.15f;
   t->bwd_ranges = 0;
@@ -194,10 +187,9 @@ extern "C" int dsv_cuda_kernel_tuning(int device, char* buf, int64_t len) {
   if (st != DSV_OK) return st;
   const int n = snprintf(buf, (size_t)len,
                          "sm_count=%d,l2_bytes=%d,cc=%d,wgmma=%d,km_wgmma=%d,g128=%d,"
-                         "g128_bulk=%d,km_ratio=%g,bwd_ranges=%d,bwd_rmax=%d,tk_gpw=%d,"
-                         "tk_sample=%d,tk_split=%d",
+                         "km_ratio=%g,bwd_ranges=%d,bwd_rmax=%d,tk_gpw=%d,tk_sample=%d,tk_split=%d",
                          t->sm_count, t->l2_bytes, t->cc, t->wgmma, t->km_wgmma, t->g128,
-                         t->g128_bulk, (double)t->km_ratio, t->bwd_ranges, t->bwd_rmax, t->tk_gpw,
+                         (double)t->km_ratio, t->bwd_ranges, t->bwd_rmax, t->tk_gpw,
                          t->tk_sample, t->tk_split);
   return n >= 0 && n < len ? DSV_OK : DSV_ERR_NOMEM;
 }

@@ -30,9 +30,6 @@ typedef struct dsv_tuning {
                        tiles (the forward, and the backward's query-major pass with dK / dV
                        reductions: one reduction per key and 128 rows; the default), 0 two CTAs
                        of 64 rows */
-  int g128_bulk;    /* the 128-row backward's dK / dV reductions: 0 16-byte red.global from
-                       registers (the default), 1 TMA bulk reductions of fp32 tiles staged in
-                       shared memory, so that the warps go on with the next key tile */
   float km_ratio;   /* backward: a head takes the key-major dK / dV pass when its lists' 64-key
                        block entries x 64 <= km_ratio x groups x K (0: never) */
   int bwd_ranges;   /* backward, query-major dK / dV: 0 = key ranges per head by the automatic
