@@ -144,8 +144,8 @@ class DSVConfig:
     whose paired loss increase is resolved below 1% (docs/QUALITY.md)."""
     recall_max_density: float = 0.5
     """"recall" rule: a head that needs more than this fraction of the keys to reach the target
-    attends to all keys (K = S: exact attention for that head); a block whose heads all do stays
-    dense."""
+    attends to all keys (K = S: exact attention for that head, computed by dense attention on that
+    head while the block's other heads run sparse); a block whose heads all do stays dense."""
     recall_tolerance: float = 0.02
     """"recall" rule: a head whose recall, measured with the real index at its K on a profile step,
     is below recall_target - recall_tolerance gets twice its density (or all keys) at once."""

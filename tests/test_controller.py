@@ -292,6 +292,12 @@ def test_dispatcher_cost_model_and_threshold(tmp_path):
     assert d.has_entry("cpu", torch.float32, 2, 16, 1024) and not d.has_entry("cpu", torch.float32, 2, 16, 2048)
     assert d.decide([0.9, 0.9], 2048, 2, 16, "cpu", torch.float32)          # 0.4 x dense
     assert not d.decide([0.2, 0.2], 2048, 2, 16, "cpu", torch.float32)      # 1.1 x dense
+    # per-head K / S (the recall rule): each head at its own density, a head at K = S at the dense
+    # time (it runs dense): (0.8 + 1.0) / 2 = 0.9 x dense pays; costed at the mean density 0.75
+    # it would not (1.05 x); (1.1 + 1.0) / 2 does not
+    assert d.decide([0.5, 0.0], 2048, 2, 16, "cpu", torch.float32, density=[0.5, 1.0])
+    assert not d.decide([0.2, 0.0], 2048, 2, 16, "cpu", torch.float32, density=[0.8, 1.0])
+    assert not d.decide([0.0, 0.0], 2048, 2, 16, "cpu", torch.float32, density=[1.0, 1.0])
     # save / load through JSON
     d.save()
     d2 = Dispatcher(cfg)

@@ -141,6 +141,32 @@ def test_module_per_head_granularity():
         torch.testing.assert_close(a, r, rtol=1e-11, atol=1e-11)
 
 
+@pytest.mark.parametrize("blocks", [(1, 1, 1), (64, 1, 16)], ids=["tokens", "per_head"])
+def test_heads_with_all_keys_run_dense(blocks, monkeypatch):
+    """A head whose K covers all S keys runs dense attention (dense_core on its heads alone),
+    the others their sparse lists; output and gradients equal the float64 reference, where that
+    head's full list is exact attention."""
+    import dsv_ext.functional.attention as fa
+    m = _module("auto" if blocks != (1, 1, 1) else 1, density=(0.2, 1.0, 0.45))
+    if blocks != (1, 1, 1):
+        m.plan_step(StepPlan(stage=2, mode="sparse", density=m.plan.density, kv_block=blocks))
+    assert m.head_k[1] == S and m._head_groups(S)[0] == (0, (1,), S)
+    dense_heads = []
+    real = fa.dense_core
+    monkeypatch.setattr(fa, "dense_core", lambda q, *a, **kw: dense_heads.append(q.shape[2]) or real(q, *a, **kw))
+    q, k, v = _qkv(seed=4)
+    out = m(q, k, v)
+    assert dense_heads == [1]  # one dense call, for head 1 alone
+    want = _reference(m, q, k, v, GRID, blocks)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    for a, r in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v))):
+        torch.testing.assert_close(a, r, rtol=1e-11, atol=1e-11)
+    # every head at K = S: the whole block is one dense call
+    m.set_density([1.0, 1.0, 1.0], S)
+    dense_heads.clear()
+    torch.testing.assert_close(m(q, k, v), _reference(m, q, k, v, GRID, blocks), rtol=1e-12, atol=1e-12)
+
+
 def test_module_index_reuse_with_blocks():
     m = _module(16).eval()
     m.set_index_refresh(2)

@@ -266,7 +266,9 @@ class Dispatcher:
                density: Optional[Sequence[float]] = None, kv_block: Optional[Sequence[int]] = None) -> bool:
         """True = run this block sparse (cost model only; memory is checked by `plan`).
         density: the per-head K / S the block would run with, when K does not follow from the
-        sparsity by config.head_k (the recall K rule); the threshold rule then reads 1 - density.
+        sparsity by config.head_k (the recall K rule); the threshold rule then reads 1 - density,
+        and the calibrated rule costs each head at its own density, a head at K = S (1.0) at the
+        dense time (it runs dense).
         kv_block: per-head list granularity (None: token lists); block heads are costed by
         head_cost, and the threshold rule reads their density times block_cost_ratio."""
         if not sparsity:
@@ -278,8 +280,13 @@ class Dispatcher:
         if density:
             s_mean = 1.0 - float(sum(density)) / len(density)
         if self.config.use_calibration:
-            dens = (float(sum(density)) / len(density) if density else
-                    sum(self.config.head_k(s, seq_len) for s in sparsity) / (len(sparsity) * seq_len))
+            if density:  # per head: a head with K = S runs dense (SparseAttention), the others sparse
+                ps = [self.predict_ms(seq_len, heads, head_dim, min(float(d), 1.0), device, dtype, batch)
+                      for d in density]
+                if all(p is not None for p in ps):
+                    sparse = sum(p["dense"] if d >= 1.0 else p["sparse"] for p, d in zip(ps, density)) / len(ps)
+                    return sparse < (1.0 - self.config.dispatch_margin) * ps[0]["dense"]
+            dens = sum(self.config.head_k(s, seq_len) for s in sparsity) / (len(sparsity) * seq_len)
             p = self.predict_ms(seq_len, heads, head_dim, dens, device, dtype, batch)
             if p is not None:
                 return p["sparse"] < (1.0 - self.config.dispatch_margin) * p["dense"]
@@ -291,7 +298,8 @@ class Dispatcher:
         if self.config.use_calibration:
             p = self.predict_ms(seq_len, heads, head_dim, sum(dens) / len(dens), device, dtype, batch)
             if p is not None:
-                sparse = sum(self.head_cost(d, b, seq_len, head_dim, device, dtype, batch)
+                sparse = sum(p["dense"] / heads if d >= 1.0 else  # a head at K = S runs dense
+                             self.head_cost(d, b, seq_len, head_dim, device, dtype, batch)
                              for d, b in zip(dens, kv_block))
                 return sparse < (1.0 - self.config.dispatch_margin) * p["dense"]
         G = self.config.group_size

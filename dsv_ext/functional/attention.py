@@ -9,7 +9,8 @@ joint_sparse_core(q, k, v, wq, wk, perm, inv, kv_count, kmax, group_size, scale,
                   text_first=False, attn_mask=None, backend="auto", ...)    # text + video tokens
 estimate_index(qp, k, wq, wk, counts, group_size, kmax, kv_block=1) -> kv_index  # top-K, no grad
 head_groups_core(q, k, v, wq, wk, perm, inv, kv_count, groups, group_size, scale=None, *,
-                 index=None, return_index=False, deterministic=None)   # per-head kv_block
+                 index=None, return_index=False, deterministic=None, backend="auto")
+                 # per-head kv_block; kv_block 0: heads that attend to all keys run dense
 block_counts(kv_count, kv_block) -> counts; block_kmax(kmax, kv_block, S) -> int   # keys -> blocks
 kernel_dtype(t) -> dtype; kernels_available(device, head_dim, rank) -> bool;
 sparse_supported(device, head_dim, rank) -> bool; autocast_inputs(q, k, v) -> (q, k, v)
@@ -172,21 +173,28 @@ def sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Ten
 def head_groups_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                      perm: Optional[torch.Tensor], inv: Optional[torch.Tensor], kv_count: torch.Tensor,
                      groups, group_size: int, scale: Optional[float] = None, *, index=None,
-                     return_index: bool = False, deterministic: Optional[bool] = None):
+                     return_index: bool = False, deterministic: Optional[bool] = None,
+                     backend: str = "auto"):
     """sparse_core with a list granularity per head: ``groups`` is a sequence of
     ``(kv_block, heads, kmax)`` (heads: a list of head indices, together every head once; kmax:
     the largest K in keys of those heads). Each group runs sparse_core on its heads with its
-    kv_block; the outputs are put back in head order. index / return_index: a tuple with one
-    index per group (inference reuse, as in sparse_core)."""
+    kv_block; kv_block 0 marks heads that attend to all keys (K = S): they run dense_core with
+    ``backend`` (exact attention, as a full list would give, at the dense kernel's speed). The
+    outputs are put back in head order. index / return_index: a tuple with one index per group
+    (None for the dense group; inference reuse, as in sparse_core)."""
     H = q.shape[2]
     outs, order, idxs = [], [], []
     for gi, (b, heads, kmax) in enumerate(groups):
         hs = list(heads)
         def pick(t, dim=2):
             return t if len(hs) == H else t.index_select(dim, torch.tensor(hs, device=t.device))
-        o, ix = sparse_core(pick(q), pick(k), pick(v), pick(wq, 0), pick(wk, 0), perm, inv, pick(kv_count, 0),
-                            kmax, group_size, scale, index=None if index is None else index[gi],
-                            return_index=True, deterministic=deterministic, kv_block=b)
+        if b == 0:
+            qd, kd, vd = autocast_inputs(pick(q), pick(k), pick(v))
+            o, ix = dense_core(qd, kd, vd, scale, backend), None
+        else:
+            o, ix = sparse_core(pick(q), pick(k), pick(v), pick(wq, 0), pick(wk, 0), perm, inv, pick(kv_count, 0),
+                                kmax, group_size, scale, index=None if index is None else index[gi],
+                                return_index=True, deterministic=deterministic, kv_block=b)
         outs.append(o)
         idxs.append(ix)
         order += hs

@@ -251,11 +251,13 @@ class SparseAttention(nn.Module):
         return (kb if isinstance(kb, int) else 1,) * self.num_heads
 
     def _head_groups(self, S: int) -> Tuple[Tuple[int, Tuple[int, ...], int], ...]:
-        """(kv_block, heads, kmax in keys) per granularity in use (host only)."""
+        """(kv_block, heads, kmax in keys) per granularity in use (host only); heads whose K
+        covers all S keys form a group of kv_block 0 (run dense, head_groups_core)."""
         kb = self.head_kv_block
-        out = []
+        full = tuple(h for h in range(self.num_heads) if self._ks and self._ks[h] >= S)
+        out = [(0, full, S)] if full else []
         for b in KV_BLOCKS:
-            hs = tuple(h for h in range(self.num_heads) if kb[h] == b)
+            hs = tuple(h for h in range(self.num_heads) if kb[h] == b and h not in full)
             if hs:
                 out.append((b, hs, max(self._ks[h] for h in hs) if self._ks else self.kmax))
         return tuple(out)
@@ -397,15 +399,19 @@ class SparseAttention(nn.Module):
         S = q.shape[1]
         perm, inv = self._perm(grid, S, q.device)
         counts = self.kv_counts_for(S)
-        kb = self.head_kv_block
-        if all(b == kb[0] for b in kb):  # one granularity for every head (kv_block 1: DSV as before)
+        groups = self._head_groups(S)
+        if len(groups) == 1 and groups[0][0] == 0:  # every head attends to all keys
+            return dense_core(q, k, v, scale, self.config.dense_backend)
+        if len(groups) == 1:  # one granularity for every head (kv_block 1: DSV as before)
+            b = groups[0][0]
             core, args = sparse_core, (q, k, v, self.predictor.wq, self.predictor.wk, perm, inv, counts, self.kmax,
                                        self.config.group_size, scale)
-            extra = {} if kb[0] == 1 else {"kv_block": kb[0]}
-        else:  # "auto" chose different granularities: one sparse call per granularity
+            extra = {} if b == 1 else {"kv_block": b}
+        else:  # heads that attend to all keys run dense, the others one sparse call per granularity
             core, args = head_groups_core, (q, k, v, self.predictor.wq, self.predictor.wk, perm, inv, counts,
-                                            self._head_groups(S), self.config.group_size, scale)
-            extra = {}
+                                            groups, self.config.group_size, scale)
+            extra = {"backend": self.config.dense_backend}
+        kb = self.head_kv_block
         if self._reuse_index():
             return self._with_index_reuse((tuple(q.shape), grid, str(q.device), kb), core, *args,
                                           deterministic=self.config.deterministic, **extra)
