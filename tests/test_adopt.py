@@ -233,13 +233,12 @@ def test_diffusers_stage2_sparse_and_save_load(name, G, sparse_calls, tmp_path):
     with pytest.raises(ValueError, match="^path: .*no DSV predictors"):
         dsv_ext.from_pretrained(cls, str(plain_dir))
 
-    # every key selected: the sparse path is dense attention in another summation order
+    # every key selected (K = S in every head): video-only attention runs dense, joint text + video
+    # attention its sparse path with full lists (dense attention in another summation order)
     ctl.set_sparsity([0.0] * len(ctl.modules), force_sparse=True)
     ctl.config.k_margin = 0.0
-    sparse_calls.clear()
     with torch.no_grad():
         full = _run(model, args)
-    assert len(sparse_calls) == MODELS[name][2]
     with torch.no_grad():  # the same weights, unconverted
         ref_model, _ = _build(name)
         ref_model.load_state_dict({k: v for k, v in model.state_dict().items() if ".dsv_core." not in k})
@@ -453,7 +452,9 @@ def test_generic_stage2_sparse_and_state_round_trip(name, sparse_calls):
     assert ctl.stage == 2 and all(m.use_sparse for _, m in ctl.modules)
     sparse_calls.clear()
     out = model(x)
-    assert len(sparse_calls) == 2
+    # one sparse call per module with a head at K < S (heads at K = S run dense)
+    n_sparse = sum(any(k < m.k_seq_len for k in m.head_k) for _, m in ctl.modules)
+    assert n_sparse >= 1 and len(sparse_calls) == n_sparse
     out.square().mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
     model.zero_grad()
@@ -468,7 +469,7 @@ def test_generic_stage2_sparse_and_state_round_trip(name, sparse_calls):
     sparse_calls.clear()
     with torch.no_grad():
         out2 = model2(x)
-    assert len(sparse_calls) == 2 and torch.equal(out1, out2)
+    assert len(sparse_calls) == n_sparse and torch.equal(out1, out2)
     # every key selected: dense attention up to float32 rounding
     ctl.config.k_margin = 0.0
     ctl.set_sparsity([0.0, 0.0], force_sparse=True)

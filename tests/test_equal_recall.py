@@ -98,6 +98,16 @@ def test_density_rule():
     assert ER.density_for(c[:3], 16, 80, 0.99) == 1.0
 
 
+def test_dense_head_split():
+    """SparseAttention's rule at the long shape: heads above the density limit run dense."""
+    assert ER.dense_head_split([0.2, 0.4, 0.6, 0.9], 24, 0.5) == (12, 12, pytest.approx(0.3))
+    assert ER.dense_head_split([0.2, 0.4, 0.45, 0.9], 24, 0.5) == (18, 6, pytest.approx(1.05 / 3))
+    assert ER.dense_head_split([0.1, 0.3], 8, 0.5) == (8, 0, pytest.approx(0.2))
+    assert ER.dense_head_split([0.6, 0.9], 8, 0.5) == (0, 8, 0.0)
+    with pytest.raises(ValueError, match="densities"):
+        ER.dense_head_split([], 8, 0.5)
+
+
 def test_sizes_that_do_not_divide_are_refused():
     q, k, perm, scale = _inputs(grid=(2, 4, 12))  # S = 96: no 64-query groups, no 128 tiles
     with pytest.raises(ValueError, match="does not divide"):
@@ -125,5 +135,7 @@ def test_end_to_end_on_the_cpu(tmp_path):
         dens = [per_t[str(t)]["mean_density"] for t in res["analysis"]["targets"]]
         assert all(0 < x <= 1 for x in dens) and dens == sorted(dens), name
         assert per_t["0.9"]["heads"] == 2 * 2  # 2 blocks x 2 heads, one capture
+        assert len(per_t["0.9"]["densities"]) == 4
+        assert sum(per_t["0.9"]["densities"]) / 4 == pytest.approx(per_t["0.9"]["mean_density"])
     assert res["analysis"]["cube"] == [4, 4, 4]  # --cube over the checkpoint's [2, 4, 4]
     assert "cube 4x4x4" in (out / "equal_recall.md").read_text()
