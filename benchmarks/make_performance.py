@@ -60,6 +60,18 @@ def _pct(v, nd=2):
     return f"{100 * v:+.{nd}f}%"
 
 
+def _sparse_vs_dense_dsv(dense_run, sparse_run, values=False):
+    """Each seed's DSV run that trained sparse after the switch against its DSV run that stayed
+    dense (same stage 1): per-seed relative changes, or (mean, half-width of the 95% interval,
+    Student's t with n - 1 degrees of freedom; n = 3 seeds)."""
+    d = [b / a - 1 for a, b in zip(dense_run["arms"]["dsv"]["values"], sparse_run["arms"]["dsv"]["values"])]
+    if values:
+        return d
+    if len(d) != 3:
+        raise ValueError(f"expected 3 seeds, got {len(d)}")
+    return statistics.mean(d), 4.302653 * statistics.stdev(d) / math.sqrt(len(d))
+
+
 # ---------------------------------------------------------------------------- the data
 def _kernels():
     rows = _load("kernels.json")
@@ -136,6 +148,9 @@ def summary_rows():
     q = next(f for f in _frontier(ev) if abs(f[0] - 0.95) < 1e-9)[1]
     sd = _load("compare-seeds-small-video/compare_seeds.json")
     gap, g2 = sd["rel_gap"], sd.get("stage2_rel_gap")
+    ss = _load("compare-seeds-sparse-small-video/compare_seeds.json")
+    sps = ss["dsv_sparse_blocks"]
+    d2s_m, d2s_h = _sparse_vs_dense_dsv(sd, ss)
     er = _equal_recall_best(_load("equal_recall/equal_recall.json"), 0.9)
     lv = _load("compare-long-video/compare.json")
     lv_x = lv["dsv_tokens_per_s_after_switch"] / lv["dense_tokens_per_s_after_switch"]
@@ -169,6 +184,14 @@ def summary_rows():
          f"within {TARGETS['quality_pct']:g}%",
          gap["ci95"][0] >= -TARGETS["quality_pct"] / 100 and gap["ci95"][1] <= TARGETS["quality_pct"] / 100,
          "#three-seeds-on-real-video"),
+        (f"quality: the same with sparse training ({'-'.join(str(n) for n in sorted({min(sps), max(sps)}))} of 8 "
+         f"blocks sparse after the switch), {len(ss['seeds'])} seeds",
+         f"**{_pct(ss['rel_gap']['mean'])}** (95%: {_pct(ss['rel_gap']['ci95'][0])} to "
+         f"{_pct(ss['rel_gap']['ci95'][1])}); vs the same seeds' DSV runs that stayed dense {_pct(d2s_m)} "
+         f"(95%: {_pct(d2s_m - d2s_h)} to {_pct(d2s_m + d2s_h)})",
+         f"within {TARGETS['quality_pct']:g}%",
+         ss["rel_gap"]["ci95"][0] >= -TARGETS["quality_pct"] / 100 and ss["rel_gap"]["ci95"][1] <= TARGETS["quality_pct"] / 100,
+         "#three-seeds-with-sparse-training-on-real-video"),
         (f"training on real video: tokens/s of DSV vs full attention after the switch, "
          f"{lv['tokens_per_sample'] // 1024}k tokens ({lv['config']}, {lv['dsv']['steps']} steps)",
          f"**{lv_x:.2f}x** (every block dense: sparsity {lv['dsv']['dsv_sparsity']:.2f}, ~{lv_need:.2f} needed)",
@@ -638,9 +661,8 @@ def section_quality():
     ])
     ss = _load("compare-seeds-sparse-small-video/compare_seeds.json")
     ssp = ss["provenance"]
-    # the same seeds' DSV arms with and without sparse blocks after the switch: paired by seed
-    d2s = [b / a - 1 for a, b in zip(sd["arms"]["dsv"]["values"], ss["arms"]["dsv"]["values"])]
-    d2s_m, d2s_h = statistics.mean(d2s), 4.302653 * statistics.stdev(d2s) / math.sqrt(len(d2s))
+    d2s = _sparse_vs_dense_dsv(sd, ss, values=True)
+    d2s_m, d2s_h = _sparse_vs_dense_dsv(sd, ss)
     sparse_seeds = _table(["", "full attention", "DSV, sparse after the switch"], [
         ("validation loss, mean over seeds", f"{ss['arms']['dense']['mean']:.4f}", f"{ss['arms']['dsv']['mean']:.4f}"),
         ("per seed", ", ".join(f"{v:.4f}" for v in ss["arms"]["dense"]["values"]),
