@@ -233,12 +233,13 @@ def test_diffusers_stage2_sparse_and_save_load(name, G, sparse_calls, tmp_path):
     with pytest.raises(ValueError, match="^path: .*no DSV predictors"):
         dsv_ext.from_pretrained(cls, str(plain_dir))
 
-    # every key selected (K = S in every head): video-only attention runs dense, joint text + video
-    # attention its sparse path with full lists (dense attention in another summation order)
+    # every key selected (K = S in every head): the stage-2 modules run dense attention, no sparse call
     ctl.set_sparsity([0.0] * len(ctl.modules), force_sparse=True)
     ctl.config.k_margin = 0.0
+    sparse_calls.clear()
     with torch.no_grad():
         full = _run(model, args)
+    assert len(sparse_calls) == 0
     with torch.no_grad():  # the same weights, unconverted
         ref_model, _ = _build(name)
         ref_model.load_state_dict({k: v for k, v in model.state_dict().items() if ".dsv_core." not in k})
@@ -336,6 +337,52 @@ def test_joint_core_matches_float64_reference(text_first, masked, G):
     want = torch.autograd.grad(ref, (q, k, v), gout)
     for a, b_ in zip(got, want):
         torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("text_first", [False, True])
+def test_joint_core_dense_heads_match_float64_reference(text_first):
+    """A head at K = S (all video keys) runs dense attention for every query; the other head
+    its joint lists; forward and gradients against the float64 masked softmax."""
+    torch.manual_seed(1)
+    H, D, grid, St, G = 2, 16, (2, 4, 6), 5, 8
+    Sv = 48
+    S = Sv + St
+    cfg = DSVConfig(group_size=G, k_multiple=8, rank=4)
+    core = SparseAttention(H, D, grid=grid, config=cfg).double()
+    core.stage, core.use_sparse = 2, True
+    core.set_density([0.3, 1.0], seq_len=Sv)
+    assert core.kv_count.tolist() == [16, Sv]
+    q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    vid = slice(St, S) if text_first else slice(0, Sv)
+    txt = slice(0, St) if text_first else slice(Sv, S)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[1, txt.start + 3:txt.stop] = False
+    mask = valid[:, None, None, :]
+    perm, inv = cube_permutation(grid, cfg.cube, Sv)
+    out, index = joint_sparse_core(q, k, v, core.predictor.wq, core.predictor.wk, perm, inv, core.kv_count,
+                                   16, G, None, St, text_first, mask, return_index=True, dense_heads=(1,))
+    assert index.shape[1] == 1  # the sparse head's lists only
+    assert torch.equal(core(q, k, v, n_text=St, text_first=text_first, attn_mask=mask), out)
+    allow = valid[:, None, None, :].expand(B, H, S, S).clone()
+    vpos = torch.arange(S)[vid]
+    for b in range(B):
+        for i in range(Sv):
+            row = torch.zeros(S, dtype=torch.bool)
+            row[vpos[index[b, 0, int(inv[i]) // G, :16].long()]] = True
+            row[txt] = valid[b, txt]
+            allow[b, 0, vpos[i]] = row
+    ref = _ref_attention(q, k, v, allow)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    gout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), gout)
+    want = torch.autograd.grad(ref, (q, k, v), gout)
+    for a, b_ in zip(got, want):
+        torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)
+    # both heads at K = S: the whole call is dense attention
+    core.set_density([1.0, 1.0], seq_len=Sv)
+    full = core(q, k, v, n_text=St, text_first=text_first, attn_mask=mask)
+    torch.testing.assert_close(full, _ref_attention(q, k, v, valid[:, None, None, :].expand(B, H, S, S)),
+                               rtol=0, atol=1e-12)
 
 
 def test_joint_index_reuse_in_eval():

@@ -6,7 +6,8 @@ dense_core(q, k, v, scale=None, backend="auto", attn_mask=None) -> out      # SD
 sparse_core(q, k, v, wq, wk, perm, inv, kv_count, kmax, group_size, scale=None, *, index=None,
             return_index=False, deterministic=None, kv_block=1) -> out | (out, index)   # stage 2
 joint_sparse_core(q, k, v, wq, wk, perm, inv, kv_count, kmax, group_size, scale, n_text,
-                  text_first=False, attn_mask=None, backend="auto", ...)    # text + video tokens
+                  text_first=False, attn_mask=None, backend="auto", ..., dense_heads=())
+                  # text + video tokens; dense_heads: heads at K = S, run dense
 estimate_index(qp, k, wq, wk, counts, group_size, kmax, kv_block=1) -> kv_index  # top-K, no grad
 head_groups_core(q, k, v, wq, wk, perm, inv, kv_count, groups, group_size, scale=None, *,
                  index=None, return_index=False, deterministic=None, backend="auto")
@@ -20,7 +21,7 @@ No host syncs and no Python state: torch.compile(fullgraph=True) friendly. The m
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -231,7 +232,7 @@ def joint_sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: tor
                       kmax: int, group_size: int, scale: Optional[float], n_text: int, text_first: bool = False,
                       attn_mask: Optional[torch.Tensor] = None, backend: str = "auto",
                       index: Optional[torch.Tensor] = None, return_index: bool = False,
-                      deterministic: Optional[bool] = None):
+                      deterministic: Optional[bool] = None, dense_heads: Sequence[int] = ()):
     """Stage-2 joint text+video attention on [B, S, H, D] (S = n_video + n_text; the text tokens
     last, or first with text_first). Video queries: one sparse_attention call over all keys
     (k, v as given, no copies) where each query group's list is its top-K video keys
@@ -240,7 +241,13 @@ def joint_sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: tor
     queries fill the rows after the video ones and their outputs there are discarded (their
     gradient through that call is exactly zero). Text queries: dense SDPA over all keys.
     index: the video-part top-K index of an earlier call (reuse), return_index: (out, index);
-    deterministic: see dsv_ext.sparse_attention."""
+    deterministic: see dsv_ext.sparse_attention. dense_heads: heads whose video queries attend to
+    all keys (K = S): they run dense_core alone (every query, with attn_mask), the other heads as
+    above; kv_count / kmax / index are then those of the other heads."""
+    if dense_heads:
+        return _joint_with_dense_heads(q, k, v, wq, wk, perm, inv, kv_count, kmax, group_size, scale, n_text,
+                                       text_first, attn_mask, backend, index, return_index, deterministic,
+                                       dense_heads)
     ops = need_ops()
     B, S, H, D = q.shape
     Sv = S - n_text
@@ -284,3 +291,29 @@ def joint_sparse_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: tor
     out_t = out_t.to(out_dtype)
     out = torch.cat([out_t, out_v], 1) if text_first else torch.cat([out_v, out_t], 1)
     return (out, index) if return_index else out
+
+
+def _joint_with_dense_heads(q, k, v, wq, wk, perm, inv, kv_count, kmax, group_size, scale, n_text, text_first,
+                            attn_mask, backend, index, return_index, deterministic, dense_heads):
+    """joint_sparse_core with ``dense_heads`` on dense_core (see there); kv_count [H] of all heads."""
+    H = q.shape[2]
+    dn = sorted(set(int(h) for h in dense_heads))
+    sp = [h for h in range(H) if h not in dn]
+    if not sp:
+        qd, kd, vd = autocast_inputs(q, k, v)
+        out = dense_core(qd, kd, vd, scale, backend, attn_mask=attn_mask)
+        return (out, index) if return_index else out
+    dev = q.device
+    spi, dni = torch.tensor(sp, device=dev), torch.tensor(dn, device=dev)
+    o_s, ix = joint_sparse_core(q.index_select(2, spi), k.index_select(2, spi), v.index_select(2, spi),
+                                wq.index_select(0, spi.to(wq.device)), wk.index_select(0, spi.to(wk.device)),
+                                perm, inv, kv_count.index_select(0, spi.to(kv_count.device)), kmax, group_size,
+                                scale, n_text, text_first, attn_mask, backend, index=index, return_index=True,
+                                deterministic=deterministic)
+    qd, kd, vd = autocast_inputs(q.index_select(2, dni), k.index_select(2, dni), v.index_select(2, dni))
+    o_d = dense_core(qd, kd, vd, scale, backend, attn_mask=attn_mask).to(o_s.dtype)
+    back = [0] * H
+    for i, h in enumerate(sp + dn):
+        back[h] = i
+    out = torch.cat([o_s, o_d], 2).index_select(2, torch.tensor(back, device=dev))
+    return (out, ix) if return_index else out

@@ -434,12 +434,18 @@ class SparseAttention(nn.Module):
         if not (self._sparse_now() and n_text > 0):
             return dense_core(q, k, v, scale, self.config.dense_backend, attn_mask=attn_mask)
         perm, inv = self._perm(grid, Sv, q.device)
-        args = (q, k, v, self.predictor.wq, self.predictor.wk, perm, inv, self.kv_counts_for(Sv), self.kmax,
+        counts = self.kv_counts_for(Sv)
+        full = tuple(h for h, kk in enumerate(self._ks) if kk >= Sv)  # video queries on all keys: dense
+        if len(full) == self.num_heads:
+            return dense_core(q, k, v, scale, self.config.dense_backend, attn_mask=attn_mask)
+        kmax = max(kk for h, kk in enumerate(self._ks) if h not in full) if full else self.kmax
+        args = (q, k, v, self.predictor.wq, self.predictor.wk, perm, inv, counts, kmax,
                 self.config.group_size, scale, n_text, text_first, attn_mask, self.config.dense_backend)
+        extra = {"deterministic": self.config.deterministic, "dense_heads": full}
         if self._reuse_index():
             return self._with_index_reuse((tuple(q.shape), n_text, grid, str(q.device)), joint_sparse_core,
-                                          *args, deterministic=self.config.deterministic)
-        return joint_sparse_core(*args, deterministic=self.config.deterministic)
+                                          *args, **extra)
+        return joint_sparse_core(*args, **extra)
 
     def _reuse_index(self) -> bool:
         return not self.training and self.index_refresh > 1
