@@ -378,6 +378,9 @@ def test_joint_core_dense_heads_match_float64_reference(text_first):
     want = torch.autograd.grad(ref, (q, k, v), gout)
     for a, b_ in zip(got, want):
         torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="^dense_heads: expected head indices in \\[0, 2\\)"):
+        joint_sparse_core(q, k, v, core.predictor.wq, core.predictor.wk, perm, inv, core.kv_count, 16, G, None,
+                          St, text_first, mask, dense_heads=(2,))
     # both heads at K = S: the whole call is dense attention
     core.set_density([1.0, 1.0], seq_len=Sv)
     full = core(q, k, v, n_text=St, text_first=text_first, attn_mask=mask)

@@ -298,6 +298,8 @@ def _joint_with_dense_heads(q, k, v, wq, wk, perm, inv, kv_count, kmax, group_si
     """joint_sparse_core with ``dense_heads`` on dense_core (see there); kv_count [H] of all heads."""
     H = q.shape[2]
     dn = sorted(set(int(h) for h in dense_heads))
+    if dn[0] < 0 or dn[-1] >= H:
+        raise ValueError(f"dense_heads: expected head indices in [0, {H}), got {list(dense_heads)}")
     sp = [h for h in range(H) if h not in dn]
     if not sp:
         qd, kd, vd = autocast_inputs(q, k, v)
