@@ -18,6 +18,7 @@ then the attention time of each at that density.
      (`dsv_ext.recall.recall_curve` on sampled rows) -- what DSV actually runs;
    - `block b=16/64`: groups of 64 queries (as `token G=64`) choosing whole key blocks of b keys
      in cube order (1x4x4 patches / 64-key regions shaped as the groups of 64), oracle;
+     `block b=16/64 G=128`: the same for groups of 128 queries (the default group size);
    - `flex 128x128`: FlexAttention's block-sparse tiles, 128 queries x 128 keys in raster order,
      oracle tiles from the same scores.
    Recall of a row: the fraction of its softmax mass inside the keys its list covers. Every method
@@ -28,7 +29,12 @@ then the attention time of each at that density.
    `run_shape` with spatially smooth lists; FlexAttention block-sparse at its density;
    cuDNN dense), all in the same run; key blocks as dsv_ext.sparse_attention runs them on CUDA
    (64-key lists on the block-list kernels, 16-key lists expanded to token lists; through the C
-   API) with the block estimation (dsv_ext.topk_estimate with kv_block).
+   API) with the block estimation (dsv_ext.topk_estimate with kv_block). Two rows model what the
+   library runs per head: `<method> + dense heads` (heads needing more than recall_max_density
+   of the keys on cuDNN, as SparseAttention runs K = S heads; the others sparse at their mean
+   density) and `auto G=128` (kv_block="auto": per head the granularity `auto_choice` picks
+   from its densities with tokens, 16- and 64-key blocks at G = 128, dense where none fits;
+   each granularity timed at its heads' mean density and scaled by its share of the heads).
 
 Writes `equal_recall.json` / `.md` / `.png` to --out. The curve code runs on the CPU too (tests).
 """
@@ -69,20 +75,21 @@ def _group_curve(p: torch.Tensor, rows_per_list: int, key_block: int = 1) -> tor
 @torch.no_grad()
 def head_curves(q: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, scale: float,
                 groups: Sequence[int] = (32, 64, 128), blocks: Sequence[int] = (16, 64),
-                block_group: int = 64, tile: int = 128, per_query: bool = True,
+                block_groups: Sequence[int] = (64, 128), tile: int = 128, per_query: bool = True,
                 chunk: int = 1024) -> Dict[str, Tuple[int, torch.Tensor]]:
     """Mean recall curves of one head: name -> (keys per item, float64 [n_items] curve), where
     curve[i] is the mean over all S rows of the mass covered by i+1 items.
 
     q, k: [S, D] in raster order; perm: int64 [S], raster position of each cube-order position
     (``dsv_ext.grouping.cube_permutation(grid)[0]``); S must be a multiple of every group size,
-    block size, ``block_group`` and ``tile``."""
+    block size, block group and ``tile``. Block lists of groups of 64 queries are named
+    ``block b=<b>``, of other group sizes ``block b=<b> G=<g>``."""
     S, D = q.shape
     for n, v in [("groups", g) for g in groups] + [("blocks", b) for b in blocks] + \
-                [("block_group", block_group), ("tile", tile)]:
+                [("block_groups", g) for g in block_groups] + [("tile", tile)]:
         if v < 1 or S % v:
             raise ValueError(f"{n}: {v} does not divide the sequence length {S}")
-    step = max(tile, block_group, *groups)
+    step = max(tile, *block_groups, *groups)
     chunk = max(step, chunk // step * step)
     f32 = torch.float32
     qr, kr = q.to(f32), k.to(f32)
@@ -103,7 +110,8 @@ def head_curves(q: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, scale: flo
         for g in groups:
             add(f"token G={g}", 1, _group_curve(p, g))
         for b in blocks:
-            add(f"block b={b}", b, _group_curve(p, block_group, b))
+            for bg in block_groups:
+                add(f"block b={b}" + ("" if bg == 64 else f" G={bg}"), b, _group_curve(p, bg, b))
         del p
         # raster order: FlexAttention's tiles
         p = torch.softmax(scale * (qr[i:i + chunk] @ kr.T), dim=-1)
@@ -224,6 +232,37 @@ def dense_head_split(densities: Sequence[float], heads: int, max_density: float)
     return hs, hd, (sum(sparse) / len(sparse) if sparse and hs else 0.0)
 
 
+def auto_choice(densities: Dict[int, Sequence[float]], max_density: float, group_size: int) -> List[int]:
+    """kv_block="auto" per head, as the dispatcher picks it without a calibration table
+    (Dispatcher.choose_kv_block): ``densities[b][h]`` is the density head h needs with lists of
+    b-key entries (b in 1, 16, 64); among the granularities reaching the target within
+    ``max_density``, the lowest block_cost_ratio(b, G) x density (ties: the smaller block);
+    0 where none does (the head attends to all keys and runs dense)."""
+    from dsv_ext.control.dispatch import block_cost_ratio
+
+    bs = sorted(densities)
+    n = {len(densities[b]) for b in bs}
+    if len(n) != 1:
+        raise ValueError(f"densities: expected one value per head for every granularity, got lengths {sorted(n)}")
+    out = []
+    for h in range(n.pop()):
+        best = None
+        for b in bs:
+            d = float(densities[b][h])
+            if d <= max_density:
+                c = block_cost_ratio(b, group_size) * d
+                if best is None or c < best[0]:
+                    best = (c, b)
+        out.append(0 if best is None else best[1])
+    return out
+
+
+def _auto_methods(G: int) -> Dict[int, str]:
+    """The analysis names of the token and block lists of query groups of G."""
+    return {1: f"token G={G}", 16: f"block b=16" + ("" if G == 64 else f" G={G}"),
+            64: f"block b=64" + ("" if G == 64 else f" G={G}")}
+
+
 # ---------------------------------------------------------------------------------------------
 # timing at the long shape
 # ---------------------------------------------------------------------------------------------
@@ -242,6 +281,19 @@ def time_methods(analysis: Dict, S: int, H: int, D: int, reps: int, log=print) -
     rows = []
     cache: Dict = {}
     blocks = None  # the block kernels and their buffers, on first use
+
+    def block_time(b: int, G: int, d: float) -> Dict:
+        nonlocal blocks
+        if blocks is None:
+            blocks = BK.block_lib() + (BK.block_buffers(S, H, D, dtype),)
+        lib, M, bufs = blocks
+        native = b in _CUDA_NATIVE_KV_BLOCKS  # else sparse_attention expands to token lists
+        r = BK.block_case(lib, M, bufs, G, 1.0 - d, b, reps, gen, token=not native)
+        fwd, both = (r["fwd_ms"], r["fwdbwd_ms"]) if native else (r["token_fwd_ms"], r["token_fwdbwd_ms"])
+        est_ms = BK.block_estimate_ms(S, H, G, b, r["K_blocks"], reps, gen=gen)
+        return dict(total_ms=both + (est_ms or 0.0), fwd_ms=fwd, bwd_ms=both - fwd, est_ms=est_ms,
+                    K=r["K_blocks"] * b, kernels="block" if native else "token (expanded)")
+
     for m, per_t in analysis["methods"].items():
         for tg, st in per_t.items():
             d = st["mean_density"]
@@ -254,17 +306,9 @@ def time_methods(analysis: Dict, S: int, H: int, D: int, reps: int, log=print) -
                 r = BK.run_shape(1, S, H, D, G, 1.0 - d, "smooth", dtype, reps, gen, est_name, est, cache)
                 rec.update(total_ms=r["total_ms"], fwd_ms=r["fwd_ms"], bwd_ms=r["bwd_ms"],
                            est_ms=r["est_ms"], K=r["K"])
-            elif m.startswith("block b="):  # groups of 64 queries over lists of b-key blocks
-                b = int(m.split("b=")[1])
-                if blocks is None:
-                    blocks = BK.block_lib() + (BK.block_buffers(S, H, D, dtype),)
-                lib, M, bufs = blocks
-                native = b in _CUDA_NATIVE_KV_BLOCKS  # else sparse_attention expands to token lists
-                r = BK.block_case(lib, M, bufs, 64, 1.0 - d, b, reps, gen, token=not native)
-                fwd, both = (r["fwd_ms"], r["fwdbwd_ms"]) if native else (r["token_fwd_ms"], r["token_fwdbwd_ms"])
-                est_ms = BK.block_estimate_ms(S, H, 64, b, r["K_blocks"], reps, gen=gen)
-                rec.update(total_ms=both + (est_ms or 0.0), fwd_ms=fwd, bwd_ms=both - fwd, est_ms=est_ms,
-                           K=r["K_blocks"] * b, kernels="block" if native else "token (expanded)")
+            elif m.startswith("block b="):  # groups of 64 (or G) queries over lists of b-key blocks
+                b = int(m.split("b=")[1].split()[0])
+                rec.update(block_time(b, int(m.split("G=")[1]) if "G=" in m else 64, d))
             else:  # the per-query oracle: no kernel (one list per query)
                 rec.update(total_ms=None, note="no kernel")
             recs = [rec]
@@ -286,6 +330,34 @@ def time_methods(analysis: Dict, S: int, H: int, D: int, reps: int, log=print) -
                 rows.append(r_)
                 log(f"  {r_['method']:>16} recall {tg}: density {d:.3f} -> "
                     + (f"{r_['total_ms']:.1f} ms ({r_['vs_cudnn']:.2f}x cuDNN)" if r_.get("total_ms") else "-"))
+    # kv_block="auto" at G = 128: per head the granularity auto_choice picks; each granularity's
+    # heads timed at their mean density (all H heads timed, scaled by the share of heads), the
+    # dense share on cuDNN
+    names = _auto_methods(128)
+    meth = analysis["methods"]
+    for tg in (map(str, analysis["targets"]) if all(n in meth for n in names.values()) else ()):
+        if not all(meth[n][tg].get("densities") for n in names.values()):
+            continue
+        pick = auto_choice({b: meth[n][tg]["densities"] for b, n in names.items()}, max_density, 128)
+        n = len(pick)
+        total, parts = dense["cudnn_fwdbwd_ms"] * pick.count(0) / n, {"dense": pick.count(0)}
+        for b, name in names.items():
+            hs = [h for h in range(n) if pick[h] == b]
+            if not hs:
+                continue
+            db = sum(meth[name][tg]["densities"][h] for h in hs) / len(hs)
+            if b == 1:
+                t = BK.run_shape(1, S, H, D, 128, 1.0 - db, "smooth", dtype, reps, gen, est_name, est, cache)["total_ms"]
+            else:
+                t = block_time(b, 128, db)["total_ms"]
+            total += t * len(hs) / n
+            parts[str(b)] = len(hs)
+        d = sum(meth[names[pick[h]]][tg]["densities"][h] if pick[h] else 1.0 for h in range(n)) / n
+        rec = {"method": "auto G=128", "target": float(tg), "density": d, "heads_by_kv_block": parts,
+               "cudnn_fwdbwd_ms": dense["cudnn_fwdbwd_ms"], "total_ms": total,
+               "vs_cudnn": dense["cudnn_fwdbwd_ms"] / total}
+        rows.append(rec)
+        log(f"        auto G=128 recall {tg}: heads {parts} -> {total:.1f} ms ({rec['vs_cudnn']:.2f}x cuDNN)")
     return rows
 
 
@@ -315,6 +387,9 @@ def write_outputs(res: Dict, out: str) -> None:
         for r in res["timing"]:
             dens = f"{r['density']:.3f}" + (f" ({r['dense_heads']} heads dense, the rest {r['sparse_density']:.3f})"
                                              if "dense_heads" in r else "")
+            if "heads_by_kv_block" in r:
+                dens += " (heads: " + ", ".join(f"{n} {'dense' if b == 'dense' else 'b=' + b}"
+                                                for b, n in r["heads_by_kv_block"].items()) + ")"
             L.append(f"| {r['method']} | {r['target']} | {dens} | "
                      + (f"{r['total_ms']:.1f} | {r['vs_cudnn']:.2f}x |" if r.get("total_ms") else "- | - |"))
         best = {}

@@ -108,6 +108,19 @@ def test_dense_head_split():
         ER.dense_head_split([], 8, 0.5)
 
 
+def test_auto_choice():
+    """kv_block="auto" per head: the cheapest granularity (block_cost_ratio x density at G = 128:
+    tokens 1.0, b=16 1.07, b=64 0.92) among those within the density limit, else dense (0)."""
+    dens = {1: [0.30, 0.30, 0.45, 0.60, 0.40], 16: [0.35, 0.20, 0.50, 0.70, 0.45],
+            64: [0.40, 0.40, 0.48, 0.55, 0.43]}
+    # head 0: 0.30 / 0.375 / 0.368 -> tokens; head 1: b=16 0.214 < 0.30; head 2: b=64 0.4416 < 0.45;
+    # head 3: nothing within 0.5 -> dense; head 4: b=64 0.3956 < 0.40 (tokens)
+    assert ER.auto_choice(dens, 0.5, 128) == [1, 16, 64, 0, 64]
+    assert ER.auto_choice(dens, 1.0, 128)[3] == 64  # 0.506 < 0.60 once allowed
+    with pytest.raises(ValueError, match="densities"):
+        ER.auto_choice({1: [0.1], 64: [0.1, 0.2]}, 0.5, 128)
+
+
 def test_sizes_that_do_not_divide_are_refused():
     q, k, perm, scale = _inputs(grid=(2, 4, 12))  # S = 96: no 64-query groups, no 128 tiles
     with pytest.raises(ValueError, match="does not divide"):
@@ -130,7 +143,7 @@ def test_end_to_end_on_the_cpu(tmp_path):
     res = json.load(open(out / "equal_recall.json"))
     m = res["analysis"]["methods"]
     assert {"token", "token G=32", "token G=64", "block b=16", "block b=64", "flex 128x128",
-            "predictor G=32", "predictor G=64"} <= set(m)
+            "predictor G=32", "predictor G=64", "block b=16 G=128", "block b=64 G=128"} <= set(m)
     for name, per_t in m.items():
         dens = [per_t[str(t)]["mean_density"] for t in res["analysis"]["targets"]]
         assert all(0 < x <= 1 for x in dens) and dens == sorted(dens), name
@@ -139,3 +152,41 @@ def test_end_to_end_on_the_cpu(tmp_path):
         assert sum(per_t["0.9"]["densities"]) / 4 == pytest.approx(per_t["0.9"]["mean_density"])
     assert res["analysis"]["cube"] == [4, 4, 4]  # --cube over the checkpoint's [2, 4, 4]
     assert "cube 4x4x4" in (out / "equal_recall.md").read_text()
+
+
+def test_timing_rows_with_a_model_of_the_kernels(monkeypatch):
+    """time_methods' arithmetic on a stand-in for bench_kernels whose every kernel takes
+    100 ms x density x (heads / 24) and cuDNN 100 ms: the `+ dense heads` row (heads above the
+    density limit on cuDNN, the rest at their mean density) and the `auto G=128` row (each
+    granularity's heads at their mean density, scaled by their share)."""
+    import types
+
+    H = 24
+    fake = types.SimpleNamespace(
+        estimate_fn=lambda: ("fake", None),
+        dense_times=lambda B, S, H_, D, dt, reps, which: {"cudnn_fwdbwd_ms": 100.0},
+        flex_times=lambda B, S, H_, D, dt, d, reps, gen: {"flex_fwdbwd_ms": 100.0 * d, "flex_fwd_ms": 0.0},
+        run_shape=lambda B, S, H_, D, G, sp, dist, dt, reps, gen, en, e, c: {
+            "total_ms": 100.0 * (1.0 - sp) * H_ / H, "fwd_ms": 0.0, "bwd_ms": 0.0, "est_ms": 0.0, "K": 1},
+        block_lib=lambda: (None, None),
+        block_buffers=lambda S, H_, D, dt: None,
+        block_case=lambda lib, M, bufs, G, sp, b, reps, gen, token: {
+            "fwd_ms": 0.0, "fwdbwd_ms": 100.0 * (1.0 - sp), "token_fwd_ms": 0.0,
+            "token_fwdbwd_ms": 100.0 * (1.0 - sp), "K_blocks": 1},
+        block_estimate_ms=lambda S, H_, G, b, K, reps, gen=None: 0.0)
+    monkeypatch.setitem(sys.modules, "bench_kernels", fake)
+    dens = {"token G=128": [0.2, 0.4, 0.8, 0.9], "block b=16 G=128": [0.1, 0.5, 0.9, 0.9],
+            "block b=64 G=128": [0.3, 0.35, 0.45, 0.9]}
+    analysis = {"targets": [0.9], "methods": {
+        m: {"0.9": {"mean_density": sum(d) / 4, "heads": 4, "min": min(d), "max": max(d), "densities": d}}
+        for m, d in dens.items()}}
+    rows = {r["method"]: r for r in ER.time_methods(analysis, 4096, H, 128, 1, log=lambda *a: None)}
+    # tokens: heads 2, 3 above 0.5 -> 12 of 24 heads dense; the others at (0.2 + 0.4) / 2
+    mix = rows["token G=128 + dense heads"]
+    assert mix["dense_heads"] == 12 and mix["total_ms"] == pytest.approx(50.0 + 100.0 * 0.3 * 12 / 24)
+    # auto: head 0 b=16 (0.107 < 0.2, 0.276), head 1 b=64 (0.322 < 0.4), head 2 b=64 (0.414),
+    # head 3 dense: 1/4 x 100 x 0.1 + 2/4 x 100 x 0.4 + 1/4 x 100
+    auto = rows["auto G=128"]
+    assert auto["heads_by_kv_block"] == {"dense": 1, "16": 1, "64": 2}
+    assert auto["total_ms"] == pytest.approx(2.5 + 20.0 + 25.0)
+    assert rows["token G=128"]["total_ms"] == pytest.approx(100.0 * 2.3 / 4)
