@@ -388,6 +388,24 @@ def test_joint_core_dense_heads_match_float64_reference(text_first):
                                rtol=0, atol=1e-12)
 
 
+def test_joint_key_padding_mask_as_b_by_s():
+    """A key-padding mask given as [B, S] (the class doc's second form) gives what [B, 1, 1, S]
+    gives, in stage 1 (dense) and in stage 2 (sparse, and with a head at K = S)."""
+    torch.manual_seed(2)
+    core = SparseAttention(2, 16, grid=(2, 4, 6), config=DSVConfig(group_size=8, k_multiple=8, rank=4))
+    q, k, v = (torch.randn(B, 53, 2, 16) for _ in range(3))
+    valid = torch.ones(B, 53, dtype=torch.bool)
+    valid[1, 50:] = False
+    for density in (None, [0.3, 0.5], [0.3, 1.0]):
+        if density is not None:
+            core.stage, core.use_sparse = 2, True
+            core.set_density(density, seq_len=48)
+        want = core(q, k, v, n_text=5, attn_mask=valid[:, None, None, :])
+        torch.testing.assert_close(core(q, k, v, n_text=5, attn_mask=valid), want, rtol=0, atol=0)
+        # the masked text keys matter (the test can fail)
+        assert not torch.allclose(core(q, k, v, n_text=5), want, atol=1e-4)
+
+
 def test_joint_index_reuse_in_eval():
     torch.manual_seed(0)
     core = SparseAttention(2, 16, grid=(2, 4, 6), config=DSVConfig(group_size=8, k_multiple=8, rank=4)).eval()

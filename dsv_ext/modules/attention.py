@@ -15,7 +15,8 @@ class SparseAttention(nn.Module):
         with text_first=True) as text tokens. They stay dense: text queries attend to all keys,
         and each video query group attends to its DSV-selected video keys plus every text key.
         Predictors, profiling and per-head K see the video part only. attn_mask: the SDPA mask
-        of the dense path (as the model passes it); the sparse path reads it as a key-padding
+        of the dense path (as the model passes it; a [B, S] key-padding mask is taken as
+        [B, 1, 1, S]); the sparse path reads it as a key-padding
         mask of the text tokens (bool, [B, 1, 1, S] or [B, S], True = attend; the video keys
         must all be valid there; a mask without text tokens keeps the call dense).
     set_grid(grid)                 # (T, H, W) token grid used when forward() gets none
@@ -429,6 +430,10 @@ class SparseAttention(nn.Module):
         if grid is not None and grid[0] * grid[1] * grid[2] > Sv:
             raise ValueError(f"grid: {grid} has more tokens than the {Sv} video tokens (S={S}, n_text={n_text})")
         vid = slice(n_text, S) if text_first else slice(0, Sv)
+        B = q.shape[0]
+        if attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape[0] in (1, B) and \
+                attn_mask.shape[0] != S and attn_mask.shape[1] == S:
+            attn_mask = attn_mask[:, None, None, :]  # a key-padding mask [B, S]: SDPA's layout [B, 1, 1, S]
         if self.side_tasks_due:
             self.run_side_tasks(q[:, vid], k[:, vid], grid, scale)
         if not (self._sparse_now() and n_text > 0):
