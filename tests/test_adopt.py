@@ -293,29 +293,46 @@ def _ref_attention(q, k, v, allow):
     return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
 
 
+def _assert_matches_reference(out, q, k, v, allow):
+    """out and its gradients in q, k, v equal the float64 masked softmax's (allow [B, H, S, S])."""
+    ref = _ref_attention(q, k, v, allow)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    gout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), gout)
+    want = torch.autograd.grad(ref, (q, k, v), gout)
+    for a, b_ in zip(got, want):
+        torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)
+
+
+def _joint_case(seed, G, density, text_first):
+    """A float64 stage-2 SparseAttention (2 heads of 16, grid 2x4x6 = 48 video tokens, 5 text
+    tokens) at ``density`` and its inputs: (H, St, Sv, S, cfg, core, q, k, v, vid, txt)."""
+    torch.manual_seed(seed)
+    H, D, grid, St, Sv = 2, 16, (2, 4, 6), 5, 48
+    S = Sv + St
+    cfg = DSVConfig(group_size=G, k_multiple=8, rank=4)
+    core = SparseAttention(H, D, grid=grid, config=cfg).double()
+    core.stage, core.use_sparse = 2, True
+    core.set_density(density, seq_len=Sv)
+    q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    vid = slice(St, S) if text_first else slice(0, Sv)
+    txt = slice(0, St) if text_first else slice(Sv, S)
+    return H, St, Sv, S, cfg, core, q, k, v, vid, txt
+
+
 @pytest.mark.parametrize("G", [8, 64])  # 64: one partial group of the 48 video tokens
 @pytest.mark.parametrize("text_first", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 def test_joint_core_matches_float64_reference(text_first, masked, G):
     """Video queries see their group's top-K video keys and every valid text key, text queries
     every valid key; forward and gradients against an explicit float64 masked softmax."""
-    torch.manual_seed(0)
-    H, D, grid, St = 2, 16, (2, 4, 6), 5
-    Sv = 48
-    S = Sv + St
-    cfg = DSVConfig(group_size=G, k_multiple=8, rank=4)
-    core = SparseAttention(H, D, grid=grid, config=cfg).double()
-    core.stage, core.use_sparse = 2, True
-    core.set_density([0.3, 0.5], seq_len=Sv)
-    q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    vid = slice(St, S) if text_first else slice(0, Sv)
-    txt = slice(0, St) if text_first else slice(Sv, S)
+    H, St, Sv, S, cfg, core, q, k, v, vid, txt = _joint_case(0, G, [0.3, 0.5], text_first)
     valid = torch.ones(B, S, dtype=torch.bool)
     mask = None
     if masked:
         valid[1, txt.start + 3:txt.stop] = False
         mask = valid[:, None, None, :]
-    perm, inv = cube_permutation(grid, cfg.cube, Sv)
+    perm, inv = cube_permutation(core.grid, cfg.cube, Sv)
     out, index = joint_sparse_core(q, k, v, core.predictor.wq, core.predictor.wk, perm, inv, core.kv_count,
                                    core.kmax, G, None, St, text_first, mask, return_index=True)
     assert torch.equal(core(q, k, v, n_text=St, text_first=text_first, attn_mask=mask), out)
@@ -330,35 +347,20 @@ def test_joint_core_matches_float64_reference(text_first, masked, G):
                 row[vpos[index[b, h, int(inv[i]) // G, :kh[h]].long()]] = True
                 row[txt] = valid[b, txt]
                 allow[b, h, vpos[i]] = row
-    ref = _ref_attention(q, k, v, allow)
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
-    gout = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), gout)
-    want = torch.autograd.grad(ref, (q, k, v), gout)
-    for a, b_ in zip(got, want):
-        torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)
+    _assert_matches_reference(out, q, k, v, allow)
 
 
 @pytest.mark.parametrize("text_first", [False, True])
 def test_joint_core_dense_heads_match_float64_reference(text_first):
     """A head at K = S (all video keys) runs dense attention for every query; the other head
     its joint lists; forward and gradients against the float64 masked softmax."""
-    torch.manual_seed(1)
-    H, D, grid, St, G = 2, 16, (2, 4, 6), 5, 8
-    Sv = 48
-    S = Sv + St
-    cfg = DSVConfig(group_size=G, k_multiple=8, rank=4)
-    core = SparseAttention(H, D, grid=grid, config=cfg).double()
-    core.stage, core.use_sparse = 2, True
-    core.set_density([0.3, 1.0], seq_len=Sv)
+    G = 8
+    H, St, Sv, S, cfg, core, q, k, v, vid, txt = _joint_case(1, G, [0.3, 1.0], text_first)
     assert core.kv_count.tolist() == [16, Sv]
-    q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    vid = slice(St, S) if text_first else slice(0, Sv)
-    txt = slice(0, St) if text_first else slice(Sv, S)
     valid = torch.ones(B, S, dtype=torch.bool)
     valid[1, txt.start + 3:txt.stop] = False
     mask = valid[:, None, None, :]
-    perm, inv = cube_permutation(grid, cfg.cube, Sv)
+    perm, inv = cube_permutation(core.grid, cfg.cube, Sv)
     out, index = joint_sparse_core(q, k, v, core.predictor.wq, core.predictor.wk, perm, inv, core.kv_count,
                                    16, G, None, St, text_first, mask, return_index=True, dense_heads=(1,))
     assert index.shape[1] == 1  # the sparse head's lists only
@@ -371,13 +373,7 @@ def test_joint_core_dense_heads_match_float64_reference(text_first):
             row[vpos[index[b, 0, int(inv[i]) // G, :16].long()]] = True
             row[txt] = valid[b, txt]
             allow[b, 0, vpos[i]] = row
-    ref = _ref_attention(q, k, v, allow)
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
-    gout = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), gout)
-    want = torch.autograd.grad(ref, (q, k, v), gout)
-    for a, b_ in zip(got, want):
-        torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)
+    _assert_matches_reference(out, q, k, v, allow)
     with pytest.raises(ValueError, match="^dense_heads: expected head indices in \\[0, 2\\)"):
         joint_sparse_core(q, k, v, core.predictor.wq, core.predictor.wk, perm, inv, core.kv_count, 16, G, None,
                           St, text_first, mask, dense_heads=(2,))
