@@ -251,11 +251,15 @@ class SparseAttention(nn.Module):
         kb = self.config.kv_block
         return (kb if isinstance(kb, int) else 1,) * self.num_heads
 
+    def _full_heads(self, S: int) -> Tuple[int, ...]:
+        """The heads whose K covers all S keys (they run dense; host only)."""
+        return tuple(h for h, kk in enumerate(self._ks) if kk >= S)
+
     def _head_groups(self, S: int) -> Tuple[Tuple[int, Tuple[int, ...], int], ...]:
         """(kv_block, heads, kmax in keys) per granularity in use (host only); heads whose K
         covers all S keys form a group of kv_block 0 (run dense, head_groups_core)."""
         kb = self.head_kv_block
-        full = tuple(h for h in range(self.num_heads) if self._ks and self._ks[h] >= S)
+        full = self._full_heads(S)
         out = [(0, full, S)] if full else []
         for b in KV_BLOCKS:
             hs = tuple(h for h in range(self.num_heads) if kb[h] == b and h not in full)
@@ -440,7 +444,7 @@ class SparseAttention(nn.Module):
             return dense_core(q, k, v, scale, self.config.dense_backend, attn_mask=attn_mask)
         perm, inv = self._perm(grid, Sv, q.device)
         counts = self.kv_counts_for(Sv)
-        full = tuple(h for h, kk in enumerate(self._ks) if kk >= Sv)  # video queries on all keys: dense
+        full = self._full_heads(Sv)  # video queries on all keys: dense
         if len(full) == self.num_heads:
             return dense_core(q, k, v, scale, self.config.dense_backend, attn_mask=attn_mask)
         kmax = max(kk for h, kk in enumerate(self._ks) if h not in full) if full else self.kmax
