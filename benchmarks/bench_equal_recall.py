@@ -3,6 +3,7 @@ then the attention time of each at that density.
 
     python benchmarks/bench_equal_recall.py --checkpoint runs/x/dsv/ckpt_last.pt [--out DIR]
     python benchmarks/bench_equal_recall.py --train-steps 800        # trains configs/small-video.yaml first
+    python benchmarks/bench_equal_recall.py --analysis DIR/equal_recall.json --time   # times an earlier analysis
 
 1. **Capture.** The reference DiT of a checkpoint (a DSV run on real video, so its predictors are
    trained) runs on held-out clips at a few timesteps; a hook keeps the q and k that each
@@ -29,10 +30,11 @@ then the attention time of each at that density.
    `run_shape` with spatially smooth lists; FlexAttention block-sparse at its density;
    cuDNN dense), all in the same run; key blocks as dsv_ext.sparse_attention runs them on CUDA
    (64-key lists on the block-list kernels, 16-key lists expanded to token lists; through the C
-   API) with the block estimation (dsv_ext.topk_estimate with kv_block). Two rows model what the
-   library runs per head: `<method> + dense heads` (heads needing more than recall_max_density
-   of the keys on cuDNN, as SparseAttention runs K = S heads; the others sparse at their mean
-   density) and `auto G=128` (kv_block="auto": per head the granularity `auto_choice` picks
+   API) with the block estimation (dsv_ext.topk_estimate with kv_block). Per-head rows:
+   `<method> + dense heads` (heads needing more than recall_max_density of the keys on cuDNN, as
+   SparseAttention runs K = S heads; the others sparse at their mean density), the same for
+   FlexAttention (`flex 128x128 + dense heads`: dense above the density where its tiles cost
+   what cuDNN does, `flex_crossover`; the baseline given the same per-head freedom) and `auto G=128` (kv_block="auto": per head the granularity `auto_choice` picks
    from its densities with tokens, 16- and 64-key blocks at G = 128, dense where none fits;
    each granularity timed at its heads' mean density and scaled by its share of the heads).
 
@@ -232,6 +234,16 @@ def dense_head_split(densities: Sequence[float], heads: int, max_density: float)
     return hs, hd, (sum(sparse) / len(sparse) if sparse and hs else 0.0)
 
 
+def flex_crossover(density: float, flex_ms: float, cudnn_ms: float) -> float:
+    """The density above which FlexAttention's tiles cost more than cuDNN's dense attention, from
+    one measurement (``flex_ms`` at ``density``) with time proportional to density (its kernel
+    visits the kept tiles only); at most 1."""
+    if not (0.0 < density <= 1.0) or flex_ms <= 0.0 or cudnn_ms <= 0.0:
+        raise ValueError(f"flex_crossover: expected 0 < density <= 1 and positive times, got "
+                         f"{density}, {flex_ms}, {cudnn_ms}")
+    return min(1.0, density * cudnn_ms / flex_ms)
+
+
 def auto_choice(densities: Dict[int, Sequence[float]], max_density: float, group_size: int) -> List[int]:
     """kv_block="auto" per head, as the dispatcher picks it without a calibration table
     (Dispatcher.choose_kv_block): ``densities[b][h]`` is the density head h needs with lists of
@@ -312,17 +324,23 @@ def time_methods(analysis: Dict, S: int, H: int, D: int, reps: int, log=print) -
             else:  # the per-query oracle: no kernel (one list per query)
                 rec.update(total_ms=None, note="no kernel")
             recs = [rec]
-            if m.startswith(("token G=", "predictor G=")) and st.get("densities"):
-                # as SparseAttention runs it: heads above recall_max_density dense (cuDNN, its
-                # time scaled by the share of heads), the others sparse at their mean density
-                hs, hd, ds = dense_head_split(st["densities"], H, max_density)
-                mix = {"method": f"{m} + dense heads", "target": float(tg), "density": d,
+            part_ms = None  # the time of h heads at density ds, for the per-head split below
+            if m.startswith(("token G=", "predictor G=")):
+                # as SparseAttention runs it: heads above recall_max_density dense
+                thr = max_density
+                part_ms = lambda h, ds, G=G: BK.run_shape(1, S, h, D, G, 1.0 - ds, "smooth", dtype, reps, gen,
+                                                         est_name, est, cache)["total_ms"]
+            elif m.startswith("flex") and rec.get("total_ms"):
+                # the baseline given the same freedom: dense where its tiles cost more than cuDNN
+                thr = flex_crossover(d, rec["total_ms"], dense["cudnn_fwdbwd_ms"])
+                part_ms = lambda h, ds: BK.flex_times(1, S, h, D, dtype, ds, reps, gen)["flex_fwdbwd_ms"]
+            if part_ms is not None and st.get("densities"):
+                # dense heads on cuDNN (its time scaled by their share), the others sparse at
+                # their mean density
+                hs, hd, ds = dense_head_split(st["densities"], H, thr)
+                mix = {"method": f"{m} + dense heads", "target": float(tg), "density": d, "dense_above": thr,
                        "dense_heads": hd, "sparse_density": ds, "cudnn_fwdbwd_ms": dense["cudnn_fwdbwd_ms"]}
-                part = dense["cudnn_fwdbwd_ms"] * hd / H
-                if hs:
-                    r = BK.run_shape(1, S, hs, D, G, 1.0 - ds, "smooth", dtype, reps, gen, est_name, est, cache)
-                    part += r["total_ms"]
-                mix["total_ms"] = part
+                mix["total_ms"] = dense["cudnn_fwdbwd_ms"] * hd / H + (part_ms(hs, ds) if hs else 0.0)
                 recs.append(mix)
             for r_ in recs:
                 if r_.get("total_ms"):
@@ -381,8 +399,10 @@ def write_outputs(res: Dict, out: str) -> None:
     for m, per_t in a["methods"].items():
         L.append(f"| {m} | " + " | ".join(f"{per_t[str(t)]['mean_density']:.3f}" for t in a["targets"]) + " |")
     if res.get("timing"):
-        L += ["", "Time at that density (`+ dense heads`: as SparseAttention runs it, heads needing more "
-              "than recall_max_density of the keys on cuDNN, the others sparse at their mean density):", "",
+        L += ["", "Time at that density (`+ dense heads`: heads needing more than a density run dense on "
+              "cuDNN, the others sparse at their mean density; for DSV above recall_max_density, as "
+              "SparseAttention runs K = S heads, for FlexAttention above the density where its tiles "
+              "cost what cuDNN does):", "",
               "| method | recall | density | ms | vs cuDNN |", "|---|---|---|---|---|"]
         for r in res["timing"]:
             dens = f"{r['density']:.3f}" + (f" ({r['dense_heads']} heads dense, the rest {r['sparse_density']:.3f})"
@@ -430,32 +450,15 @@ def write_outputs(res: Dict, out: str) -> None:
     fig.savefig(os.path.join(out, "equal_recall.png"), dpi=110)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", help="a DSV training checkpoint (ckpt_last.pt)")
-    ap.add_argument("--config", default=os.path.join(os.path.dirname(HERE), "configs", "small-video.yaml"))
-    ap.add_argument("--train-steps", type=int, default=0, help="train --config this long first (DSV)")
-    ap.add_argument("--videos", type=int, default=2, help="held-out clips to capture")
-    ap.add_argument("--timesteps", type=float, nargs="+", default=[0.3, 0.6, 0.9])
-    ap.add_argument("--cube", type=int, nargs=3, default=None, metavar=("T", "H", "W"),
-                    help="query / key order for the curves (default: the checkpoint's DSV cube)")
-    ap.add_argument("--no-per-query", action="store_true", help="skip the per-query oracle (one sort per row)")
-    ap.add_argument("--time", action="store_true", help="time every method at --S/--H/--D (CUDA)")
-    ap.add_argument("--S", type=int, default=65536)
-    ap.add_argument("--H", type=int, default=24)
-    ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "equal_recall"))
-    a = ap.parse_args(argv)
+def capture_and_analyse(a, ap, dev) -> Dict:
+    """Train (--train-steps) or load --checkpoint, capture q / k on held-out clips, analyse."""
     from dsv_ext.app.common import ValidationSet, TrainConfig, build_model, inference_state_dict, load_config
     from dsv_ext.app.train import train
 
-    dev = torch.device(a.device)
     ckpt = a.checkpoint
     if ckpt is None:
         if a.train_steps < 1:
-            ap.error("--checkpoint or --train-steps is required")
+            ap.error("--checkpoint, --train-steps or --analysis is required")
         cfg = load_config(a.config)
         run = os.path.join(a.out, "run")
         train(cfg, out_dir=run, steps=a.train_steps, attention="dsv", device=a.device, progress=False)
@@ -484,10 +487,42 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     analysis = analyse(captures, cube=cube, per_query=not a.no_per_query)
     analysis["cube"] = list(cube)
     del captures
-    res = {"source": f"{cfg.get('name')} step {ck.get('step')}", "captures": vs.x.shape[0], "analysis": analysis}
+    return {"source": f"{cfg.get('name')} step {ck.get('step')}", "captures": vs.x.shape[0], "analysis": analysis}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", help="a DSV training checkpoint (ckpt_last.pt)")
+    ap.add_argument("--analysis", help="an earlier run's equal_recall.json: reuse its capture and curves "
+                    "(no checkpoint), e.g. to --time them in a separate run")
+    ap.add_argument("--config", default=os.path.join(os.path.dirname(HERE), "configs", "small-video.yaml"))
+    ap.add_argument("--train-steps", type=int, default=0, help="train --config this long first (DSV)")
+    ap.add_argument("--videos", type=int, default=2, help="held-out clips to capture")
+    ap.add_argument("--timesteps", type=float, nargs="+", default=[0.3, 0.6, 0.9])
+    ap.add_argument("--cube", type=int, nargs=3, default=None, metavar=("T", "H", "W"),
+                    help="query / key order for the curves (default: the checkpoint's DSV cube)")
+    ap.add_argument("--no-per-query", action="store_true", help="skip the per-query oracle (one sort per row)")
+    ap.add_argument("--time", action="store_true", help="time every method at --S/--H/--D (CUDA)")
+    ap.add_argument("--S", type=int, default=65536)
+    ap.add_argument("--H", type=int, default=24)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "equal_recall"))
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device)
+    if a.analysis is not None:
+        with open(a.analysis) as f:
+            old = json.load(f)
+        if "analysis" not in old:
+            ap.error(f"--analysis: {a.analysis} holds no 'analysis' (not an equal_recall.json)")
+        res = {k: old[k] for k in ("source", "captures", "analysis")}
+    else:
+        res = capture_and_analyse(a, ap, dev)
+        write_outputs(res, a.out)  # the curves survive a timing run cut short (--analysis resumes)
     if a.time:
         res["time_shape"] = {"S": a.S, "H": a.H, "D": a.D}
-        res["timing"] = time_methods(analysis, a.S, a.H, a.D, a.reps)
+        res["timing"] = time_methods(res["analysis"], a.S, a.H, a.D, a.reps)
     from bench_common import provenance
 
     p = provenance()

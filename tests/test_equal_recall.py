@@ -152,6 +152,14 @@ def test_end_to_end_on_the_cpu(tmp_path):
         assert sum(per_t["0.9"]["densities"]) / 4 == pytest.approx(per_t["0.9"]["mean_density"])
     assert res["analysis"]["cube"] == [4, 4, 4]  # --cube over the checkpoint's [2, 4, 4]
     assert "cube 4x4x4" in (out / "equal_recall.md").read_text()
+    # --analysis: a later run reuses the curves (e.g. to time them) without the checkpoint
+    out2 = tmp_path / "er2"
+    assert ER.main(["--analysis", str(out / "equal_recall.json"), "--device", "cpu", "--out", str(out2)]) == 0
+    res2 = json.load(open(out2 / "equal_recall.json"))
+    assert res2["analysis"] == res["analysis"] and res2["source"] == res["source"]
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        ER.main(["--analysis", str(tmp_path / "other.json"), "--device", "cpu", "--out", str(out2)])
 
 
 def test_timing_rows_with_a_model_of_the_kernels(monkeypatch):
@@ -165,7 +173,7 @@ def test_timing_rows_with_a_model_of_the_kernels(monkeypatch):
     fake = types.SimpleNamespace(
         estimate_fn=lambda: ("fake", None),
         dense_times=lambda B, S, H_, D, dt, reps, which: {"cudnn_fwdbwd_ms": 100.0},
-        flex_times=lambda B, S, H_, D, dt, d, reps, gen: {"flex_fwdbwd_ms": 100.0 * d, "flex_fwd_ms": 0.0},
+        flex_times=lambda B, S, H_, D, dt, d, reps, gen: {"flex_fwdbwd_ms": 150.0 * d * H_ / H, "flex_fwd_ms": 0.0},
         run_shape=lambda B, S, H_, D, G, sp, dist, dt, reps, gen, en, e, c: {
             "total_ms": 100.0 * (1.0 - sp) * H_ / H, "fwd_ms": 0.0, "bwd_ms": 0.0, "est_ms": 0.0, "K": 1},
         block_lib=lambda: (None, None),
@@ -176,7 +184,7 @@ def test_timing_rows_with_a_model_of_the_kernels(monkeypatch):
         block_estimate_ms=lambda S, H_, G, b, K, reps, gen=None: 0.0)
     monkeypatch.setitem(sys.modules, "bench_kernels", fake)
     dens = {"token G=128": [0.2, 0.4, 0.8, 0.9], "block b=16 G=128": [0.1, 0.5, 0.9, 0.9],
-            "block b=64 G=128": [0.3, 0.35, 0.45, 0.9]}
+            "block b=64 G=128": [0.3, 0.35, 0.45, 0.9], "flex 128x128": [0.3, 0.5, 0.95, 1.0]}
     analysis = {"targets": [0.9], "methods": {
         m: {"0.9": {"mean_density": sum(d) / 4, "heads": 4, "min": min(d), "max": max(d), "densities": d}}
         for m, d in dens.items()}}
@@ -190,3 +198,17 @@ def test_timing_rows_with_a_model_of_the_kernels(monkeypatch):
     assert auto["heads_by_kv_block"] == {"dense": 1, "16": 1, "64": 2}
     assert auto["total_ms"] == pytest.approx(2.5 + 20.0 + 25.0)
     assert rows["token G=128"]["total_ms"] == pytest.approx(100.0 * 2.3 / 4)
+    # FlexAttention at 150 ms x density: uniform at the mean 0.6875; with dense heads above its
+    # crossover 2/3 (150 x 2/3 = cuDNN's 100): heads 2, 3 dense, the others at 0.4
+    assert rows["flex 128x128"]["total_ms"] == pytest.approx(150.0 * 0.6875)
+    fmix = rows["flex 128x128 + dense heads"]
+    assert fmix["dense_above"] == pytest.approx(2 / 3) and fmix["dense_heads"] == 12
+    assert fmix["total_ms"] == pytest.approx(50.0 + 150.0 * 0.4 * 12 / 24)
+
+
+def test_flex_crossover():
+    assert ER.flex_crossover(0.5, 75.0, 100.0) == pytest.approx(2 / 3)
+    assert ER.flex_crossover(0.5, 25.0, 100.0) == 1.0  # cheaper than cuDNN at every density
+    for bad in ((0.0, 1.0, 1.0), (1.5, 1.0, 1.0), (0.5, 0.0, 1.0), (0.5, 1.0, -1.0)):
+        with pytest.raises(ValueError, match="flex_crossover"):
+            ER.flex_crossover(*bad)
