@@ -6,7 +6,7 @@
 # on the attention kernels, and compute-sanitizer. Each step has its own time limit so the call
 # ends in time; all logs are packed into $OUT/logs.tgz (one file to copy back).
 #   usage: bash benchmarks/device_session.sh   (carry .dsvwheels for diffusers, .devso if built)
-#   env:   STEPS="tests bench ncu san" (default; also ab tun compare infer train grid topk det soak),
+#   env:   STEPS="tests bench ncu san" (default; also ab tun compare infer train grid topk det soak er),
 #          BUILD_LIMIT, TUNINGS (the tun step's DSV_KERNEL_TUNING settings), AB_ARGS,
 #          TEST_ARGS (e.g. "-m cuda": the GPU tests alone; the CPU ones run in CI),
 #          TEST_LIMIT, BENCH_LIMIT, SAN_STEPS / SAN_PATHS (tests/run_sanitizer.sh), ...
@@ -82,6 +82,11 @@ esac
 case " $STEPS " in *" train "*)
   timeout ${TRAIN_LIMIT:-330} python3 benchmarks/bench_train.py --out "$OUT/results" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
   echo "bench_train rc=$?"; tail -15 "$OUT/train.log";;
+esac
+case " $STEPS " in *" er "*)  # equal-recall timings of the committed capture (no training; ~5 min)
+  timeout ${ER_LIMIT:-420} python3 benchmarks/bench_equal_recall.py --analysis benchmarks/results/equal_recall/equal_recall.json \
+    --time --out "$OUT/equal_recall" > "$OUT/er.log" 2>&1
+  echo "equal recall rc=$?"; grep -E "^Recall|dense heads \| 0.9 |^\| auto" "$OUT/equal_recall/equal_recall.md";;
 esac
 case " $STEPS " in *" det "*)
   timeout ${DET_LIMIT:-120} python3 benchmarks/bench_kernels.py --deterministic --out "$OUT/results" > "$OUT/det.log" 2>&1
