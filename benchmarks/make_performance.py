@@ -802,6 +802,10 @@ as above, the same full-attention arms; each folder's README has the per-seed nu
 
 {seed_frontier}
 
+With the paired evaluation above, in one figure (`python3 benchmarks/plot_frontier.py`):
+
+![quality frontier on real video](../benchmarks/results/frontier-small-video.png)
+
 ### Full attention vs DSV on the small config
 
 `python -m dsv_ext.app.compare --config configs/small.yaml` (`results/compare-small/`), {cs['steps']} steps,

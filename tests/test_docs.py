@@ -61,6 +61,24 @@ def test_performance_doc_is_up_to_date(tmp_path):
                 f"{committed} is out of date: run python3 benchmarks/make_performance.py")
 
 
+def test_frontier_figure(tmp_path):
+    """benchmarks/plot_frontier.py: one point per recall target of each committed measurement,
+    the figure written."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_frontier", os.path.join(ROOT, "benchmarks", "plot_frontier.py"))
+    pf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pf)
+    pts = pf.frontier_points()
+    paired, vs_dense, vs_full = pts.values()
+    assert [t for t, _, _ in paired] == [0.85, 0.9, 0.95, 0.98]
+    assert [t for t, _, _ in vs_dense] == [t for t, _, _ in vs_full] == [0.85, 0.9, 0.95]
+    assert all(h > 0 for p in pts.values() for _, _, h in p)
+    pytest.importorskip("matplotlib")
+    pf.main(str(tmp_path / "f.png"))
+    assert (tmp_path / "f.png").stat().st_size > 10000
+
+
 def test_performance_doc_names_every_run():
     """Every table of PERFORMANCE.md comes with the date, commit and card of its run."""
     text = open(os.path.join(ROOT, "docs", "PERFORMANCE.md")).read()
