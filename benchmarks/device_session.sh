@@ -6,7 +6,8 @@
 # on the attention kernels, and compute-sanitizer. Each step has its own time limit so the call
 # ends in time; all logs are packed into $OUT/logs.tgz (one file to copy back).
 #   usage: bash benchmarks/device_session.sh   (carry .dsvwheels for diffusers, .devso if built)
-#   env:   STEPS="tests bench ncu san" (default; also ab tun compare infer train grid topk det soak er),
+#   env:   STEPS="tests bench ncu san" (default; also ab topkab tun compare infer train grid topk det
+#          soak er),
 #          BUILD_LIMIT, TUNINGS (the tun step's DSV_KERNEL_TUNING settings), AB_ARGS,
 #          TEST_ARGS (e.g. "-m cuda": the GPU tests alone; the CPU ones run in CI),
 #          TEST_LIMIT, BENCH_LIMIT, SAN_STEPS / SAN_PATHS (tests/run_sanitizer.sh), ...
@@ -37,6 +38,19 @@ case " $STEPS " in *" ab "*)  # the attention kernels before (.devso-before) and
       echo "ab $w$r rc=$?"; grep -E "^\| [0-9]" "$OUT/ab/$w$r/kernels.md" 2>/dev/null | cut -c1-160
     done; done
   else echo "ab: no .devso-before (bash benchmarks/build_devso.sh REV)"; fi;;
+esac
+case " $STEPS " in *" topkab "*)  # the top-K estimation before (.devso-before) and after, interleaved
+  devso_unpack .devso-before
+  if [ -f .devso-before/_C.abi3.so ]; then
+    cp dsv_ext/_C.abi3.so /tmp/after.so
+    for r in 1 2; do for w in before after; do
+      if [ $w = before ]; then cp .devso-before/_C.abi3.so dsv_ext/_C.abi3.so; else cp /tmp/after.so dsv_ext/_C.abi3.so; fi
+      timeout ${TOPK_LIMIT:-60} python3 benchmarks/bench_topk.py --heads 24 --group ${TOPK_GROUP:-128} \
+        --shapes ${TOPK_SHAPES:-65536:0.1,65536:0.46,16384:0.1} --json "$OUT/topkab_${w}_$r.json" > "$OUT/topkab_${w}_$r.log" 2>&1
+      echo "topk $w $r rc=$?"; grep -v "^\s*$" "$OUT/topkab_${w}_$r.log" | tail -3 | cut -c1-100
+    done; done
+    cp /tmp/after.so dsv_ext/_C.abi3.so
+  else echo "topkab: no .devso-before (bash benchmarks/build_devso.sh REV)"; fi;;
 esac
 case " $STEPS " in *" tun "*)  # the attention kernels under kernel tunings (TUNINGS), interleaved, same call
   AB="python3 benchmarks/bench_kernels.py ${AB_ARGS:---S 65536 --D 128 --G 128 --sparsity 0.9 --dist random smooth --dense cudnn} --reps 5"
