@@ -34,9 +34,10 @@ then the attention time of each at that density.
    `<method> + dense heads` (heads needing more than recall_max_density of the keys on cuDNN, as
    SparseAttention runs K = S heads; the others sparse at their mean density), the same for
    FlexAttention (`flex 128x128 + dense heads`: dense above the density where its tiles cost
-   what cuDNN does, `flex_crossover`; the baseline given the same per-head freedom) and `auto G=128` (kv_block="auto": per head the granularity `auto_choice` picks
-   from its densities with tokens, 16- and 64-key blocks at G = 128, dense where none fits;
-   each granularity timed at its heads' mean density and scaled by its share of the heads).
+   what cuDNN does, `flex_crossover`; the baseline given the same per-head freedom) and
+   `auto G=128` (kv_block="auto": per head the granularity `auto_choice` picks from its
+   densities with tokens, 16- and 64-key blocks at G = 128, dense where none fits; each
+   granularity timed at its heads' mean density and scaled by its share of the heads).
 
 Writes `equal_recall.json` / `.md` / `.png` to --out. The curve code runs on the CPU too (tests).
 """
@@ -328,12 +329,16 @@ def time_methods(analysis: Dict, S: int, H: int, D: int, reps: int, log=print) -
             if m.startswith(("token G=", "predictor G=")):
                 # as SparseAttention runs it: heads above recall_max_density dense
                 thr = max_density
-                part_ms = lambda h, ds, G=G: BK.run_shape(1, S, h, D, G, 1.0 - ds, "smooth", dtype, reps, gen,
-                                                         est_name, est, cache)["total_ms"]
+
+                def part_ms(h, ds, G=G):
+                    return BK.run_shape(1, S, h, D, G, 1.0 - ds, "smooth", dtype, reps, gen, est_name, est,
+                                        cache)["total_ms"]
             elif m.startswith("flex") and rec.get("total_ms"):
                 # the baseline given the same freedom: dense where its tiles cost more than cuDNN
                 thr = flex_crossover(d, rec["total_ms"], dense["cudnn_fwdbwd_ms"])
-                part_ms = lambda h, ds: BK.flex_times(1, S, h, D, dtype, ds, reps, gen)["flex_fwdbwd_ms"]
+
+                def part_ms(h, ds):
+                    return BK.flex_times(1, S, h, D, dtype, ds, reps, gen)["flex_fwdbwd_ms"]
             if part_ms is not None and st.get("densities"):
                 # dense heads on cuDNN (its time scaled by their share), the others sparse at
                 # their mean density
