@@ -144,7 +144,8 @@ def _flex_dense_heads(d, target):
         return dict(mix, modeled=False)
     flex = next(r for r in rows if r["method"] == "flex 128x128")
     dens = d["analysis"]["methods"]["flex 128x128"][f"{target:g}"]["densities"]
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    if os.path.join(ROOT, "benchmarks") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from bench_equal_recall import dense_head_split, flex_crossover
 
     H, c = d["time_shape"]["H"], flex["cudnn_fwdbwd_ms"]
