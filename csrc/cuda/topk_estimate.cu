@@ -185,9 +185,38 @@ static __device__ __forceinline__ void dsv_tk_block_scores(const uint32_t* kt,
   }
 }
 
-/* one group's pass parameters in registers (groups not taking part: an empty window) */
+/* Each 8-key block of one staged tile: f(d, blk, k0, k1) with the lane's 4 scores of the block
+ * and whether its two keys exist (FULL: every key of the tile, no per-key test). Two-phase (the
+ * MMA chains of all 8 blocks first) or block at a time. */
+template <typename T, int KS, int SW, bool TWO, bool FULL, typename F>
+static __device__ __forceinline__ void dsv_tk_tile_blocks(const uint32_t* kt,
+                                                          const uint32_t (&A)[KS][3][4], int lane,
+                                                          int j4, int t0, int nvalid, F&& f) {
+  if constexpr (TWO) {
+    float d[TK_TILE / 8][4];
+    dsv_tk_tile_scores<T, KS, SW>(kt, A, lane, j4, d);
+#pragma unroll
+    for (int blk = 0; blk < TK_TILE / 8; ++blk) {
+      const int key0 = t0 + blk * 8 + j4 * 2;
+      f(d[blk], blk, (uint32_t)(FULL || key0 < nvalid), (uint32_t)(FULL || key0 + 1 < nvalid));
+    }
+  } else {
+#pragma unroll 2
+    for (int blk = 0; blk < TK_TILE / 8; ++blk) {
+      float d[4];
+      dsv_tk_block_scores<T, KS, SW>(kt, A, lane, j4, blk, d);
+      const int key0 = t0 + blk * 8 + j4 * 2;
+      f(d, blk, (uint32_t)(FULL || key0 < nvalid), (uint32_t)(FULL || key0 + 1 < nvalid));
+    }
+  }
+}
+
+/* one group's pass parameters in registers: the window [lo, lo + span] (HIST, COLLECT: hi;
+ * BAND: top, which the band's construction keeps >= lo), on = 0 for a group not taking part or
+ * an empty window */
 struct dsv_tk_prm {
-  uint32_t lo, hi, top, slab; /* slab: shared address of the group's 256 words */
+  uint32_t lo, span, top, slab; /* slab: shared address of the group's 256 words */
+  uint32_t on;
   int s;
   uint32_t* cslab;
   int* ccnt;
@@ -198,9 +227,12 @@ static __device__ __forceinline__ dsv_tk_prm dsv_tk_load(dsv_tk_groups<GPC>& gs,
                                                          int g, bool valid) {
   dsv_tk_prm p;
   const bool on = valid && gs.mode[g] == MODE;
-  p.lo = on ? gs.lo[g] : 1u;
-  p.hi = on ? gs.hi[g] : 0u;
-  p.top = on ? gs.top[g] : 0u;
+  const uint32_t lo = on ? gs.lo[g] : 0u;
+  const uint32_t last = on ? (MODE == TK_BAND ? gs.top[g] : gs.hi[g]) : 0u;
+  p.lo = lo;
+  p.span = last - lo;
+  p.on = on && (MODE == TK_BAND || lo <= last) ? 1u : 0u;
+  p.top = on ? gs.top[g] : 0xFFFFFFFFu;
   p.s = on ? gs.s[g] : 0;
   p.cslab = hist + (valid ? g : 0) * TK_BINS;
   p.slab = smem_u32(p.cslab);
@@ -208,25 +240,26 @@ static __device__ __forceinline__ dsv_tk_prm dsv_tk_load(dsv_tk_groups<GPC>& gs,
   return p;
 }
 
-/* One score key u of a group in a pass of kind MODE.
- * HIST: bin (u - lo) >> s of [lo, hi]; BAND: bin 1 + ((u - lo) >> s) of [lo, top] and the
- * register count of u > top (bin 255); both add 1 to the bin or, unconditionally (no branch per
- * score), to this thread's sink slot. COLLECT: append u in [lo, hi] to the slab. */
+/* One score key u of a group in a pass of kind MODE (ok: the key exists; a constant 1 in a
+ * whole tile). In the window means d = u - lo <= span (one unsigned test for lo <= u <= last).
+ * HIST: bin d >> s of [lo, hi]; BAND: bin 1 + (d >> s) of [lo, top] and the register count of
+ * u > top (bin 255); both add 1 to the bin or, unconditionally (no branch per score), to this
+ * thread's sink slot. COLLECT: append u in [lo, hi] to the slab. */
 template <int MODE>
 static __device__ __forceinline__ void dsv_tk_score(const dsv_tk_prm& p, uint32_t u, uint32_t ok,
                                                     uint32_t& above, uint32_t sink) {
+  const uint32_t d = u - p.lo;
+  const bool on = (ok & p.on) != 0u;
   if constexpr (MODE == TK_COLLECT) {
-    if (ok && u >= p.lo && u <= p.hi) {
+    if (on && d <= p.span) {
       const int i = atomicAdd(p.ccnt, 1);
       if (i < TK_CAP) p.cslab[i] = u;
     }
   } else {
     constexpr uint32_t off = MODE == TK_BAND ? 1u : 0u;
-    const uint32_t last = MODE == TK_BAND ? p.top : p.hi;
-    const bool h = ok && u >= p.lo && u <= last;
-    const uint32_t addr = h ? p.slab + ((off + ((u - p.lo) >> p.s)) << 2) : sink;
+    const uint32_t addr = on && d <= p.span ? p.slab + ((off + (d >> p.s)) << 2) : sink;
     asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(addr) : "memory");
-    if constexpr (MODE == TK_BAND) above += (uint32_t)(ok && u > p.top);
+    if constexpr (MODE == TK_BAND) above += (uint32_t)(on && u > p.top);
   }
 }
 
@@ -244,32 +277,17 @@ static __device__ __forceinline__ void dsv_tk_block(const float (&d)[4], uint32_
   }
 }
 
-/* One staged tile of a pass of kind MODE: two-phase (all 8 blocks' scores first, then the
- * updates) or block at a time. */
-template <typename T, int KS, int SW, bool TWO, int MODE, bool HASB>
+/* One staged tile of a pass of kind MODE (FULL: every key of the tile exists). */
+template <typename T, int KS, int SW, bool TWO, int MODE, bool HASB, bool FULL>
 static __device__ __forceinline__ void dsv_tk_tile(const uint32_t* kt, const uint32_t (&A)[KS][3][4],
                                                    int lane, int j4, int t0, int nvalid,
                                                    const dsv_tk_prm& pA, const dsv_tk_prm& pB,
                                                    uint32_t& aboveA, uint32_t& aboveB,
                                                    uint32_t sink) {
-  if constexpr (TWO) {
-    float d[TK_TILE / 8][4];
-    dsv_tk_tile_scores<T, KS, SW>(kt, A, lane, j4, d);
-#pragma unroll
-    for (int blk = 0; blk < TK_TILE / 8; ++blk) {
-      const int key0 = t0 + blk * 8 + j4 * 2;
-      dsv_tk_block<MODE, HASB>(d[blk], key0 < nvalid, key0 + 1 < nvalid, pA, pB, aboveA, aboveB,
-                               sink);
-    }
-  } else {
-#pragma unroll 2
-    for (int blk = 0; blk < TK_TILE / 8; ++blk) {
-      float d[4];
-      dsv_tk_block_scores<T, KS, SW>(kt, A, lane, j4, blk, d);
-      const int key0 = t0 + blk * 8 + j4 * 2;
-      dsv_tk_block<MODE, HASB>(d, key0 < nvalid, key0 + 1 < nvalid, pA, pB, aboveA, aboveB, sink);
-    }
-  }
+  dsv_tk_tile_blocks<T, KS, SW, TWO, FULL>(
+      kt, A, lane, j4, t0, nvalid, [&](const float (&d)[4], int, uint32_t k0, uint32_t k1) {
+        dsv_tk_block<MODE, HASB>(d, k0, k1, pA, pB, aboveA, aboveB, sink);
+      });
 }
 
 /* Sample row i: key min(16 i + h(i), S - 1), h(i) in [0, 16) a fixed multiplicative hash of
@@ -355,8 +373,13 @@ static __device__ __forceinline__ void dsv_tk_pass(const dsv_topk_args& a, const
                               KS * 16, tid);
     cp_async_commit();
     if (!warp_active) continue;
-    dsv_tk_tile<T, KS, SW, TWO, MODE, HASB>(ktile + (it & 1) * TK_TILE * SW, A, lane, j4,
-                                            it * TK_TILE, nv, pA, pB, aboveA, aboveB, sink);
+    const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
+    if ((it + 1) * TK_TILE <= nv) /* all but a partial last tile */
+      dsv_tk_tile<T, KS, SW, TWO, MODE, HASB, true>(kt, A, lane, j4, it * TK_TILE, nv, pA, pB,
+                                                    aboveA, aboveB, sink);
+    else
+      dsv_tk_tile<T, KS, SW, TWO, MODE, HASB, false>(kt, A, lane, j4, it * TK_TILE, nv, pA, pB,
+                                                     aboveA, aboveB, sink);
   }
   if constexpr (MODE == TK_BAND) {
     /* the quad of lanes (lane >> 2) holds all keys of its groups */
@@ -953,25 +976,13 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
       const int t0 = it * TK_TILE;
       uint32_t mgA = 0, mgB = 0, meA = 0, meB = 0;
-      if constexpr (kTwoPhase) {
-        float dd[TK_TILE / 8][4];
-        dsv_tk_tile_scores<T, KS, SW>(kt, A, lane, j4, dd);
-#pragma unroll
-        for (int blk = 0; blk < TK_TILE / 8; ++blk) {
-          const int key0 = t0 + blk * 8 + j4 * 2;
-          dsv_tk_flags<HASB>(dd[blk], blk, key0 < nkeys32, key0 + 1 < nkeys32, TA, TB, mgA, mgB,
-                             meA, meB);
-        }
-      } else {
-#pragma unroll 2
-        for (int blk = 0; blk < TK_TILE / 8; ++blk) {
-          float d[4];
-          dsv_tk_block_scores<T, KS, SW>(kt, A, lane, j4, blk, d);
-          const int key0 = t0 + blk * 8 + j4 * 2;
-          dsv_tk_flags<HASB>(d, blk, key0 < nkeys32, key0 + 1 < nkeys32, TA, TB, mgA, mgB, meA,
-                             meB);
-        }
-      }
+      auto flags = [&](const float (&d)[4], int blk, uint32_t k0, uint32_t k1) {
+        dsv_tk_flags<HASB>(d, blk, k0, k1, TA, TB, mgA, mgB, meA, meB);
+      };
+      if (t0 + TK_TILE <= nkeys32) /* all but a partial last tile */
+        dsv_tk_tile_blocks<T, KS, SW, kTwoPhase, true>(kt, A, lane, j4, t0, nkeys32, flags);
+      else
+        dsv_tk_tile_blocks<T, KS, SW, kTwoPhase, false>(kt, A, lane, j4, t0, nkeys32, flags);
       const uint32_t mg = mgA | (mgB << 16), me = meA | (meB << 16);
       uint32_t Wg = 0, We = 0;
 #pragma unroll
