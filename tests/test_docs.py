@@ -79,6 +79,20 @@ def test_frontier_figure(tmp_path):
     assert (tmp_path / "f.png").stat().st_size > 10000
 
 
+def test_pooled_interval():
+    """make_performance._pooled_half_width: the variance averaged over groups of 3 seeds, Student's
+    t with 2 degrees of freedom per group (2.776 for two groups, 2.306 for four)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_performance",
+                                                  os.path.join(ROOT, "benchmarks", "make_performance.py"))
+    mp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mp)
+    # variances 1 and 3: pooled 2; the mean of 3 seeds has variance 2 / 3
+    assert mp._pooled_half_width([[0.0, 1.0, 2.0], [0.0, 0.0, 3.0]]) == pytest.approx(2.776445 * (2 / 3) ** 0.5)
+    assert mp._pooled_half_width([[1.0, 2.0, 3.0]] * 4) == pytest.approx(2.306004 * (1 / 3) ** 0.5)
+
+
 def test_performance_doc_names_every_run():
     """Every table of PERFORMANCE.md comes with the date, commit and card of its run."""
     text = open(os.path.join(ROOT, "docs", "PERFORMANCE.md")).read()
