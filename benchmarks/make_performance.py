@@ -145,25 +145,9 @@ def _frontier(d):
 
 def _flex_dense_heads(d, target):
     """FlexAttention given the per-head freedom DSV has (heads above the density where its tiles
-    cost what cuDNN does run dense): the measured `flex 128x128 + dense heads` row, or, for a run
-    that predates it, the same arithmetic from the measured uniform row (time proportional to
-    density: bench_equal_recall.flex_crossover) marked as modeled."""
-    rows = [r for r in d["timing"] if abs(r["target"] - target) < 1e-9 and r.get("total_ms")]
-    mix = next((r for r in rows if r["method"] == "flex 128x128 + dense heads"), None)
-    if mix is not None:
-        return dict(mix, modeled=False)
-    flex = next(r for r in rows if r["method"] == "flex 128x128")
-    dens = d["analysis"]["methods"]["flex 128x128"][f"{target:g}"]["densities"]
-    if os.path.join(ROOT, "benchmarks") not in sys.path:
-        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from bench_equal_recall import dense_head_split, flex_crossover
-
-    H, c = d["time_shape"]["H"], flex["cudnn_fwdbwd_ms"]
-    thr = flex_crossover(flex["density"], flex["total_ms"], c)
-    hs, hd, ds = dense_head_split(dens, H, thr)
-    return {"method": "flex 128x128 + dense heads", "target": target, "dense_above": thr, "dense_heads": hd,
-            "sparse_density": ds, "total_ms": c * hd / H + flex["total_ms"] / flex["density"] * ds * hs / H,
-            "cudnn_fwdbwd_ms": c, "modeled": True}
+    cost what cuDNN does run dense): the measured `flex 128x128 + dense heads` row."""
+    return next(r for r in d["timing"] if abs(r["target"] - target) < 1e-9 and r.get("total_ms")
+                and r["method"] == "flex 128x128 + dense heads")
 
 
 def _equal_recall_best(d, target):
@@ -219,8 +203,7 @@ def summary_rows():
         ("speed at equal quality: best DSV setting vs FlexAttention block-sparse at the density each needs "
          "for recall 0.9 (attention of the reference DiT on real video), timed at 64k tokens",
          f"**{er['speedup_fair']:.2f}x** ({er['method']}) against FlexAttention with its own dense heads"
-         + (" (modeled)" if er["flex_dense"]["modeled"] else "")
-         + f"; {er['speedup']:.2f}x against every head at its mean density",
+         f"; {er['speedup']:.2f}x against every head at its mean density",
          f"{TARGETS['equal_recall']:g}x", er["speedup_fair"] >= TARGETS["equal_recall"], "#speed-at-equal-recall"),
         ("two GPUs: the solver's plan vs dense Ulysses, one attention layer, 128k tokens",
          f"**{lo:.2f}-{hi:.2f}x**", f"{TARGETS['cp']:g}x", lo >= TARGETS["cp"], "#two-gpus"),
@@ -518,14 +501,13 @@ def section_equal_recall():
         rate, tok = b["flex"]["total_ms"] / b["flex"]["density"], a["methods"]["token G=128"][f"{t:g}"]["densities"]
         at_rate = statistics.mean(min(rate * x, fd["cudnn_fwdbwd_ms"]) for x in tok)
         fair.append((f"{t:g}", f"{fd['dense_above']:.3f}", f"{fd['dense_heads']}, the rest {fd['sparse_density']:.3f}",
-                     f"{fd['total_ms']:.1f}" + (" (modeled)" if fd["modeled"] else ""), f"{b['best']['method']}: "
+                     f"{fd['total_ms']:.1f}", f"{b['best']['method']}: "
                      f"{b['best']['total_ms']:.1f} ({_x(b['speedup_fair'])})",
                      _x(fd["total_ms"] / at_rate)))
     times = _table(["method", "recall", "density", "ms", "vs cuDNN", "vs Flex", "vs Flex + dense heads"], rows)
     fair_t = _table(["recall", "Flex dense above", "dense heads of " + str(d["time_shape"]["H"]),
                      "Flex + dense heads (ms)", "best DSV (ms, speed-up)",
                      "token G=128 lists at Flex's cost per key"], fair)
-    modeled = any(f[3].endswith("(modeled)") for f in fair)
     S, H, D = (d["time_shape"][k] for k in ("S", "H", "D"))
     c = a["cube"]
     cube = "x".join(map(str, c))
@@ -560,7 +542,7 @@ their mean density (DSV above `recall_max_density`, as `SparseAttention` runs K 
 
 The fair baseline gives FlexAttention the same per-head freedom: a head runs dense where its tiles
 would cost more than cuDNN (above the density where its time, proportional to density, reaches
-cuDNN's){" -- modeled here from the measured uniform row and the per-head tile densities, until a run times the row" if modeled else ""}.
+cuDNN's).
 The last column bounds what faster DSV kernels can give at this capture: DSV's oracle token lists
 (G = 128) timed at FlexAttention's cost per key (its measured time / density), each head the
 cheaper of sparse and dense, against the fair baseline. Where most heads need most of the keys,
@@ -752,15 +734,16 @@ def section_quality():
     ])
     srows = []
     runs = [(t, name, _load(name + "/compare_seeds.json")) for t, name in SPARSE_SEED_RUNS]
-    pooled_h = _pooled_half_width([_sparse_vs_dense_dsv(sd, r, values=True) for _, _, r in runs])
-    spreads = [statistics.stdev(_sparse_vs_dense_dsv(sd, r, values=True)) for _, _, r in runs]
-    for t, name, r in runs:
+    changes = [_sparse_vs_dense_dsv(sd, r, values=True) for _, _, r in runs]
+    pooled_h = _pooled_half_width(changes)
+    spreads = [statistics.stdev(v) for v in changes]
+    for (t, name, r), vals in zip(runs, changes):
         m, h = _sparse_vs_dense_dsv(sd, r)
         g = r["rel_gap"]
         srows.append((f"{t:.2f}", ", ".join(str(n) for n in r["dsv_sparse_blocks"]), f"{_mean_sparse_density(r):.3f}",
                       ", ".join(f"{x:.3f}" for x in r["dsv_recall"]),
                       f"{_pct(g['mean'])} [{_pct(g['ci95'][0])}, {_pct(g['ci95'][1])}]",
-                      ", ".join(_pct(v) for v in _sparse_vs_dense_dsv(sd, r, values=True)),
+                      ", ".join(_pct(v) for v in vals),
                       f"{_pct(m)} [{_pct(m - h)}, {_pct(m + h)}]", f"[{_pct(m - pooled_h)}, {_pct(m + pooled_h)}]",
                       f"`results/{name}/`"))
     seed_frontier = _table(["recall target", "blocks sparse per seed", "mean K / S of the sparse blocks",
