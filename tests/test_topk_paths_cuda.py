@@ -7,7 +7,9 @@ tolerance applies between them; every list is also checked against float64 score
 
 Cases: every rank padding (r 8 / 16 / 32 / 40 / 48 / 64), both dtypes, strided and unaligned
 layouts, group sizes that leave the last CTA partial, counts 0 / 1 / S - 1 / S / above S, kmax
-above K, exact ties, S below and above the sampling threshold (4096) up to 64k, and the inputs
+above K, exact ties, S below and above the sampling threshold (4096) up to 64k, band buffers
+wider than the list row or about as wide (the collect step from the buffer or the fallback to
+the collect pass, PERF_LOG v23), and the inputs
 that push the sampled path off its usual course: all scores tied, a few distinct key rows (runs of
 equal scores wider than the collect pass), NaN and +-inf scores, the sampled key rows scaled up
 or down (the sample misleads: the band pass falls back), a score pattern of period 16. The
@@ -48,6 +50,10 @@ CASES = [
     (1, 5000, 1, 8, 128, "bfloat16", "padded", [100], 100, None),     # kmax > K: padding
     (1, 250, 1, 16, 64, "float16", "packed", [75], 0, None),          # collect at once
     (1, 5000, 5, 16, 64, "bfloat16", "packed", [0, 1, 4999, 5000, 5100], 8, None),  # edges
+    # the band buffer in the list row: wider than the row (the collect pass under every tuning),
+    # and about as wide as the row (some lane segments overflow, in one CTA of a cluster only)
+    (1, 16384, 2, 16, 128, "bfloat16", "packed", [40, 60], 0, None),
+    (1, 32768, 4, 16, 128, "bfloat16", "packed", [1150, 1200, 1250, 1300], 0, None),
 ] + [(1, 12000, 2, 16, 64, dt, "packed", fr, 0, pat)
      for pat in ("tied", "few", "nan_inf", "sample_up", "sample_down", "periodic")
      for dt in ("bfloat16", "float16")

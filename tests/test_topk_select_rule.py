@@ -58,8 +58,21 @@ def plan(st):
     st["top"] = st["hi"]
 
 
+def buffer_on(S, K):
+    """The band buffer is used where the band (the sample ranks' +-4 sigma, in keys) holds at most
+    1/20 of the keys."""
+    ns = -(-S // STRIDE)
+    mu = K * ns / S
+    sd = math.sqrt(mu)
+    m_lo = min(ns, math.ceil(mu + 4 * sd + 2))
+    m_hi = max(0, math.floor(mu - 4 * sd - 2))
+    return (m_lo - m_hi) * STRIDE * 20 <= S
+
+
 def sample_band(keys, K):
-    """Stage 0: T_lo, T_hi from one key in STRIDE (two 8-bit sample passes)."""
+    """Stage 0: T_lo, T_hi from one key in STRIDE (8-bit sample passes: the top 8 bits of both,
+    then the next 8 of T_lo and of T_hi when in the same top-8-bit bin; else, with the band
+    buffer, a third pass for T_hi's, and without it T_hi is the top of its 8-bit bin)."""
     S = keys.numel()
     ns = -(-S // STRIDE)
     samp = keys[sample_positions(ns, S)]
@@ -69,28 +82,39 @@ def sample_band(keys, K):
     m_hi = max(0, math.floor(mu - 4 * sd - 2))
     c = torch.bincount(samp >> 24, minlength=BINS)
     bl, al, _ = find(c, m_lo)
-    bh = find(c, m_hi)[0] if m_hi > 0 else 0
+    bh, ah = find(c, m_hi)[:2] if m_hi > 0 else (0, 0)
     lo = bl << 24
     sneed_lo = m_lo - al
-    sneed_hi = m_hi - al if (m_hi > 0 and bh == bl) else 0
-    thi = ((bh << 24) | 0xFFFFFF) if m_hi > 0 else M32
-    w = samp[(samp >= lo) & (samp <= (lo | 0xFFFFFF))]
-    c = torch.bincount((w - lo) >> 16, minlength=BINS)
-    t_lo = lo + (find(c, sneed_lo)[0] << 16)
-    t_hi = lo + (find(c, sneed_hi)[0] << 16) + 0xFFFF if sneed_hi > 0 else thi
+    sneed_hi = m_hi - (al if bh == bl else ah) if m_hi > 0 else 0
+
+    def second(base, need):  # the next 8 bits in the top-8-bit bin at base
+        w = samp[(samp >= base) & (samp <= (base | 0xFFFFFF))]
+        return base + (find(torch.bincount((w - base) >> 16, minlength=BINS), need)[0] << 16)
+
+    t_lo = second(lo, sneed_lo)
+    if m_hi == 0:
+        t_hi = M32
+    elif bh == bl or buffer_on(S, K):
+        t_hi = second(bh << 24, sneed_hi) + 0xFFFF
+    else:
+        t_hi = (bh << 24) | 0xFFFFFF
     assert t_lo <= t_hi
     return t_lo, t_hi
 
 
-def select(keys, K, sample=True, CL=1):
+def select(keys, K, sample=True, CL=1, kmax=None):
     """The kernel's list for one group: (positions, full passes before the compaction); sample:
     the kernel tuning tk_sample (False: generic passes from the full key range); CL: the CTAs
     that share the group (tk_split). CTA r scores the keys of its range (whole 64-key tiles, the
     CTAs in order), the decisions come from the summed histograms, and each CTA keeps its own
     counts above and in the window; the list is each CTA's part (its keys above T and its share
     of the ties at T, the first ones in position order) at the offset of what the CTAs before it
-    select."""
+    select. Where the band holds at most 1/20 of the keys (buffer_on), the band pass also stores
+    its keys in the list row (kmax entries, default K): each CTA's part, 4 segments, one per lane
+    of the quad (the lane of key j: (j % 8) // 2); when the window is a bin of the band and no
+    segment overflowed, the collect step reads them and makes no pass over the keys."""
     S = keys.numel()
+    kmax = K if kmax is None else kmax
     K = min(max(K, 0), S)
     if K == 0:
         return torch.empty(0, dtype=torch.int64), 0
@@ -107,7 +131,7 @@ def select(keys, K, sample=True, CL=1):
         s = 0
         while ((t_hi - t_lo) >> s) > 253:
             s += 1
-        st = dict(mode=BAND, lo=t_lo, hi=M32, top=min(t_lo + (254 << s) - 1, M32), s=s, need=K,
+        st = dict(mode=BAND, lo=t_lo, hi=M32, top=min(t_lo + (254 << s) - 1, t_hi), s=s, need=K,
                   cnt=S, done=0)
     else:
         st = dict(lo=0, hi=M32, need=K, cnt=S, done=0)
@@ -118,6 +142,7 @@ def select(keys, K, sample=True, CL=1):
         passes += 1
         lo, hi, top, s, mode, need = (st[x] for x in ("lo", "hi", "top", "s", "mode", "need"))
         if mode == COLLECT:
+            passes -= int(st.get("bufok", False))  # from the band buffers
             parts = [k[(k >= lo) & (k <= hi)] for k in own]
             vals = torch.cat(parts)
             assert vals.numel() == st["cnt"] <= CAP
@@ -151,6 +176,12 @@ def select(keys, K, sample=True, CL=1):
         else:
             nlo = lo + ((b - off) << s)
             nhi = min(nlo + (1 << s) - 1, top)
+        if mode == BAND:  # the band buffers: every lane segment within kmax // CL // 4 entries
+            seg = kmax // CL // 4
+            lanes = [(torch.arange(b0, e0) % 8) // 2 for b0, e0 in ranges]
+            fill = max(int(((k >= lo) & (k <= top) & (ln == j)).sum())
+                       for k, ln in zip(own, lanes) for j in range(4))
+            st["bufok"] = buffer_on(S, K) and 1 <= b <= BINS - 2 and fill <= seg
         nneed = need - above_all
         st.update(lo=nlo, hi=nhi, need=nneed, cnt=cnt)
         assert sum(above) == K - nneed and sum(wcnt) == cnt
@@ -214,17 +245,33 @@ def test_random_scores(S, frac, gen):
 
 
 def test_typical_case_takes_band_and_collect(gen):
-    """Continuous scores at S = 64k, K = 10% / 5%: the band pass and at most one collect pass, no
-    fallback (what the kernel's prediction assumes)."""
+    """Continuous scores at S = 64k, K = 10% / 5%, also centred on 0 (T_lo and T_hi in different
+    top-8-bit bins): the band pass alone, its keys within the list row so that the collect step
+    reads them, no fallback (what the kernel's prediction assumes); K = 46% (a band of 8.6% of
+    the keys: no buffer): the band and the collect pass."""
     S = 65536
-    for frac in (0.1, 0.05):
-        for _ in range(4):
-            keys = float_keys(torch.randn(S, generator=gen) * 3.0 + 0.5)
-            assert check(keys, math.ceil(frac * S)) <= 2
+    for frac, passes in ((0.1, 1), (0.05, 1), (0.46, 2)):
+        assert buffer_on(S, math.ceil(frac * S)) == (passes == 1)
+        for shift in (0.5, 0.0):
+            keys = float_keys(torch.randn(S, generator=gen) * 3.0 + shift)
+            K = math.ceil(frac * S)
+            assert check(keys, K) == passes
+            assert select(keys, K, CL=2)[1] == passes
     # a score pattern of period 16 (e.g. a frame row width): the hashed sample is not fooled
     x = torch.randn(S, generator=gen)
     x[torch.arange(S) % 16 == 0] += 2.0
-    assert check(float_keys(x), S // 10) <= 2
+    assert check(float_keys(x), S // 10) == 1
+
+
+def test_band_buffer_overflow_falls_back(gen):
+    """A list row too short for the band (kmax = K with a band of ~32 sqrt(K) keys against K / 4
+    per lane segment): the collect pass runs, and the list is still exact."""
+    S = 65536
+    keys = float_keys(torch.randn(S, generator=gen))
+    for K in (40, 60):
+        assert buffer_on(S, K)
+        got, passes = select(keys, K)
+        assert passes == 2 and torch.equal(got, reference(keys, K))
 
 
 def test_edge_counts(gen):

@@ -20,18 +20,28 @@
  *    pass recomputes the scores; the time is the number of passes over all S keys.
  *  - Selection. Per group a window [lo, hi] of order-preserving uint32 score keys holds the K-th
  *    largest key, with `need` = its rank from the top of the window (#(key > hi) = K - need).
- *     0. Sample (tuning tk_sample = 1, the default, and S >= TK_MIN_S; two passes over 1/16 of
- *        the keys): keys 16 i + h(i) (h a fixed hash in [0, 16), so that score patterns of
- *        period 16 cannot bias it), 8 + 8 bits of radix select for the sample ranks
- *        mu +- (4 sqrt(mu) + 2), mu = K n / S (n sample keys): T_lo, T_hi to 16 bits. With high
- *        probability #(key >= T_lo) >= K > #(key > T_hi).
+ *     0. Sample (tuning tk_sample = 1, the default, and S >= TK_MIN_S; two or three passes over
+ *        1/16 of the keys): keys 16 i + h(i) (h a fixed hash in [0, 16), so that score patterns
+ *        of period 16 cannot bias it), 8 + 8 bits of radix select for the sample ranks
+ *        mu +- (4 sqrt(mu) + 2), mu = K n / S (n sample keys): T_lo, T_hi to 16 bits (with the
+ *        band buffer below, a third pass when T_hi lies in another top-8-bit bin than T_lo;
+ *        without it T_hi is then the top of its 8-bit bin). With high probability
+ *        #(key >= T_lo) >= K > #(key > T_hi).
  *     1. Band pass (all keys): bin 0 = keys below T_lo (not counted: S minus the rest), bins
- *        1..254 = [T_lo, T_hi] in power-of-two steps, bin 255 = keys above the band (counted in
+ *        1..254 = [T_lo, T_hi] in power-of-two steps, bin 255 = keys above T_hi (counted in
  *        registers). The boundary bin becomes the window. A sample that misled is no error:
- *        bin 0 or bin 255 is then the window, refined by the generic passes.
+ *        bin 0 or bin 255 is then the window, refined by the generic passes. Where the band
+ *        holds at most 1/20 of the keys (with more, the stores cost more than the pass they
+ *        save), the band pass also stores every key of bins 1..254 (~32 sqrt(K) + 64 of them)
+ *        in a band buffer: the group's own list row, free until the compaction (in a cluster
+ *        each CTA its part), in 4 segments, one per lane of the quad that holds the group (a
+ *        register count and a predicated store, no atomics).
  *     2. Collect pass (all keys) when the window holds at most TK_CAP keys (the usual case:
  *        ~10 at S = 64k, K = 10%): its keys are appended to the group's histogram slab, and the
- *        K-th largest T and the number q of ties at T to take follow exactly. Otherwise a
+ *        K-th largest T and the number q of ties at T to take follow exactly. When every
+ *        collecting group's window lies in its band and no segment of its band buffer
+ *        overflowed (in any CTA of the cluster), the keys come from the buffers instead of a
+ *        pass over all keys (dsv_tk_fill; PERF_LOG v23). Otherwise a
  *        generic pass: a 256-bin histogram of [lo, hi] (bin width 2^s, the smallest s with
  *        (hi - lo) >> s <= 255), which shrinks the window >= 128x. Without the sample the first
  *        pass is generic over the full key range (an MSB-first radix select, 8 bits per pass).
@@ -42,9 +52,9 @@
  *     3. Compaction pass: {key > T} and the first q of {key == T} in position order: per tile,
  *        each lane quad rebuilds the group's 64-bit selection mask in position order and writes
  *        ranks from popcounts, so the list comes out ascending without any sort.
- *    At S = 64k and K = 10% a group takes ~3.1 passes of all scores (band, collect, compaction;
- *    the radix select alone: 4 histogram passes + the compaction). Times: benchmarks/PERF_LOG.md
- *    (v12, v16, v17).
+ *    At S = 64k and K = 10% a group takes ~2 passes of all scores (band, compaction; the collect
+ *    step reads the band buffer; the radix select alone: 4 histogram passes + the compaction).
+ *    Times: benchmarks/PERF_LOG.md (v12, v16, v17, v23).
  *  - Clusters (tuning tk_split = 2, sm_90): two CTAs share a set of groups, each scoring half
  *    of the keys; after every pass each adds the other's histograms (distributed shared memory)
  *    and takes the same decisions, and its own counts above / in the window place its half of
@@ -93,6 +103,9 @@ struct dsv_tk_groups {
   int base[GPC]; /* list length written by the compaction */
   int sneed_lo[GPC], sneed_hi[GPC];
   uint32_t thi[GPC]; /* sample stage: T_hi when known from 8 bits only */
+  int bcnt[GPC * 4]; /* band pass: the keys of the band each lane of the quad found (may exceed
+                      * its segment of the buffer: then it overflowed) */
+  int bufok[GPC];    /* the window lies in the band and no segment overflowed (cluster-wide) */
 };
 
 /* a cluster's split (tk_split): per group, this CTA's keys above the window and in it (after the
@@ -220,11 +233,14 @@ struct dsv_tk_prm {
   int s;
   uint32_t* cslab;
   int* ccnt;
+  uint32_t* buf; /* BAND: this lane's segment of the group's band buffer, seg words */
+  uint32_t seg;
 };
 
 template <int MODE, int GPC>
 static __device__ __forceinline__ dsv_tk_prm dsv_tk_load(dsv_tk_groups<GPC>& gs, uint32_t* hist,
-                                                         int g, bool valid) {
+                                                         int g, bool valid, uint32_t* brow,
+                                                         int64_t kmax, uint32_t seg) {
   dsv_tk_prm p;
   const bool on = valid && gs.mode[g] == MODE;
   const uint32_t lo = on ? gs.lo[g] : 0u;
@@ -237,6 +253,12 @@ static __device__ __forceinline__ dsv_tk_prm dsv_tk_load(dsv_tk_groups<GPC>& gs,
   p.cslab = hist + (valid ? g : 0) * TK_BINS;
   p.slab = smem_u32(p.cslab);
   p.ccnt = gs.ccnt + (valid ? g : 0);
+  /* one 64-bit base in registers (opaque to the compiler, which otherwise rebuilds the address
+   * from several parts at every store): a store is then one wide multiply-add and the STG */
+  uint32_t* buf = brow + (valid ? g : 0) * kmax;
+  asm("mov.b64 %0, %0;" : "+l"(buf));
+  p.buf = buf;
+  p.seg = seg;
   return p;
 }
 
@@ -244,10 +266,12 @@ static __device__ __forceinline__ dsv_tk_prm dsv_tk_load(dsv_tk_groups<GPC>& gs,
  * whole tile). In the window means d = u - lo <= span (one unsigned test for lo <= u <= last).
  * HIST: bin d >> s of [lo, hi]; BAND: bin 1 + (d >> s) of [lo, top] and the register count of
  * u > top (bin 255); both add 1 to the bin or, unconditionally (no branch per score), to this
- * thread's sink slot. COLLECT: append u in [lo, hi] to the slab. */
+ * thread's sink slot. BAND also stores u in [lo, top] at position bc of the lane's buffer
+ * segment while it has room, and counts it in bc. COLLECT: append u in [lo, hi] to the slab. */
 template <int MODE>
 static __device__ __forceinline__ void dsv_tk_score(const dsv_tk_prm& p, uint32_t u, uint32_t ok,
-                                                    uint32_t& above, uint32_t sink) {
+                                                    uint32_t& above, uint32_t& bc,
+                                                    uint32_t sink) {
   const uint32_t d = u - p.lo;
   const bool on = (ok & p.on) != 0u;
   if constexpr (MODE == TK_COLLECT) {
@@ -257,9 +281,14 @@ static __device__ __forceinline__ void dsv_tk_score(const dsv_tk_prm& p, uint32_
     }
   } else {
     constexpr uint32_t off = MODE == TK_BAND ? 1u : 0u;
-    const uint32_t addr = on && d <= p.span ? p.slab + ((off + (d >> p.s)) << 2) : sink;
+    const bool in = on && d <= p.span;
+    const uint32_t addr = in ? p.slab + ((off + (d >> p.s)) << 2) : sink;
     asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(addr) : "memory");
-    if constexpr (MODE == TK_BAND) above += (uint32_t)(on && u > p.top);
+    if constexpr (MODE == TK_BAND) {
+      above += (uint32_t)(on && u > p.top);
+      if (in && bc < p.seg) __stcg(p.buf + bc, u);
+      bc += (uint32_t)in;
+    }
   }
 }
 
@@ -267,13 +296,13 @@ static __device__ __forceinline__ void dsv_tk_score(const dsv_tk_prm& p, uint32_
 template <int MODE, bool HASB>
 static __device__ __forceinline__ void dsv_tk_block(const float (&d)[4], uint32_t k0, uint32_t k1,
                                                     const dsv_tk_prm& pA, const dsv_tk_prm& pB,
-                                                    uint32_t& aboveA, uint32_t& aboveB,
+                                                    uint32_t (&cA)[2], uint32_t (&cB)[2],
                                                     uint32_t sink) {
-  dsv_tk_score<MODE>(pA, dsv_float_key(d[0]), k0, aboveA, sink);
-  dsv_tk_score<MODE>(pA, dsv_float_key(d[1]), k1, aboveA, sink);
+  dsv_tk_score<MODE>(pA, dsv_float_key(d[0]), k0, cA[0], cA[1], sink);
+  dsv_tk_score<MODE>(pA, dsv_float_key(d[1]), k1, cA[0], cA[1], sink);
   if constexpr (HASB) {
-    dsv_tk_score<MODE>(pB, dsv_float_key(d[2]), k0, aboveB, sink);
-    dsv_tk_score<MODE>(pB, dsv_float_key(d[3]), k1, aboveB, sink);
+    dsv_tk_score<MODE>(pB, dsv_float_key(d[2]), k0, cB[0], cB[1], sink);
+    dsv_tk_score<MODE>(pB, dsv_float_key(d[3]), k1, cB[0], cB[1], sink);
   }
 }
 
@@ -282,11 +311,11 @@ template <typename T, int KS, int SW, bool TWO, int MODE, bool HASB, bool FULL>
 static __device__ __forceinline__ void dsv_tk_tile(const uint32_t* kt, const uint32_t (&A)[KS][3][4],
                                                    int lane, int j4, int t0, int nvalid,
                                                    const dsv_tk_prm& pA, const dsv_tk_prm& pB,
-                                                   uint32_t& aboveA, uint32_t& aboveB,
+                                                   uint32_t (&cA)[2], uint32_t (&cB)[2],
                                                    uint32_t sink) {
   dsv_tk_tile_blocks<T, KS, SW, TWO, FULL>(
       kt, A, lane, j4, t0, nvalid, [&](const float (&d)[4], int, uint32_t k0, uint32_t k1) {
-        dsv_tk_block<MODE, HASB>(d, k0, k1, pA, pB, aboveA, aboveB, sink);
+        dsv_tk_block<MODE, HASB>(d, k0, k1, pA, pB, cA, cB, sink);
       });
 }
 
@@ -347,19 +376,21 @@ static __device__ __forceinline__ void dsv_tk_stage(uint32_t* dst, int sw, const
 
 /* One pass of kind MODE over the stream rows [base, end) (keys, or sample rows; all of them, or
  * this CTA's part in a cluster): the groups in that mode take part, the others wait. Called by
- * all threads; a BAND pass ends with the above-band counts in bin 255 of the slabs. */
+ * all threads; a BAND pass ends with the above-band counts in bin 255 of the slabs and each
+ * lane's band count in gs.bcnt (its keys in the buffer segment of seg words at brow + g kmax). */
 template <typename T, int KS, int SW, bool TWO, int MODE, bool SAMPLE, int GPC, bool HASB>
 static __device__ __forceinline__ void dsv_tk_pass(const dsv_topk_args& a, const T* kb,
                                                    int64_t base, int64_t end, uint32_t* ktile,
                                                    const uint32_t (&A)[KS][3][4],
                                                    dsv_tk_groups<GPC>& gs, uint32_t* hist,
                                                    bool warp_active, int tid, int lane, int gA,
-                                                   int gB, bool vA, bool vB) {
+                                                   int gB, bool vA, bool vB, uint32_t* brow,
+                                                   uint32_t seg) {
   const int j4 = lane & 3;
-  const dsv_tk_prm pA = dsv_tk_load<MODE>(gs, hist, gA, vA);
-  const dsv_tk_prm pB = dsv_tk_load<MODE>(gs, hist, gB, HASB && vB);
+  const dsv_tk_prm pA = dsv_tk_load<MODE>(gs, hist, gA, vA, brow, a.kmax, seg);
+  const dsv_tk_prm pB = dsv_tk_load<MODE>(gs, hist, gB, HASB && vB, brow, a.kmax, seg);
   const uint32_t sink = smem_u32(reinterpret_cast<uint32_t*>(&gs + 1) + tid);
-  uint32_t aboveA = 0, aboveB = 0;
+  uint32_t cA[2] = {0u, 0u}, cB[2] = {0u, 0u}; /* BAND: above the band, in it */
   const int64_t nrows = end - base;
   const int ntiles = (int)((nrows + TK_TILE - 1) / TK_TILE);
   const int nv = (int)nrows;
@@ -376,13 +407,18 @@ static __device__ __forceinline__ void dsv_tk_pass(const dsv_topk_args& a, const
     const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
     if ((it + 1) * TK_TILE <= nv) /* all but a partial last tile */
       dsv_tk_tile<T, KS, SW, TWO, MODE, HASB, true>(kt, A, lane, j4, it * TK_TILE, nv, pA, pB,
-                                                    aboveA, aboveB, sink);
+                                                    cA, cB, sink);
     else
       dsv_tk_tile<T, KS, SW, TWO, MODE, HASB, false>(kt, A, lane, j4, it * TK_TILE, nv, pA, pB,
-                                                     aboveA, aboveB, sink);
+                                                     cA, cB, sink);
   }
   if constexpr (MODE == TK_BAND) {
+    if (warp_active) {
+      if (vA) gs.bcnt[gA * 4 + j4] = (int)cA[1];
+      if (HASB && vB) gs.bcnt[gB * 4 + j4] = (int)cB[1];
+    }
     /* the quad of lanes (lane >> 2) holds all keys of its groups */
+    uint32_t aboveA = cA[0], aboveB = cB[0];
     aboveA += __shfl_xor_sync(DSV_FULL_MASK, aboveA, 1);
     aboveA += __shfl_xor_sync(DSV_FULL_MASK, aboveA, 2);
     aboveB += __shfl_xor_sync(DSV_FULL_MASK, aboveB, 1);
@@ -390,6 +426,67 @@ static __device__ __forceinline__ void dsv_tk_pass(const dsv_topk_args& a, const
     if (warp_active && j4 == 0) {
       if (vA) hist[gA * TK_BINS + TK_BINS - 1] = aboveA;
       if (HASB && vB) hist[gB * TK_BINS + TK_BINS - 1] = aboveB;
+    }
+  }
+  __syncwarp();
+}
+
+/* The collect step from the band buffers, without a pass over the keys: each collecting group of
+ * this warp appends to its slab the keys of its window [lo, hi] that this CTA's 4 lane segments
+ * of its band buffer hold (rows: local group 0's buffer, segments seg words apart, groups kmax
+ * words apart; every count <= seg: gs.bufok), as the collect pass would, in another order on
+ * which no decision depends. Whole warp; 4 groups at a time, so 16 coalesced loads in flight
+ * per lane (one per group and segment). */
+template <int GPW, int GPC>
+static __device__ __forceinline__ void dsv_tk_fill(dsv_tk_groups<GPC>& gs, uint32_t* hist,
+                                                   const uint32_t* rows, int64_t kmax,
+                                                   uint32_t seg, int warp, int lane, int ngl) {
+  constexpr int FG = 4;
+  static_assert(GPW % FG == 0, "groups per warp: a multiple of the groups per step");
+  for (int gi0 = 0; gi0 < GPW; gi0 += FG) {
+    int c[FG][4], n[FG], cmax = 0;
+    uint32_t lo[FG], span[FG];
+#pragma unroll
+    for (int f = 0; f < FG; ++f) {
+      const int gl = warp * GPW + gi0 + f;
+      const bool on = gl < ngl && !gs.done[gl] && gs.mode[gl] == TK_COLLECT;
+      lo[f] = on ? gs.lo[gl] : 0u;
+      span[f] = on ? gs.hi[gl] - lo[f] : 0u;
+      n[f] = 0;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        c[f][t] = on ? gs.bcnt[gl * 4 + t] : 0;
+        cmax = c[f][t] > cmax ? c[f][t] : cmax;
+      }
+    }
+    for (int i0 = 0; i0 < cmax; i0 += 32) {
+      const int i = i0 + lane;
+      uint32_t v[FG][4];
+#pragma unroll
+      for (int f = 0; f < FG; ++f) {
+        const uint32_t* row = rows + (int64_t)(warp * GPW + gi0 + f) * kmax;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) v[f][t] = i < c[f][t] ? __ldcg(row + (int64_t)t * seg + i) : 0u;
+      }
+#pragma unroll
+      for (int f = 0; f < FG; ++f) {
+        uint32_t* slab = hist + (warp * GPW + gi0 + f) * TK_BINS;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const bool hit = i < c[f][t] && v[f][t] - lo[f] <= span[f];
+          const uint32_t bal = __ballot_sync(DSV_FULL_MASK, hit);
+          const int pos = n[f] + __popc(bal & ((1u << lane) - 1u));
+          if (hit && pos < TK_CAP) slab[pos] = v[f][t];
+          n[f] += __popc(bal);
+        }
+      }
+    }
+    if (lane < FG) {
+      const int gl = warp * GPW + gi0 + lane;
+      int nl = n[0];
+#pragma unroll
+      for (int f = 1; f < FG; ++f) nl = lane == f ? n[f] : nl;
+      if (gl < ngl && !gs.done[gl] && gs.mode[gl] == TK_COLLECT) gs.ccnt[gl] = nl;
     }
   }
   __syncwarp();
@@ -523,12 +620,15 @@ static __device__ __forceinline__ void dsv_tk_find_split(const uint32_t* slab, u
 /* After a pass over all keys: every group of this warp that took part (mode == pass_mode)
  * narrows its window (or resolves T and q). Whole warp; lane 0 writes the state. In a cluster
  * (CL > 1) the decisions come from the CTAs' summed histograms (a collect pass: the other CTAs'
- * window keys appended to this CTA's slab first), and sp keeps this CTA's own counts. */
+ * window keys appended to this CTA's slab first), and sp keeps this CTA's own counts. After the
+ * band pass, bufok: the window is a bin of the band and no lane segment of the group's band
+ * buffer (of segment seg words, in any CTA of the cluster) overflowed; a later window within it
+ * keeps the flag. */
 template <int GPW, int GPC, int CL>
 static __device__ __forceinline__ void dsv_tk_resolve(dsv_tk_groups<GPC>& gs,
                                                       dsv_tk_split<GPC>& sp, uint32_t* hist,
                                                       int pass_mode, int warp, int lane, int ngl,
-                                                      uint32_t S, uint32_t crank) {
+                                                      uint32_t S, uint32_t crank, uint32_t seg) {
   for (int gi = 0; gi < GPW; ++gi) {
     const int gl = warp * GPW + gi;
     if (gl >= ngl) break;
@@ -595,6 +695,18 @@ static __device__ __forceinline__ void dsv_tk_resolve(dsv_tk_groups<GPC>& gs,
       }
       continue;
     }
+    bool ovf = false; /* BAND: some lane segment of the band buffer overflowed */
+    if (mode == TK_BAND) {
+      uint32_t c = 0;
+      if (lane < 4 * CL) {
+        const int* bc = gs.bcnt + gl * 4 + (lane & 3);
+        if (CL == 1 || lane < 4)
+          c = (uint32_t)*bc;
+        else
+          c = dsv_ld_cluster_u32(dsv_cluster_map(smem_u32(bc), (crank + (lane >> 2)) % CL));
+      }
+      ovf = seg == 0 || __any_sync(DSV_FULL_MASK, c > seg);
+    }
     uint32_t b, above, cnt, above_own = 0, cnt_own = 0;
     if constexpr (CL > 1)
       dsv_tk_find_split<CL>(slab, crank, (uint32_t)need, lane, mode == TK_BAND, S,
@@ -617,6 +729,7 @@ static __device__ __forceinline__ void dsv_tk_resolve(dsv_tk_groups<GPC>& gs,
         if (nhi > top) nhi = top;
       }
       const int nneed = need - (int)above;
+      if (mode == TK_BAND) gs.bufok[gl] = b >= 1 && b <= TK_BINS - 2 && !ovf;
       gs.lo[gl] = (uint32_t)nlo;
       gs.hi[gl] = (uint32_t)nhi;
       gs.need[gl] = nneed;
@@ -773,6 +886,13 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   const bool vA = gA < ngl, vB = HASB && gB < ngl;
   uint32_t* histw = hist + warp * GPW * TK_BINS;
   const T* kb = reinterpret_cast<const T*>(a.k) + b * a.k_sb + h * a.k_sh;
+  /* the band buffers: this CTA's part of each list row (kmax / CL words), in 4 lane segments of
+   * seg words; brows: local group 0's part, brow: this lane's segment of it; bseg: the keys a
+   * lane segment takes, seg where the buffer is used, else 0 (set with the sample) */
+  const uint32_t seg = (uint32_t)(kmax / CL / 4);
+  uint32_t* brows = reinterpret_cast<uint32_t*>(outg0) + (int64_t)crank * (kmax / CL);
+  uint32_t* brow = brows + (int64_t)j4 * seg;
+  uint32_t bseg = 0;
 
   /* ---- selection: T and q per group (skipped when every key is selected) ---- */
   if (Keff < S) {
@@ -796,6 +916,9 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       const float flo = ceilf(mu + 4.f * sd + 2.f), fhi = floorf(mu - 4.f * sd - 2.f);
       const int m_lo = flo >= (float)ns ? (int)ns : (int)flo;
       const int m_hi = fhi < 1.f ? 0 : (int)fhi;
+      /* the band buffer pays where the band holds at most 1/20 of the keys (PERF_LOG v23: 0.80x
+       * of the time with 4.1% of the keys in the band, 1.06x-1.14x with 8.4%-8.6%) */
+      if ((int64_t)(m_lo - m_hi) * TK_STRIDE * 20 <= S) bseg = seg;
       for (int i = tid; i < GPC; i += TK_THREADS) {
         gs.mode[i] = TK_HIST;
         gs.lo[i] = 0u;
@@ -804,31 +927,44 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         gs.s[i] = 24;
         gs.done[i] = 0;
       }
-      for (int sp8 = 0; sp8 < 2; ++sp8) {
+      for (int sp8 = 0; sp8 < 3; ++sp8) {
+        if (sp8 == 2) { /* T_hi in another top-8-bit bin than T_lo: a third sample pass (for the
+                         * band buffer: without it the band ends at the bin's top) */
+          if (bseg == 0) break;
+          __syncthreads();
+          if (!__syncthreads_or(tid < ngl && gs.mode[tid] == TK_HIST)) break;
+        }
         if constexpr (CL > 1) dsv_cluster_sync(); /* the others have read this CTA's slabs */
         __syncwarp(); /* every lane's reads of the slabs (dsv_tk_find) before they are cleared */
         for (int i = lane; i < GPW * TK_BINS; i += 32) histw[i] = 0;
         __syncthreads();
         dsv_tk_pass<T, KS, SW, kTwoPhase, TK_HIST, true, GPC, HASB>(
-            a, kb, sbeg, send, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
+            a, kb, sbeg, send, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB, brow,
+            bseg);
         if constexpr (CL > 1) dsv_cluster_sync(); /* every CTA's partial histograms complete */
         for (int gi = 0; gi < GPW; ++gi) {
           const int gl = warp * GPW + gi;
           if (gl >= ngl) break;
+          if (gs.mode[gl] != TK_HIST) continue; /* T_lo and T_hi known */
           const uint32_t* slab = hist + gl * TK_BINS;
-          uint32_t bl, al, cl, bh8 = 0, ah = 0, ch = 0;
-          const uint32_t nlo = sp8 == 0 ? (uint32_t)m_lo : (uint32_t)gs.sneed_lo[gl];
-          const int nhi = sp8 == 0 ? m_hi : gs.sneed_hi[gl];
+          uint32_t bl = 0, al = 0, cl, bh8 = 0, ah = 0, ch = 0;
+          /* the sample ranks to find in this pass's window: both at first, then T_lo's (and
+           * T_hi's when in the same top-8-bit bin), then T_hi's alone */
+          const bool same = sp8 == 1 && (gs.thi[gl] >> 24) == (gs.lo[gl] >> 24);
+          const uint32_t nlo = sp8 == 0 ? (uint32_t)m_lo : (sp8 == 1 ? (uint32_t)gs.sneed_lo[gl] : 1u);
+          const int nhi = sp8 == 0 ? m_hi : (sp8 == 2 || same ? gs.sneed_hi[gl] : 0);
           if constexpr (CL > 1) {
             uint32_t x0, x1;
-            dsv_tk_find_split<CL>(slab, crank, nlo, lane, false, 0u, 0u, bl, al, cl, x0, x1);
+            if (sp8 < 2)
+              dsv_tk_find_split<CL>(slab, crank, nlo, lane, false, 0u, 0u, bl, al, cl, x0, x1);
             if (nhi > 0)
               dsv_tk_find_split<CL>(slab, crank, (uint32_t)nhi, lane, false, 0u, 0u, bh8, ah, ch,
                                     x0, x1);
           } else {
-            dsv_tk_find(slab, nlo, lane, false, 0u, bl, al, cl);
+            if (sp8 < 2) dsv_tk_find(slab, nlo, lane, false, 0u, bl, al, cl);
             if (nhi > 0) dsv_tk_find(slab, (uint32_t)nhi, lane, false, 0u, bh8, ah, ch);
           }
+          __syncwarp(); /* every lane has read the state before lane 0 writes it */
           if (lane == 0) {
             const uint32_t lo = gs.lo[gl];
             if (sp8 == 0) {
@@ -837,30 +973,44 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
               gs.top[gl] = gs.hi[gl];
               gs.s[gl] = 16;
               gs.sneed_lo[gl] = (int)(nlo - al);
-              gs.sneed_hi[gl] = (nhi > 0 && bh8 == bl) ? nhi - (int)al : 0;
+              gs.sneed_hi[gl] = nhi > 0 ? nhi - (int)(bh8 == bl ? al : ah) : 0;
               gs.thi[gl] = nhi > 0 ? ((bh8 << 24) | 0xFFFFFFu) : 0xFFFFFFFFu;
+            } else if (sp8 == 1) {
+              const uint32_t tlo = lo + (bl << 16);
+              if (gs.sneed_hi[gl] > 0 && !same && bseg) { /* T_hi: the next pass; T_lo waits */
+                gs.top[gl] = tlo;
+                gs.lo[gl] = gs.thi[gl] & 0xFF000000u;
+                gs.hi[gl] = gs.thi[gl];
+              } else {
+                gs.lo[gl] = tlo;
+                gs.hi[gl] = nhi > 0 ? lo + (bh8 << 16) + 0xFFFFu : gs.thi[gl]; /* T_hi */
+                gs.mode[gl] = TK_OFF;
+              }
             } else {
-              gs.lo[gl] = lo + (bl << 16);                                   /* T_lo */
-              gs.hi[gl] = nhi > 0 ? lo + (bh8 << 16) + 0xFFFFu : gs.thi[gl]; /* T_hi */
+              gs.hi[gl] = lo + (bh8 << 16) + 0xFFFFu; /* T_hi */
+              gs.lo[gl] = gs.top[gl];                 /* T_lo */
+              gs.mode[gl] = TK_OFF;
             }
           }
         }
       }
       __syncthreads();
-      /* the band pass's parameters: [T_lo, T_hi] in 254 power-of-two bins */
+      /* the band pass's parameters: [T_lo, T_hi] in at most 254 power-of-two bins, the band
+       * ending at T_hi (keys above it count as above the band, bin 255) */
       for (int i = tid; i < GPC; i += TK_THREADS) {
         const uint32_t tlo = gs.lo[i], thi = gs.hi[i];
         const uint32_t w = thi - tlo;
         int s = 0;
         while ((w >> s) > 253u) ++s;
         const uint64_t top = (uint64_t)tlo + ((uint64_t)254 << s) - 1;
-        gs.top[i] = top > 0xFFFFFFFFull ? 0xFFFFFFFFu : (uint32_t)top;
+        gs.top[i] = top > (uint64_t)thi ? thi : (uint32_t)top;
         gs.s[i] = s;
         gs.hi[i] = 0xFFFFFFFFu;
         gs.mode[i] = TK_BAND;
         gs.need[i] = (int)Keff;
         gs.cnt[i] = S32;
         gs.done[i] = 0;
+        gs.bufok[i] = 0;
       }
     } else {
       for (int i = tid; i < GPC; i += TK_THREADS) {
@@ -869,6 +1019,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         gs.need[i] = (int)Keff;
         gs.cnt[i] = S32;
         gs.done[i] = 0;
+        gs.bufok[i] = 0;
         dsv_tk_plan(gs, i);
       }
     }
@@ -885,18 +1036,27 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
        * collecting groups wait), else COLLECT */
       const bool band = __syncthreads_or(tid < ngl && gs.mode[tid] == TK_BAND);
       const bool hst = __syncthreads_or(tid < ngl && gs.mode[tid] == TK_HIST);
+      /* a collect step reads the band buffers when every collecting group can */
+      const bool fill = __syncthreads_and(tid >= ngl || gs.mode[tid] != TK_COLLECT ||
+                                          gs.bufok[tid] != 0);
       const int kind = band ? TK_BAND : (hst ? TK_HIST : TK_COLLECT);
       if (kind == TK_BAND)
         dsv_tk_pass<T, KS, SW, kTwoPhase, TK_BAND, false, GPC, HASB>(
-            a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
+            a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB, brow,
+            bseg);
       else if (kind == TK_HIST)
         dsv_tk_pass<T, KS, SW, kTwoPhase, TK_HIST, false, GPC, HASB>(
-            a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
-      else
+            a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB, brow,
+            bseg);
+      else if (fill) {
+        if (warp_active) dsv_tk_fill<GPW, GPC>(gs, hist, brows, kmax, seg, warp, lane, ngl);
+      } else
         dsv_tk_pass<T, KS, SW, kTwoPhase, TK_COLLECT, false, GPC, HASB>(
-            a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB);
+            a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB, brow,
+            bseg);
       if constexpr (CL > 1) dsv_cluster_sync(); /* every CTA's partial histograms complete */
-      dsv_tk_resolve<GPW, GPC, CL>(gs, sp, hist, kind, warp, lane, ngl, (uint32_t)S, crank);
+      dsv_tk_resolve<GPW, GPC, CL>(gs, sp, hist, kind, warp, lane, ngl, (uint32_t)S, crank,
+                                   bseg);
     }
   }
   __syncthreads();
