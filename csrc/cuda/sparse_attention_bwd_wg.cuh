@@ -90,17 +90,23 @@ __device__ __forceinline__ void bwg_store_frag(T* tile, const uint32_t (&f)[BN /
     }
 }
 
-/* Adds a 64-key x D fp32 tile (wgmma accumulator: warp w holds key rows 16 w + lane / 4 and
- * + 8) into acc[key][D] with 16-byte reductions; rows whose key entry is < 0 are skipped. */
-template <int D>
-__device__ __forceinline__ void bwg_reduce_rows(float* acc, const float (&a)[D / 8][4],
-                                                const int* ki, int warp, int lane) {
+/* The key of the accumulator row that the lane reduces (bwg_reduce_part): warp w holds key rows
+ * 16 w + lane / 4 and + 8 of a 64-key tile, lanes of even lane & 3 reduce the first. */
+__device__ __forceinline__ int bwg_reduce_key(const int* ki, int warp, int lane) {
+  return ki[warp * 16 + (lane >> 2) + ((lane & 1) == 0 ? 0 : 8)];
+}
+
+/* Adds columns 8 J0 .. 8 J1 - 1 of a 64-key x D fp32 tile (wgmma accumulator) into
+ * acc[key][D] with 16-byte reductions, pairs of lanes swapping halves; kid: the lane's row's key
+ * (bwg_reduce_key), nothing when it is < 0. */
+template <int D, int J0, int J1>
+__device__ __forceinline__ void bwg_reduce_part(float* acc, const float (&a)[D / 8][4], int kid,
+                                                int lane) {
   const int tq = lane & 3;
   const bool even = (tq & 1) == 0;
-  const int kid = ki[warp * 16 + (lane >> 2) + (even ? 0 : 8)];
   float* row = acc + (size_t)(kid < 0 ? 0 : kid) * D + (tq >> 1) * 4;
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
+  for (int j = J0; j < J1; ++j) {
     const float x0 = __shfl_xor_sync(0xffffffffu, even ? a[j][2] : a[j][0], 1);
     const float x1 = __shfl_xor_sync(0xffffffffu, even ? a[j][3] : a[j][1], 1);
     const float4 v = even ? make_float4(a[j][0], a[j][1], x0, x1)
@@ -109,17 +115,26 @@ __device__ __forceinline__ void bwg_reduce_rows(float* acc, const float (&a)[D /
   }
 }
 
+/* The whole 64-key x D tile (bwg_reduce_part over all columns); rows whose key entry in ki is
+ * < 0 are skipped. */
+template <int D>
+__device__ __forceinline__ void bwg_reduce_rows(float* acc, const float (&a)[D / 8][4],
+                                                const int* ki, int warp, int lane) {
+  bwg_reduce_part<D, 0, D / 8>(acc, a, bwg_reduce_key(ki, warp, lane), lane);
+}
+
 /* The top of key tile t of a query-major wgmma pass: waits for tile t (its own cp.async groups,
  * fenced to the async proxy, then a CTA barrier: tile t landed for all threads and every
  * warpgroup's MMAs of tile t - 1 are done), refills the stage freed by tile t - 1 with tile
  * t + NS - 1 and loads the list entries of the tile after it (one group committed per tile),
- * then S = Q K^T and dP = dO V^T of the warpgroup's rows over tile t, waited for. */
+ * then issues S = Q K^T and dP = dO V^T of the warpgroup's rows over tile t (one commit group;
+ * bwg_scores_wait waits for it). */
 template <typename T, int D, int BN, int NS, typename IX>
-__device__ __forceinline__ void bwg_tile_scores(IX& ix, const int* list, int j0, int j1, int klo,
-                                                int khi, int t, int ntiles, uint32_t ks0,
-                                                uint32_t vs0, int* kidx, uint64_t qdesc,
-                                                uint64_t dodesc, uint64_t kdesc0, uint64_t vdesc0,
-                                                float (&s)[BN / 8][4], float (&dp)[BN / 8][4]) {
+__device__ __forceinline__ void bwg_tile_issue(IX& ix, const int* list, int j0, int j1, int klo,
+                                               int khi, int t, int ntiles, uint32_t ks0,
+                                               uint32_t vs0, int* kidx, uint64_t qdesc,
+                                               uint64_t dodesc, uint64_t kdesc0, uint64_t vdesc0,
+                                               float (&s)[BN / 8][4], float (&dp)[BN / 8][4]) {
   constexpr uint32_t KB = BN * D * 2; /* bytes of a K or V tile */
   cp_async_wait<NS - 2>();
   fence_proxy_async_smem(); /* this thread's cp.async writes -> visible to the tensor cores */
@@ -138,9 +153,25 @@ __device__ __forceinline__ void bwg_tile_scores(IX& ix, const int* list, int j0,
   bwg_scores<T, D, BN>(s, qdesc, wg_desc_add(kdesc0, toff));
   bwg_scores<T, D, BN>(dp, dodesc, wg_desc_add(vdesc0, toff));
   wg_commit();
+}
+
+template <int BN>
+__device__ __forceinline__ void bwg_scores_wait(float (&s)[BN / 8][4], float (&dp)[BN / 8][4]) {
   wg_wait<0>();
   wg_fence_regs<BN / 2>(&s[0][0]);
   wg_fence_regs<BN / 2>(&dp[0][0]);
+}
+
+/* bwg_tile_issue, then its MMAs waited for. */
+template <typename T, int D, int BN, int NS, typename IX>
+__device__ __forceinline__ void bwg_tile_scores(IX& ix, const int* list, int j0, int j1, int klo,
+                                                int khi, int t, int ntiles, uint32_t ks0,
+                                                uint32_t vs0, int* kidx, uint64_t qdesc,
+                                                uint64_t dodesc, uint64_t kdesc0, uint64_t vdesc0,
+                                                float (&s)[BN / 8][4], float (&dp)[BN / 8][4]) {
+  bwg_tile_issue<T, D, BN, NS>(ix, list, j0, j1, klo, khi, t, ntiles, ks0, vs0, kidx, qdesc,
+                               dodesc, kdesc0, vdesc0, s, dp);
+  bwg_scores_wait<BN>(s, dp);
 }
 
 /* P = exp(scale s - lse) and dS = P (dP - delta) (without the scale factor) of one 64 x BN
@@ -343,7 +374,9 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
  * [128 query][64 key] tiles and issues dQ += dS K; after one CTA barrier warpgroup 0 forms
  * dV_t = P^T dO and warpgroup 1 dK_t = dS^T Q over all 128 rows (8 k16 steps: the two halves
  * are summed in the tensor cores) and adds its 64 x D tile to the fp32 accumulator once: one
- * reduction per key and 128 rows instead of two, the reductions that bound this pass. 1 CTA
+ * reduction per key and 128 rows instead of two, the reductions that bound this pass. The tile
+ * stays in registers into the next tile, whose S / dP and dQ MMAs run while its two halves of
+ * columns are added (PERF_LOG kernels v24); the last tile's are added after the loop. 1 CTA
  * per SM. Key ranges as bwd_wg_kernel. Rows past a partial last group's end (a whole
  * warpgroup of them possibly) give P = dS = 0 by selects (bwg_p_ds). */
 template <typename T, typename Prm, int D, int NS>
@@ -400,7 +433,8 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   float dq[D / 8][4], acc[D / 8][4];
   float s[BN / 8][4], dp[BN / 8][4];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+  for (int i = 0; i < D / 8; ++i)
+    dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 #pragma unroll
   for (int i = 0; i < BN / 8; ++i) {
     s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
@@ -420,11 +454,16 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   const uint64_t bdesc0 = wg_desc(smem_u32(wg ? Qs : dOs), 64 * 128, 1024);
   float* red = (wg ? p.dkacc : p.dvacc) + c.bh * (size_t)p.S * D;
 
+  int kid = -1; /* the key of the lane's row of the previous tile's product (-1: none) */
   for (int t = 0; t < ntiles; ++t) {
     /* tile t landed for all; both warpgroups' MMAs of tile t - 1 (readers of the stage
      * refilled here and of the P / dS tiles) are done */
-    bwg_tile_scores<T, D, BN, NS>(ix, list, j0, j1, klo, khi, t, ntiles, ks0, vs0, kidx, qdesc,
-                                  dodesc, kdesc0, vdesc0, s, dp);
+    bwg_tile_issue<T, D, BN, NS>(ix, list, j0, j1, klo, khi, t, ntiles, ks0, vs0, kidx, qdesc,
+                                 dodesc, kdesc0, vdesc0, s, dp);
+    /* the previous tile's product (in registers) goes out while S and dP are computed: the
+     * first half of its columns here, the second while dQ is (PERF_LOG kernels v24) */
+    bwg_reduce_part<D, 0, D / 16>(red, acc, kid, lane);
+    bwg_scores_wait<BN>(s, dp);
     const uint32_t toff = (t % NS) * KE * 2;
     const int* ki = kidx + (t % NS) * BN;
 
@@ -443,6 +482,7 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
     for (int kk = 0; kk < BN / 16; ++kk)
       Wgmma<T, D>::rs_bt(&dq[0][0], da[kk], wg_desc_add(ktdesc0, toff + kk * 2048), 1);
     wg_commit();
+    bwg_reduce_part<D, D / 16, D / 8>(red, acc, kid, lane);
     __syncthreads(); /* both warpgroups' halves written */
     wg_fence();
 #pragma unroll
@@ -453,8 +493,9 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
     wg_wait<0>(); /* dQ and the 128-row product; before the next top barrier */
     wg_fence_regs<D / 2>(&dq[0][0]);
     wg_fence_regs<D / 2>(&acc[0][0]);
-    bwg_reduce_rows<D>(red, acc, ki, warp, lane);
+    kid = bwg_reduce_key(ki, warp, lane); /* before the next barrier lets ki be refilled */
   }
+  bwg_reduce_part<D, 0, D / 8>(red, acc, kid, lane); /* the last tile's */
   cp_async_wait<0>();
   bwg_dq_out<T, D>(p, dq, RG, c.bh, c.b, c.h, c.row0 + 64 * wg, wl0, c.nrows - 64 * wg, lane);
 #endif
