@@ -171,6 +171,8 @@ def summary_rows():
     except KeyError:
         grows, _ = _kernels_g128()
         g9, g95 = _kernel_at(grows, G=128), _kernel_at(grows, G=128, sparsity=0.95)
+    v25 = _kernels_v25()[0][("v25", 0.1)]
+    v25_x = statistics.mean(r["speedup_vs_cudnn_fwdbwd"] for r in v25)
     tr = _load("bench_train.json")
     t9, tdense = _train_row(tr, 65536, "dsv_0.9")
     inf = _load("bench_inference.json")
@@ -193,7 +195,8 @@ def summary_rows():
     rows = [
         ("sparse attention vs cuDNN (estimate + forward + backward), 64k tokens, D = 128, G = 64, sparsity 0.9",
          f"**{k9['speedup_vs_cudnn_fwdbwd']:.2f}x** (0.95: {k95['speedup_vs_cudnn_fwdbwd']:.2f}x); "
-         f"G = 128: {g9['speedup_vs_cudnn_fwdbwd']:.2f}x (0.95: {g95['speedup_vs_cudnn_fwdbwd']:.2f}x)",
+         f"G = 128: {g9['speedup_vs_cudnn_fwdbwd']:.2f}x (0.95: {g95['speedup_vs_cudnn_fwdbwd']:.2f}x); "
+         f"G = 128 with v25's backward: {v25_x:.2f}x",
          f"{TARGETS['kernels']:g}x", k9["speedup_vs_cudnn_fwdbwd"] >= TARGETS["kernels"], "#kernels"),
         (f"training step vs dense, {tr['layers']} blocks of the 2.7B shape, 64k tokens, sparsity 0.9",
          f"**{t_speed:.2f}x** ({t9['median_ms']:.0f} vs {tdense['median_ms']:.0f} ms)",
@@ -272,7 +275,40 @@ timings. {prov}
 
 ![kernel times](../benchmarks/results/kernels.png)
 
+{_section_kernels_v25()}
 {_section_kernels_g128()}"""
+
+
+def _kernels_v25():
+    """The G = 128 backward of v24 and v25 interleaved (results/kernels_v25/ab.json): per kernel and
+    density the mean of the rounds, and the provenance."""
+    recs = _load("kernels_v25/ab.json")
+    out = {}
+    for r in recs:
+        out.setdefault((r["kernel"], round(1 - r["sparsity"], 3)), []).append(r)
+    r0 = recs[0]
+    return out, _prov(f"{recs[0]['run_date']} - {recs[-1]['run_date']}", r0["run_commit"], r0["run_card"],
+                      f"torch {r0['run_torch']}")
+
+
+def _section_kernels_v25():
+    groups, prov = _kernels_v25()
+    mean = lambda rs, k: statistics.mean(r[k] for r in rs)  # noqa: E731
+    rows = []
+    for (kern, dens), rs in sorted(groups.items(), key=lambda kv: (-kv[0][1], kv[0][0])):
+        rows.append((kern, f"{dens:.1f}", rs[0]["K"], len(rs), _ms(mean(rs, "est_ms")), _ms(mean(rs, "fwd_ms")),
+                     _ms(mean(rs, "bwd_ms")), _ms(mean(rs, "total_ms")), _ms(mean(rs, "cudnn_fwdbwd_ms")),
+                     _x(mean(rs, "speedup_vs_cudnn_fwdbwd"))))
+    t = _table(["backward", "density", "K", "rounds", "estimate ms", "forward ms", "backward ms", "total ms",
+                "cuDNN fwd+bwd ms", "speedup vs cuDNN"], rows)
+    return f"""### The 128-row backward after the grid
+
+The grid above ran v24's kernels. v25 puts the two warpgroups of the 128-row backward out of step
+(PERF_LOG v25); timed against v24 in one build, interleaved, S = 64k, D = 128, G = 128, 24 heads,
+random lists ([results/kernels_v25/](../benchmarks/results/kernels_v25/ab.md)). {prov}
+
+{t}
+"""
 
 
 def _section_kernels_g128():

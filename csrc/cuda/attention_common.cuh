@@ -210,9 +210,9 @@ struct KeyGather {
   bool writer;      /* c == 0: writes the rows' mask entries */
   int v[N];
   __device__ __forceinline__ void init(const T* kbase, int64_t kstride, const T* vbase,
-                                       int64_t vstride) {
-    const int c = threadIdx.x % CH;
-    r0 = threadIdx.x / CH;
+                                       int64_t vstride, int tid = threadIdx.x) {
+    const int c = tid % CH;
+    r0 = tid / CH;
     off0 = tile_off<D, BN, SWZ>(r0, c);
     writer = c == 0;
     kb = reinterpret_cast<const char*>(kbase + c * 8);

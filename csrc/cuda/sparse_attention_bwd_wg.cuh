@@ -28,7 +28,7 @@
  * bwd_wg128_kernel (below, launched by qmajor_passes for groups of a multiple of 128 queries
  * with the tuning's g128): the pass with reductions for 128 rows per CTA on two warpgroups that
  * share the key tiles, forming dV_t and dK_t over all 128 rows (one each) and reducing every key
- * once per 128 rows; it ships, as the reductions bound the pass (PERF_LOG kernels v15).
+ * once per 128 rows (PERF_LOG kernels v15), the warpgroups out of step (v25).
  */
 #ifndef DSV_SPARSE_ATTENTION_BWD_WG_CUH
 #define DSV_SPARSE_ATTENTION_BWD_WG_CUH
@@ -366,22 +366,48 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
 #endif
 }
 
+/* dQ += dS K, dS from the registers da (A fragments), K the stage's tile (ktdesc, MN-major) */
+template <typename T, int D, int BN>
+__device__ __forceinline__ void bwg_dq_mma(float (&dq)[D / 8][4], const uint32_t (&da)[BN / 16][4],
+                                           uint64_t ktdesc) {
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) Wgmma<T, D>::rs_bt(&dq[0][0], da[kk], wg_desc_add(ktdesc, kk * 2048), 1);
+  wg_commit();
+}
+
+/* acc = the 128-row product (A: the P or dS tiles of both warpgroups, B: their dO or Q tiles) */
+template <typename T, int D>
+__device__ __forceinline__ void bwg_product(float (&acc)[D / 8][4], uint64_t adesc, uint64_t bdesc) {
+  constexpr int QE = 64 * D;
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+    WgmmaTT<T, D>::ss(&acc[0][0], wg_desc_add(adesc, kk * 2048),
+                      wg_desc_add(bdesc, (kk >> 2) * (QE * 2) + (kk & 3) * 2048), kk > 0);
+  wg_commit();
+}
+
 /* The query-major pass with dK / dV reductions for groups of a multiple of 128 queries (the
- * tuning's g128; PERF_LOG kernels v15): one CTA of 256 threads per 128 rows, warpgroup w (warps
- * 4 w .. 4 w + 3) owning rows 64 w .. 64 w + 63 with its own Q and dO tiles, both on one key
- * pipeline (64-key tiles x 2 stages gathered by all 256 threads). Per key tile each warpgroup
- * computes S, dP, P and dS for its rows, writes P and dS to its half of two shared
- * [128 query][64 key] tiles and issues dQ += dS K; after one CTA barrier warpgroup 0 forms
- * dV_t = P^T dO and warpgroup 1 dK_t = dS^T Q over all 128 rows (8 k16 steps: the two halves
- * are summed in the tensor cores) and adds its 64 x D tile to the fp32 accumulator once: one
- * reduction per key and 128 rows instead of two, the reductions that bound this pass. The tile
- * stays in registers into the next tile, whose S / dP and dQ MMAs run while its two halves of
- * columns are added (PERF_LOG kernels v24); the last tile's are added after the loop. 1 CTA
- * per SM. Key ranges as bwd_wg_kernel. Rows past a partial last group's end (a whole
- * warpgroup of them possibly) give P = dS = 0 by selects (bwg_p_ds). */
+ * tuning's g128; PERF_LOG kernels v15, v25): one CTA of 256 threads per 128 rows, warpgroup w
+ * (warps 4 w .. 4 w + 3) owning rows 64 w .. 64 w + 63 with its own Q and dO tiles, both on one
+ * key pipeline (64-key tiles x 2 stages). Per key tile each warpgroup computes S, dP, P and dS
+ * for its rows and writes P and dS to its half of two shared [128 query][64 key] tiles; over
+ * all 128 rows warpgroup 0 forms dV_t = P^T dO and warpgroup 1 dK_t = dS^T Q (8 k16 steps: the
+ * two halves are summed in the tensor cores) and adds its 64 x D tile to the fp32 accumulator
+ * once: one reduction per key and 128 rows instead of two. The two warpgroups run out of step:
+ * the 128-row products of tile t are formed during tile t + 1 (P / dS double-buffered by tile
+ * parity, so no barrier inside a tile), warpgroup 0 after its dQ (t + 1), warpgroup 1 before
+ * its S / dP (t + 1) and together with its dQ (t), which runs one tile late (its dS fragments
+ * kept in registers): one warpgroup's exponentials and stores meet the other's MMAs.
+ * Warpgroup 1 gathers the key tiles alone (128 threads), issuing tile t + 1 into the stage of
+ * tile t - 1 once its dQ (t - 1) has read it. One CTA barrier per tile. 1 CTA per SM. Key
+ * ranges as bwd_wg_kernel. Rows past a partial last group's end (a whole warpgroup of them
+ * possibly) give P = dS = 0 by selects (bwg_p_ds). */
 template <typename T, typename Prm, int D, int NS>
 __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(NS == 2, "the stage of tile t - 1 is refilled with tile t + 1");
   constexpr int BM = 128, BN = 64, NT = 256;
   constexpr int QE = 64 * D, KE = BN * D, PE = 64 * BN;
   static_assert(PE * 2 == 4 * 2048, "the two P (dS) tiles are one run of 8 k16 steps");
@@ -391,9 +417,9 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   T* dOs = Qs + 2 * QE;               /* [2][64 x D] */
   T* Ks = dOs + 2 * QE;               /* [NS][BN x D] */
   T* Vs = Ks + NS * KE;               /* [NS][BN x D] */
-  T* Ps = Vs + NS * KE;               /* [2][64 x BN]: P of warpgroup 0's rows, then 1's */
-  T* dSs = Ps + 2 * PE;               /* [2][64 x BN]: dS likewise */
-  float* lse2 = reinterpret_cast<float*>(dSs + 2 * PE); /* [BM] */
+  T* Ps = Vs + NS * KE;               /* [2 tile parity][2 warpgroups][64 x BN] */
+  T* dSs = Ps + 4 * PE;               /* [2][2][64 x BN] */
+  float* lse2 = reinterpret_cast<float*>(dSs + 4 * PE); /* [BM] */
   float* dlt = lse2 + BM;                               /* [BM] */
   int* kidx = reinterpret_cast<int*>(dlt + BM);         /* [NS][BN] */
   int* qidx = kidx + NS * BN;                           /* [BM] */
@@ -417,29 +443,32 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
     gather_rows_async<T, D, NT, 64, true>(dOs + QE, gb, p.gs, qidx + 64, 64);
   }
   const int ntiles = (j1 - j0 + BN - 1) / BN;
-  KeyGather<T, D, NT, BN, true, int, false, 1> ix;
-  ix.init(p.k + c.b * p.kb + c.h * p.kh, p.ks, p.v + c.b * p.vb + c.h * p.vh, p.vs);
+  /* warpgroup 1 gathers every key tile: tile 0 here (with the Q / dO group), tile t + 1 during
+   * tile t */
+  KeyGather<T, D, 128, BN, true, int, false, 1> ix;
   const uint32_t ks0 = smem_u32(Ks), vs0 = smem_u32(Vs);
-#pragma unroll
-  for (int st = 0; st < NS - 1; ++st) {
-    if (st < ntiles) {
-      ix.load(list, j0 + st * BN, j1);
-      ix.issue(ks0 + st * KE * 2, vs0 + st * KE * 2, klo, khi, kidx + st * BN);
+  if (wg == 1) {
+    ix.init(p.k + c.b * p.kb + c.h * p.kh, p.ks, p.v + c.b * p.vb + c.h * p.vh, p.vs, tid - 128);
+    if (ntiles > 0) {
+      ix.load(list, j0, j1);
+      ix.issue(ks0, vs0, klo, khi, kidx);
     }
-    cp_async_commit();
+    ix.load(list, j0 + BN, j1);
   }
-  ix.load(list, j0 + (NS - 1) * BN, j1);
+  cp_async_commit();
 
   float dq[D / 8][4], acc[D / 8][4];
   float s[BN / 8][4], dp[BN / 8][4];
+  uint32_t da[BN / 16][4]; /* dS of the tile (warpgroup 1: its dQ runs one tile late) */
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i)
-    dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
 #pragma unroll
   for (int i = 0; i < BN / 8; ++i) {
     s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
     dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
   }
+#pragma unroll
+  for (int i = 0; i < BN / 16; ++i) da[i][0] = da[i][1] = da[i][2] = da[i][3] = 0u;
   const int wl0 = warp * 16 + (lane >> 2);      /* the lane's first row in its warpgroup's 64 */
   const int lr0 = 64 * wg + wl0, lr1 = lr0 + 8; /* ... in the CTA's 128 */
   const uint64_t qdesc = wg_desc(smem_u32(Qs + wg * QE), 16, 1024);
@@ -447,55 +476,73 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   const uint64_t kdesc0 = wg_desc(ks0, 16, 1024);
   const uint64_t vdesc0 = wg_desc(vs0, 16, 1024);
   const uint64_t ktdesc0 = wg_desc(ks0, BN * 128, 1024);
-  /* the 128-row products: warpgroup 0 dV_t = P^T dO, warpgroup 1 dK_t = dS^T Q; A = the P (dS)
-   * tiles read key-major (MN-major), B = the two dO (Q) tiles MN-major; k16 step kk reads rows
-   * 16 kk .. 16 kk + 15 of the 128 */
+  /* the 128-row products of tile parity b: A = the P (dS) tiles of parity b, 2 PE elements
+   * further each parity */
   const uint64_t adesc0 = wg_desc(smem_u32(wg ? dSs : Ps), BN * 128, 1024);
   const uint64_t bdesc0 = wg_desc(smem_u32(wg ? Qs : dOs), 64 * 128, 1024);
   float* red = (wg ? p.dkacc : p.dvacc) + c.bh * (size_t)p.S * D;
+  const float ls0 = lse2[lr0], ls1 = lse2[lr1], dl0 = dlt[lr0], dl1 = dlt[lr1];
 
-  int kid = -1; /* the key of the lane's row of the previous tile's product (-1: none) */
+
+  int kid = -1; /* the key of the lane's reduction row in the previous tile */
   for (int t = 0; t < ntiles; ++t) {
-    /* tile t landed for all; both warpgroups' MMAs of tile t - 1 (readers of the stage
-     * refilled here and of the P / dS tiles) are done */
-    bwg_tile_issue<T, D, BN, NS>(ix, list, j0, j1, klo, khi, t, ntiles, ks0, vs0, kidx, qdesc,
-                                 dodesc, kdesc0, vdesc0, s, dp);
-    /* the previous tile's product (in registers) goes out while S and dP are computed: the
-     * first half of its columns here, the second while dQ is (PERF_LOG kernels v24) */
-    bwg_reduce_part<D, 0, D / 16>(red, acc, kid, lane);
-    bwg_scores_wait<BN>(s, dp);
-    const uint32_t toff = (t % NS) * KE * 2;
-    const int* ki = kidx + (t % NS) * BN;
-
-    uint32_t pa[BN / 16][4], da[BN / 16][4];
-    bwg_p_ds<T, BN, true>(s, dp, ki, p.scale_log2, lse2[lr0], lse2[lr1], dlt[lr0], dlt[lr1],
-                          lr0 < c.nrows, lr1 < c.nrows, lane, pa, da);
-    /* this warpgroup's halves of P and dS to shared memory before dQ += dS K is issued: da is
-     * that MMA's A operand, and a wgmma's A registers may not be accessed (read either) until
-     * a wait_group covers it (PTX ISA, wgmma.mma_async) */
-    bwg_store_frag<T, BN>(Ps + wg * PE, pa, wl0, lane);
-    bwg_store_frag<T, BN>(dSs + wg * PE, da, wl0, lane);
+    const int st = t % NS;
+    cp_async_wait<0>(); /* tile t (this thread's part of it) */
     fence_proxy_async_smem();
-    /* dQ += dS K (this warpgroup's rows), in flight across the barrier */
+    __syncthreads(); /* tile t landed; P / dS of tile t - 1 written by both warpgroups; the
+                        readers of parity t % 2 (the products of tile t - 2) done */
+    if (wg == 1 && t > 0) {
+      bwg_dq_mma<T, D, BN>(dq, da, wg_desc_add(ktdesc0, (t - 1) % NS * KE * 2)); /* dQ (t - 1) */
+      bwg_product<T, D>(acc, wg_desc_add(adesc0, ((t - 1) & 1) * 2 * PE * 2), bdesc0); /* dK_t (t - 1) */
+      wg_wait<0>();
+      wg_fence_regs<D / 2>(&dq[0][0]);
+      wg_fence_regs<D / 2>(&acc[0][0]);
+      bwg_reduce_part<D, 0, D / 8>(red, acc, kid, lane);
+    }
+    if (wg == 1) {
+      if (t + 1 < ntiles) {
+        ix.issue(ks0 + (t + 1) % NS * KE * 2, vs0 + (t + 1) % NS * KE * 2, klo, khi,
+                 kidx + (t + 1) % NS * BN);
+        ix.load(list, j0 + (t + 2) * BN, j1);
+      }
+      cp_async_commit();
+    }
+    const int* ki = kidx + st * BN;
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-      Wgmma<T, D>::rs_bt(&dq[0][0], da[kk], wg_desc_add(ktdesc0, toff + kk * 2048), 1);
+    bwg_scores<T, D, BN>(s, qdesc, wg_desc_add(kdesc0, st * KE * 2));
+    bwg_scores<T, D, BN>(dp, dodesc, wg_desc_add(vdesc0, st * KE * 2));
     wg_commit();
-    bwg_reduce_part<D, D / 16, D / 8>(red, acc, kid, lane);
-    __syncthreads(); /* both warpgroups' halves written */
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-      WgmmaTT<T, D>::ss(&acc[0][0], wg_desc_add(adesc0, kk * 2048),
-                        wg_desc_add(bdesc0, (kk >> 2) * (QE * 2) + (kk & 3) * 2048), kk > 0);
-    wg_commit();
-    wg_wait<0>(); /* dQ and the 128-row product; before the next top barrier */
-    wg_fence_regs<D / 2>(&dq[0][0]);
-    wg_fence_regs<D / 2>(&acc[0][0]);
-    kid = bwg_reduce_key(ki, warp, lane); /* before the next barrier lets ki be refilled */
+    bwg_scores_wait<BN>(s, dp);
+    uint32_t pa[BN / 16][4];
+    bwg_p_ds<T, BN, true>(s, dp, ki, p.scale_log2, ls0, ls1, dl0, dl1, lr0 < c.nrows,
+                          lr1 < c.nrows, lane, pa, da);
+    bwg_store_frag<T, BN>(Ps + ((t & 1) * 2 + wg) * PE, pa, wl0, lane);
+    bwg_store_frag<T, BN>(dSs + ((t & 1) * 2 + wg) * PE, da, wl0, lane);
+    fence_proxy_async_smem();
+    if (wg == 0) {
+      bwg_dq_mma<T, D, BN>(dq, da, wg_desc_add(ktdesc0, st * KE * 2)); /* dQ (t) */
+      if (t > 0) bwg_product<T, D>(acc, wg_desc_add(adesc0, ((t - 1) & 1) * 2 * PE * 2), bdesc0);
+      wg_wait<0>();
+      wg_fence_regs<D / 2>(&dq[0][0]);
+      if (t > 0) {
+        wg_fence_regs<D / 2>(&acc[0][0]);
+        bwg_reduce_part<D, 0, D / 8>(red, acc, kid, lane);
+      }
+    }
+    kid = bwg_reduce_key(ki, warp, lane);
   }
-  bwg_reduce_part<D, 0, D / 8>(red, acc, kid, lane); /* the last tile's */
+  if (ntiles > 0) { /* the last tile's products (and warpgroup 1's last dQ) */
+    __syncthreads();
+    if (wg == 1) {
+      bwg_dq_mma<T, D, BN>(dq, da, wg_desc_add(ktdesc0, (ntiles - 1) % NS * KE * 2));
+      wg_wait<0>();
+      wg_fence_regs<D / 2>(&dq[0][0]);
+    }
+    bwg_product<T, D>(acc, wg_desc_add(adesc0, ((ntiles - 1) & 1) * 2 * PE * 2), bdesc0);
+    wg_wait<0>();
+    wg_fence_regs<D / 2>(&acc[0][0]);
+    bwg_reduce_part<D, 0, D / 8>(red, acc, kid, lane);
+  }
   cp_async_wait<0>();
   bwg_dq_out<T, D>(p, dq, RG, c.bh, c.b, c.h, c.row0 + 64 * wg, wl0, c.nrows - 64 * wg, lane);
 #endif
@@ -505,8 +552,8 @@ template <typename T, int D, typename Prm>
 static int bwd_wg128_launch(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
   constexpr int NS = 2, BM = 128, BN = 64;
   const size_t smem = 1024 + (size_t)(2 * BM + 2 * NS * BN) * D * sizeof(T) +
-                      (size_t)2 * BM * BN * sizeof(T) + 2 * BM * sizeof(float) +
-                      (size_t)(NS * BN + BM) * sizeof(int);
+                      (size_t)4 * BM * BN * sizeof(T) /* P, dS: two tiles each */ +
+                      2 * BM * sizeof(float) + (size_t)(NS * BN + BM) * sizeof(int);
   auto kern = bwd_wg128_kernel<T, Prm, D, NS>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
