@@ -123,18 +123,26 @@ __device__ __forceinline__ void bwg_reduce_rows(float* acc, const float (&a)[D /
   bwg_reduce_part<D, 0, D / 8>(acc, a, bwg_reduce_key(ki, warp, lane), lane);
 }
 
+/* S and dP of the warpgroup's rows over the tile just computed, waited for (their registers
+ * fenced) */
+template <int BN>
+__device__ __forceinline__ void bwg_scores_wait(float (&s)[BN / 8][4], float (&dp)[BN / 8][4]) {
+  wg_wait<0>();
+  wg_fence_regs<BN / 2>(&s[0][0]);
+  wg_fence_regs<BN / 2>(&dp[0][0]);
+}
+
 /* The top of key tile t of a query-major wgmma pass: waits for tile t (its own cp.async groups,
  * fenced to the async proxy, then a CTA barrier: tile t landed for all threads and every
  * warpgroup's MMAs of tile t - 1 are done), refills the stage freed by tile t - 1 with tile
  * t + NS - 1 and loads the list entries of the tile after it (one group committed per tile),
- * then issues S = Q K^T and dP = dO V^T of the warpgroup's rows over tile t (one commit group;
- * bwg_scores_wait waits for it). */
+ * then S = Q K^T and dP = dO V^T of the warpgroup's rows over tile t, waited for. */
 template <typename T, int D, int BN, int NS, typename IX>
-__device__ __forceinline__ void bwg_tile_issue(IX& ix, const int* list, int j0, int j1, int klo,
-                                               int khi, int t, int ntiles, uint32_t ks0,
-                                               uint32_t vs0, int* kidx, uint64_t qdesc,
-                                               uint64_t dodesc, uint64_t kdesc0, uint64_t vdesc0,
-                                               float (&s)[BN / 8][4], float (&dp)[BN / 8][4]) {
+__device__ __forceinline__ void bwg_tile_scores(IX& ix, const int* list, int j0, int j1, int klo,
+                                                int khi, int t, int ntiles, uint32_t ks0,
+                                                uint32_t vs0, int* kidx, uint64_t qdesc,
+                                                uint64_t dodesc, uint64_t kdesc0, uint64_t vdesc0,
+                                                float (&s)[BN / 8][4], float (&dp)[BN / 8][4]) {
   constexpr uint32_t KB = BN * D * 2; /* bytes of a K or V tile */
   cp_async_wait<NS - 2>();
   fence_proxy_async_smem(); /* this thread's cp.async writes -> visible to the tensor cores */
@@ -153,24 +161,6 @@ __device__ __forceinline__ void bwg_tile_issue(IX& ix, const int* list, int j0, 
   bwg_scores<T, D, BN>(s, qdesc, wg_desc_add(kdesc0, toff));
   bwg_scores<T, D, BN>(dp, dodesc, wg_desc_add(vdesc0, toff));
   wg_commit();
-}
-
-template <int BN>
-__device__ __forceinline__ void bwg_scores_wait(float (&s)[BN / 8][4], float (&dp)[BN / 8][4]) {
-  wg_wait<0>();
-  wg_fence_regs<BN / 2>(&s[0][0]);
-  wg_fence_regs<BN / 2>(&dp[0][0]);
-}
-
-/* bwg_tile_issue, then its MMAs waited for. */
-template <typename T, int D, int BN, int NS, typename IX>
-__device__ __forceinline__ void bwg_tile_scores(IX& ix, const int* list, int j0, int j1, int klo,
-                                                int khi, int t, int ntiles, uint32_t ks0,
-                                                uint32_t vs0, int* kidx, uint64_t qdesc,
-                                                uint64_t dodesc, uint64_t kdesc0, uint64_t vdesc0,
-                                                float (&s)[BN / 8][4], float (&dp)[BN / 8][4]) {
-  bwg_tile_issue<T, D, BN, NS>(ix, list, j0, j1, klo, khi, t, ntiles, ks0, vs0, kidx, qdesc,
-                               dodesc, kdesc0, vdesc0, s, dp);
   bwg_scores_wait<BN>(s, dp);
 }
 
