@@ -362,13 +362,15 @@ __device__ __forceinline__ void bwg_dq_mma(float (&dq)[D / 8][4], const uint32_t
                                            uint64_t ktdesc) {
   wg_fence();
 #pragma unroll
-  for (int kk = 0; kk < BN / 16; ++kk) Wgmma<T, D>::rs_bt(&dq[0][0], da[kk], wg_desc_add(ktdesc, kk * 2048), 1);
+  for (int kk = 0; kk < BN / 16; ++kk)
+    Wgmma<T, D>::rs_bt(&dq[0][0], da[kk], wg_desc_add(ktdesc, kk * 2048), 1);
   wg_commit();
 }
 
 /* acc = the 128-row product (A: the P or dS tiles of both warpgroups, B: their dO or Q tiles) */
 template <typename T, int D>
-__device__ __forceinline__ void bwg_product(float (&acc)[D / 8][4], uint64_t adesc, uint64_t bdesc) {
+__device__ __forceinline__ void bwg_product(float (&acc)[D / 8][4], uint64_t adesc,
+                                            uint64_t bdesc) {
   constexpr int QE = 64 * D;
   wg_fence();
 #pragma unroll
@@ -473,7 +475,6 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   float* red = (wg ? p.dkacc : p.dvacc) + c.bh * (size_t)p.S * D;
   const float ls0 = lse2[lr0], ls1 = lse2[lr1], dl0 = dlt[lr0], dl1 = dlt[lr1];
 
-
   int kid = -1; /* the key of the lane's reduction row in the previous tile */
   for (int t = 0; t < ntiles; ++t) {
     const int st = t % NS;
@@ -482,8 +483,9 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
     __syncthreads(); /* tile t landed; P / dS of tile t - 1 written by both warpgroups; the
                         readers of parity t % 2 (the products of tile t - 2) done */
     if (wg == 1 && t > 0) {
-      bwg_dq_mma<T, D, BN>(dq, da, wg_desc_add(ktdesc0, (t - 1) % NS * KE * 2)); /* dQ (t - 1) */
-      bwg_product<T, D>(acc, wg_desc_add(adesc0, ((t - 1) & 1) * 2 * PE * 2), bdesc0); /* dK_t (t - 1) */
+      /* dQ (t - 1) over the stage refilled below, and dK_t of tile t - 1 */
+      bwg_dq_mma<T, D, BN>(dq, da, wg_desc_add(ktdesc0, (t - 1) % NS * KE * 2));
+      bwg_product<T, D>(acc, wg_desc_add(adesc0, ((t - 1) & 1) * 2 * PE * 2), bdesc0);
       wg_wait<0>();
       wg_fence_regs<D / 2>(&dq[0][0]);
       wg_fence_regs<D / 2>(&acc[0][0]);
@@ -506,11 +508,15 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
     uint32_t pa[BN / 16][4];
     bwg_p_ds<T, BN, true>(s, dp, ki, p.scale_log2, ls0, ls1, dl0, dl1, lr0 < c.nrows,
                           lr1 < c.nrows, lane, pa, da);
+    /* this warpgroup's halves of P and dS to shared memory before dQ += dS K is issued: da is
+     * that MMA's A operand, and a wgmma's A registers may not be accessed (read either) until
+     * a wait_group covers it (PTX ISA, wgmma.mma_async) */
     bwg_store_frag<T, BN>(Ps + ((t & 1) * 2 + wg) * PE, pa, wl0, lane);
     bwg_store_frag<T, BN>(dSs + ((t & 1) * 2 + wg) * PE, da, wl0, lane);
     fence_proxy_async_smem();
     if (wg == 0) {
-      bwg_dq_mma<T, D, BN>(dq, da, wg_desc_add(ktdesc0, st * KE * 2)); /* dQ (t) */
+      /* dQ (t), then dV_t of tile t - 1 */
+      bwg_dq_mma<T, D, BN>(dq, da, wg_desc_add(ktdesc0, st * KE * 2));
       if (t > 0) bwg_product<T, D>(acc, wg_desc_add(adesc0, ((t - 1) & 1) * 2 * PE * 2), bdesc0);
       wg_wait<0>();
       wg_fence_regs<D / 2>(&dq[0][0]);
