@@ -287,7 +287,7 @@ def _kernels_v25():
     for r in recs:
         out.setdefault((r["kernel"], round(1 - r["sparsity"], 3)), []).append(r)
     r0 = recs[0]
-    return out, _prov(f"{recs[0]['run_date']} - {recs[-1]['run_date']}", r0["run_commit"], r0["run_card"],
+    return out, _prov(f"{r0['run_date']} - {recs[-1]['run_date']}", r0["run_commit"], r0["run_card"],
                       f"torch {r0['run_torch']}")
 
 
