@@ -71,10 +71,15 @@ PATHS = {
                                               # pass on mma.sync (dQ still on wgmma)
     "kmajor_mma": "km_ratio=1e9,wgmma=0",     # the same on mma.sync only (forward included)
     "qmajor_mma": "km_ratio=0,wgmma=0",       # query-major on mma.sync only
+    "union": "km_ratio=0,bwd_ranges=1,bwd_union=1",   # groups of 16 / 32 / 64 queries merged
+                                              # per 128-query block wherever their lists allow
+                                              # it (sorted, finite inputs; D 64 / 128, H100 /
+                                              # H200), scattered or not (PERF_LOG v26)
+    "union3": "km_ratio=0,bwd_ranges=3,bwd_union=1",  # the same with 3 key ranges
 }
 # the tests of this file that take `path`, and the device-parametrized tests of
 # test_sparse_attention.py (their CUDA cases) that run on every path
-PATH_TESTS = "coherent_blocks or nan_reaches or deterministic_backward"
+PATH_TESTS = "coherent_blocks or nan_reaches or deterministic_backward or merged_groups"
 # and the row-count cases of the 128-row kernels (tests/test_group128_cuda.py)
 GROUP128_PATH_TESTS = "g128_row_counts"
 DEVICE_PATH_TESTS = ("matches_reference or list_kinds or strided_inputs or group_sizes or "
@@ -224,6 +229,148 @@ def test_backward_nan_reaches_gradients(gen, path):
     sel = sel[sel >= 0].unique()
     assert torch.isnan(dk[0, sel, 0]).any(dim=-1).all()
     assert torch.isnan(dv[0, sel, 0]).any(dim=-1).all()
+
+
+def _sorted_lists(B, H, S, G, kmax, gen, share=0.0, short=()):
+    """[B, H, NG, kmax] strictly ascending lists (what topk_estimate writes): each group's list
+    keeps a `share` of its 128-query block's base list and draws the rest at random; groups in
+    `short` hold fewer valid entries (trailing -1)."""
+    NG = -(-S // G)
+    M = max(1, 128 // G)
+    idx = torch.full((B, H, NG, kmax), -1, dtype=torch.int32)
+    for b in range(B):
+        for h in range(H):
+            for g in range(NG):
+                if g % M == 0:
+                    base = torch.randperm(S, generator=gen)[:kmax]
+                keep = base[torch.randperm(kmax, generator=gen)[:int(share * kmax)]]
+                rest = torch.randperm(S, generator=gen)
+                rest = rest[~torch.isin(rest, keep)][:kmax - keep.numel()]
+                n = kmax // 3 if g in short else kmax
+                lst = torch.cat([keep, rest])[:n].sort().values
+                idx[b, h, g, :n] = lst.to(torch.int32)
+    return idx
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "dout"])
+@pytest.mark.parametrize("G", [32, 64])
+def test_backward_nan_reaches_only_its_groups(where, G, gen, path):
+    """A NaN in one element of q, k, v or dout reaches exactly the gradients that attention over
+    the lists reaches (NaN there, finite everywhere else), on every backward path: with merged
+    groups (bwd_union) a CTA's rows multiply masked zeros with other groups' rows and keys, so a
+    head with a non-finite q, k or dout element must run its groups separately. The key with the
+    NaN is in group 0's list only; groups 0 and 1 share a 128-query block."""
+    need_backend()
+    B, H, S, D, kmax = 1, 1, 256, 128, 96
+    j, r = 200, 5  # the key (k, v) or the query row (q, dout) with the NaN; row 5 is in group 0
+    idx = _sorted_lists(B, H, S, G, kmax, gen, share=0.8)
+    lst0 = idx[0, 0, 0]
+    if not (lst0 == j).any():
+        lst0[0] = j
+        idx[0, 0, 0] = lst0.sort().values
+    for g in range(1, idx.shape[2]):  # j in group 0's list only
+        lst = idx[0, 0, g]
+        if (lst == j).any():
+            lst[lst == j] = next(x for x in range(S) if x != j and not (lst == x).any())
+            idx[0, 0, g] = lst.sort().values
+    cnt = torch.full((B, H), kmax, dtype=torch.int32)
+    q, k, v = make_inputs(B, S, H, D, torch.bfloat16, gen)
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype).cuda()
+    bad = {"q": q, "k": k, "v": v, "dout": dout}[where]
+    bad[0, r if where in ("q", "dout") else j, 0, 3] = float("nan")
+    idx_c, cnt_c = idx.cuda(), cnt.cuda()
+    out, lse = attn_fwd(q, k, v, idx_c, cnt_c, G, 0.1)
+    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, idx_c, cnt_c, G, 0.1)
+    torch.cuda.synchronize()
+    # the rows that see the NaN, and the keys their groups selected
+    groups = [0] if where in ("q", "dout") else [g for g in range(idx.shape[2])
+                                                 if (idx[0, 0, g] == j).any()]
+    rows = torch.zeros(S, dtype=torch.bool)
+    if where in ("q", "dout"):
+        rows[r] = True
+    else:
+        for g in groups:
+            rows[g * G:(g + 1) * G] = True
+    keys = torch.zeros(S, dtype=torch.bool)
+    for g in groups:
+        sel = idx[0, 0, g].long()
+        keys[sel[sel >= 0]] = True
+    nan_rows = torch.isnan(dq[0, :, 0].float()).any(dim=-1).cpu()
+    assert torch.equal(nan_rows, rows), f"dq rows with NaN: {nan_rows.nonzero().flatten().tolist()}"
+    # the key-major dK / dV pass works on whole 64-key blocks: a NaN q or dout row reaches the
+    # other keys of its group's blocks too (masked zeros times the row)
+    wide = keys.view(-1, 64).any(dim=1, keepdim=True).expand(-1, 64).reshape(-1)
+    kmajor = path.startswith("kmajor") and where in ("q", "dout")
+    for name, grad, want in (("dk", dk, keys), ("dv", dv, keys if where != "v" else 0 * keys)):
+        # (dv = P^T dO: a NaN in v reaches out and delta, not P or dO)
+        nan = torch.isnan(grad[0, :, 0].float()).any(dim=-1).cpu()
+        at = nan.nonzero().flatten().tolist()
+        if kmajor:
+            assert not (want & ~nan).any() and not (nan & ~wide).any(), f"{name} NaN at {at}"
+        else:
+            assert torch.equal(nan, want), f"{name} rows with NaN: {at}"
+
+
+@pytest.mark.parametrize("share", [1.0, 0.7])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("G", [16, 32, 64])
+def test_merged_groups_match_reference(G, D, share, gen, path):
+    """Groups of 16 / 32 / 64 queries whose 128-query blocks share most keys (what coherent video
+    lists give), sorted as topk_estimate writes them: where merging applies (bwd_union, D 64 /
+    128 on an H100 / H200; everywhere in the "union" paths of test_backward_path) one 128-row CTA
+    walks the union of a block's lists with each row masked to its group's keys. A partial last
+    block and group, groups with fewer valid entries (trailing -1), and heads with counts 0, 1,
+    37 and kmax."""
+    need_backend()
+    B, H, S, kmax = 2, 3, 3 * 128 + 45, 96
+    idx = _sorted_lists(B, H, S, G, kmax, gen, share=share, short=(1, 5))
+    cnt = torch.tensor([[kmax, 37, 1], [0, kmax, kmax]], dtype=torch.int32)
+    q, k, v = make_inputs(B, S, H, D, torch.bfloat16 if G != 32 else torch.float16, gen)
+    run_and_check(q, k, v, idx, cnt, G, 1.0 / math.sqrt(D), gen)
+
+
+_MERGED_CHILD = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import dsv_ext
+G, S, H, D, K = 32, 2048, 2, 128, 256
+gen = torch.Generator().manual_seed(0)
+# every group of a 128-query block lists the same keys, runs of 64 keys that straddle two
+# 64-key blocks (coherent lists, not whole blocks: the query-major dK / dV path)
+base = torch.stack([torch.randperm(S // 128, generator=gen)[:K // 64].sort().values
+                    for _ in range(S // 128)])
+lst = (base[:, :, None] * 128 + 32 + torch.arange(64)).reshape(S // 128, K)
+idx = lst.repeat_interleave(128 // G, dim=0)[None, None].expand(1, H, -1, -1).contiguous()
+idx = idx.to(torch.int32).cuda()
+cnt = torch.full((1, H), K, dtype=torch.int32, device="cuda")
+q, k, v = (torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+out = dsv_ext.sparse_attention(q, k, v, idx, cnt, G)
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+names = [e.name for e in prof.events()]
+print("MERGED", any("bwd_wg128_kernel" in n and n.rstrip(")").split("(")[0].endswith("true>")
+                    for n in names), any("union_build_kernel" in n for n in names))
+"""
+
+
+@pytest.mark.parametrize("tuning,expect", [("", "True True"), ("bwd_union=0", "False False")])
+def test_merged_groups_run_by_default(tuning, expect):
+    """With the default tuning, coherent lists of G = 32 (every group of a block lists the same
+    keys) run their backward on the merged 128-row kernel (bwd_union 0.75); bwd_union=0 turns
+    merging off. Seen through the profiler's kernel names, in a child process (the tuning is
+    read once per process)."""
+    need_backend()
+    if not _have_ops():
+        pytest.skip("needs the built extension (dsv_ext.sparse_attention)")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the merged kernel runs on wgmma (compute capability 9.0)")
+    env = dict(os.environ, DSV_KERNEL_TUNING=tuning)
+    r = subprocess.run([sys.executable, "-c", _MERGED_CHILD, ROOT], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"MERGED {expect}" in r.stdout, r.stdout[-2000:]
 
 
 def test_deterministic_backward_repeats_bitwise(gen, path):

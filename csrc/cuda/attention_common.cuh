@@ -190,7 +190,9 @@ __device__ __forceinline__ void gather_keys_pre(T* ktile, T* vtile, const T* kba
  * two with WIDE. load() reads the list entries of a tile one tile ahead (as KeyTileIdx; with
  * BLK > 1 the keys of block lists, list_key);
  * issue() copies the K and V rows (entries outside [lo, hi) give zero rows) and records each
- * row's mask: MaskT float: 0 or -inf (a score bias), int: the position or -1. */
+ * row's mask: MaskT float: 0 or -inf (a score bias), int: the position or -1. KM > 0: packed
+ * entries (the merged lists of the backward, bwd_union): the key is entry & KM, and the int
+ * mask records the whole entry. */
 template <int D, int NT, int BN>
 struct KeyGatherFits {
   static constexpr int CH = D / 8, RS = NT / CH;
@@ -198,8 +200,10 @@ struct KeyGatherFits {
 };
 
 template <typename T, int D, int NT, int BN, bool SWZ, typename MaskT = float, bool WIDE = false,
-          int BLK = 1>
+          int BLK = 1, int KM = 0>
 struct KeyGather {
+  static_assert(KM == 0 || (BLK == 1 && sizeof(MaskT) == sizeof(int) && (MaskT)0.5f == 0),
+                "packed entries: token lists, int masks");
   static constexpr int CH = D / 8, RS = NT / CH, N = BN / RS;
   static constexpr int ROW = SWZ ? 64 : D + 8; /* elements from row r to row r + 1 in a block */
   static_assert(KeyGatherFits<D, NT, BN>::value, "one chunk per thread and row");
@@ -244,8 +248,9 @@ struct KeyGather {
                                         MaskT* mask) const {
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      const bool valid = (unsigned)v[k] - (unsigned)lo < (unsigned)(hi - lo);
-      const uint32_t row = valid ? (uint32_t)v[k] : 0u;
+      const int key = KM && v[k] >= 0 ? v[k] & KM : v[k];
+      const bool valid = (unsigned)key - (unsigned)lo < (unsigned)(hi - lo);
+      const uint32_t row = valid ? (uint32_t)key : 0u;
       if (writer) {
         if constexpr (sizeof(MaskT) == sizeof(float) && (MaskT)0.5f != 0)
           mask[r0 + k * RS] = valid ? 0.f : -INFINITY;

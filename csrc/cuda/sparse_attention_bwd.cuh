@@ -55,7 +55,22 @@ struct BwdParams {
   int* bsorted;   /* [B, H, NG, kmax] each list's valid entries, ascending (duplicates kept) */
   int* bnsorted;  /* [B, H, NG] how many */
   int g128;       /* the tuning's g128: groups of a multiple of 128 rows on bwd_wg128_kernel */
+  /* merged groups (the tuning's bwd_union; built by union_build_kernel, run by bwd_wg128_kernel):
+   * the groups of G = 16, 32 or 64 queries of each 128-query block u run as one 128-row CTA over
+   * the union of their lists where it is short enough */
+  int* uidx;      /* [B, H, NSG, ucap] block u's union, ascending: key | member mask << UKEY_BITS
+                     (bit m: group M u + m selected the key); nullptr: no merging */
+  int* ucnt;      /* [B, H, NSG] entries of the union; -1: the block's groups run separately */
+  int* knf;       /* [B, H] 1: the head has a non-finite q, k or dout element (nothing merged) */
+  int NSG, ucap;  /* 128-query blocks (ceil(S / 128)); union capacity per block */
+  int ug;         /* the group size of the merged groups (bwd_wg128_kernel's launch) */
+  float bwd_union;
 };
+
+/* Packed entries of the merged lists: keys below 2^UKEY_BITS (the sequence length limit of
+ * merging), member masks of up to 8 groups above them (the sign bit stays clear). */
+constexpr int UKEY_BITS = 23;
+constexpr int UKEY_MASK = (1 << UKEY_BITS) - 1;
 
 __device__ __forceinline__ int clamp_count(int c, int kmax) {
   return c < 0 ? 0 : (c > kmax ? kmax : c);
@@ -85,11 +100,14 @@ __device__ __forceinline__ void dq_store(const BwdParams<T>& p, int b, int h, in
 }
 
 /* First position in [a, e) of an ascending list whose entry is >= key (e if none): the part of a
- * group's list inside one key range of the query-major backward. */
+ * group's list inside one key range of the query-major backward. KM > 0: packed entries, the key
+ * is entry & KM. */
+template <int KM = 0>
 __device__ __forceinline__ int list_lower_bound(const int* list, int a, int e, int key) {
   while (a < e) {
     const int m = (a + e) >> 1;
-    if (__ldg(list + m) < key) a = m + 1; else e = m;
+    const int x = __ldg(list + m);
+    if ((KM ? x & KM : x) < key) a = m + 1; else e = m;
   }
   return a;
 }
@@ -128,7 +146,7 @@ __device__ __forceinline__ bool qmajor_cta(const Prm& p, int RG, int path, bool 
  * list; several: a binary search where the head's list is strictly ascending and in range
  * (flags 0), else the whole list with the keys outside the range masked by the gathers. false:
  * nothing of the group in this range (uniform per CTA). */
-template <int BLK, typename Prm>
+template <int BLK, int KM = 0, typename Prm>
 __device__ __forceinline__ bool qmajor_range(const Prm& p, size_t bh, const int* list, int count,
                                              int R, int rr, int& klo, int& khi, int& j0, int& j1) {
   klo = 0, khi = p.S, j0 = 0, j1 = count * BLK;
@@ -137,8 +155,8 @@ __device__ __forceinline__ bool qmajor_range(const Prm& p, size_t bh, const int*
     klo = rr * rlen;
     khi = min(p.S, klo + rlen);
     if (p.flags[bh] == 0) { /* strictly ascending, in range: binary search */
-      j0 = list_lower_bound(list, 0, count, klo);
-      j1 = list_lower_bound(list, j0, count, khi);
+      j0 = list_lower_bound<KM>(list, 0, count, klo);
+      j1 = list_lower_bound<KM>(list, j0, count, khi);
     }
     if (j1 <= j0) return false;
   }
@@ -163,6 +181,12 @@ __device__ __forceinline__ void qmajor_rows(const Prm& p, size_t bh, int row0, i
  * ranges of every head; counts, offsets and (group, mask) entries of key-major heads. */
 template <typename T>
 int bwd_index_launch(BwdParams<T>& prm, int B, bool deterministic, cudaStream_t stream);
+
+/* Merged groups (sparse_attention_bwd_index.cu, after bwd_index_launch): the union of the lists
+ * of each 128-query block's groups with member masks (uidx, ucnt) where the head is on the
+ * query-major dK / dV path with strictly ascending lists, and the head's non-finite check (knf). */
+template <typename T>
+int bwd_union_index_launch(BwdParams<T>& prm, int B, cudaStream_t stream);
 
 /* Query-major passes (sparse_attention_bwd_qmajor.cu): dQ of the key-major heads, then dQ and
  * the dK / dV reductions of the others; wgmma: the tuning's choice of the Hopper kernels. */

@@ -323,4 +323,185 @@ int bwd_index_launch(BwdParams<T>& prm, int B, bool deterministic, cudaStream_t 
 template int bwd_index_launch<__half>(BwdParams<__half>&, int, bool, cudaStream_t);
 template int bwd_index_launch<__nv_bfloat16>(BwdParams<__nv_bfloat16>&, int, bool, cudaStream_t);
 
+/* ---------------------------------------------------------------------------------------- */
+/* Merged groups (the tuning's bwd_union; bwd_wg128_kernel runs them). Groups of G = 16, 32 or
+ * 64 queries give M = 128 / G groups per 128-query block u; where the union of their lists is
+ * short enough, one 128-row CTA walks the union instead of M CTAs walking the lists: it reduces
+ * each key of the union once per 128 rows (instead of once per group that selected it) and
+ * masks each row's scores to its own group's keys. union_build_kernel, one CTA per (u, h, b):
+ *   - heads on the query-major dK / dV path with strictly ascending lists only (flags 0: the
+ *     union drops nothing, since such a list has no duplicates), and unless bwd_union >= 1 not
+ *     heads whose lists are scattered (key-block entries x 64 > 4 x groups x K, km_scan_kernel's
+ *     measure: there the union is nearly M lists long);
+ *   - the keys of the lists in windows of W keys: a bitmap per group in shared memory (one
+ *     atomicOr per run of a warp's keys in one word), then each thread turns a run of words
+ *     into packed entries (key | member mask << UKEY_BITS) at its place of a block-wide prefix
+ *     sum: ascending, without duplicates. More than ucap entries: ucnt = -1, the groups run
+ *     separately (bwd_qmajor_kernel);
+ *   - a non-finite element in the block's k rows, or (where merged) its q or dout rows, sets the
+ *     head's knf, and then nothing of the head is merged: in a merged CTA a row multiplies
+ *     masked (zero) dS and P with the K, Q and dO rows of other groups' keys and rows, and
+ *     0 x inf = NaN would reach dq, dk, dv where the reference has none. (V, out and lse enter
+ *     only through scores and dP, which the mask selects away.) */
+template <typename T> struct ExpBits;
+template <> struct ExpBits<__half> { static constexpr uint32_t v = 0x7C007C00u; };
+template <> struct ExpBits<__nv_bfloat16> { static constexpr uint32_t v = 0x7F807F80u; };
+
+/* Whether rows [row0, row0 + nrows) of a (b, h) slice with row stride `stride` hold only finite
+ * elements (this thread's share of them). */
+template <typename T>
+__device__ __forceinline__ bool rows_finite(const T* base, int64_t stride, int row0, int nrows,
+                                            int D) {
+  constexpr uint32_t E = ExpBits<T>::v;
+  const int CH = D / 8;
+  bool ok = true;
+  for (int i = threadIdx.x; i < nrows * CH; i += blockDim.x) {
+    const int r = i / CH, c = i - r * CH;
+    const T* e = base + (int64_t)(row0 + r) * stride + c * 8;
+    const uint4 x = __ldg(reinterpret_cast<const uint4*>(e));
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t a = w[j] & E;
+      ok &= (a & 0xFFFFu) != (E & 0xFFFFu) && (a >> 16) != (E >> 16);
+    }
+  }
+  return ok;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) union_build_kernel(const BwdParams<T> p, int W) {
+  extern __shared__ uint32_t ubits[]; /* [M][W / 32] */
+  __shared__ int s_cnt[8], s_cur[8], s_end[8], s_warp[8], s_total;
+  const int u = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const size_t bh = (size_t)b * p.H + h;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int M = 128 / p.G, NWD = W / 32;
+  const int row0 = u * 128, nrows = min(128, p.S - row0);
+  int* ucnt = p.ucnt + bh * p.NSG + u;
+  const int count = clamp_count(__ldg(p.kv_count + bh), p.kmax);
+  bool on = p.path[bh] == 0 && p.flags[bh] == 0 && count > 0;
+  if (on && p.bwd_union < 1.f) {
+    const size_t last = bh * p.nkb + p.nkb - 1;
+    on = ((double)p.kboff[last] + p.kbcount[last]) * KB <= 4.0 * (double)p.NG * count;
+  }
+  if (!on) {
+    if (tid == 0) *ucnt = -1;
+    return;
+  }
+  if (!__syncthreads_and(rows_finite<T>(p.k + b * p.kb + h * p.kh, p.ks, row0, nrows, p.D)) &&
+      tid == 0)
+    atomicOr(p.knf + bh, 1);
+  for (int m = 0; m < M; ++m) {
+    const int g = u * M + m; /* past the last group: an empty list */
+    const int c = g < p.NG ? trim_count<256>(p.kv_index + (bh * p.NG + g) * p.kmax, count) : 0;
+    if (tid == 0) {
+      s_cnt[m] = c;
+      s_cur[m] = 0;
+    }
+  }
+  if (tid == 0) s_total = 0;
+  __syncthreads();
+  int* out = p.uidx + (bh * p.NSG + u) * (size_t)p.ucap;
+  for (int lo = 0; lo < p.S; lo += W) {
+    const int hi = min(p.S, lo + W), nwd = (hi - lo + 31) >> 5;
+    for (int i = tid; i < M * NWD; i += 256) ubits[i] = 0u;
+    if (tid < M) {
+      const int c = s_cnt[tid];
+      s_end[tid] = hi >= p.S ? c
+                             : list_lower_bound(p.kv_index + (bh * p.NG + u * M + tid) * p.kmax,
+                                                s_cur[tid], c, hi);
+    }
+    __syncthreads();
+    for (int m = 0; m < M; ++m) {
+      const int* list = p.kv_index + (bh * p.NG + u * M + m) * p.kmax;
+      for (int jb = s_cur[m]; jb < s_end[m]; jb += 256) {
+        const int j = jb + tid;
+        const int key = j < s_end[m] ? __ldg(list + j) - lo : -1;
+        /* the lanes of one word are neighbours (ascending list): OR them, one atomic per run */
+        int wd = key >= 0 ? key >> 5 : -1 - lane;
+        uint32_t bits = key >= 0 ? 1u << (key & 31) : 0u;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+          const int ow = __shfl_down_sync(0xffffffffu, wd, d);
+          const uint32_t ob = __shfl_down_sync(0xffffffffu, bits, d);
+          if (lane + d < 32 && ow == wd) bits |= ob;
+        }
+        const int pw = __shfl_up_sync(0xffffffffu, wd, 1);
+        if (key >= 0 && (lane == 0 || pw != wd)) atomicOr(ubits + m * NWD + wd, bits);
+      }
+    }
+    __syncthreads();
+    const int per = (nwd + 255) / 256, w0 = min(nwd, tid * per), w1 = min(nwd, w0 + per);
+    int n = 0;
+    for (int w = w0; w < w1; ++w) {
+      uint32_t o = 0u;
+      for (int m = 0; m < M; ++m) o |= ubits[m * NWD + w];
+      n += __popc(o);
+    }
+    int incl = n; /* block-wide prefix sum of the threads' entries */
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += y;
+    }
+    if (lane == 31) s_warp[warp] = incl;
+    __syncthreads();
+    int wex = 0, tot = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int x = s_warp[i];
+      wex += i < warp ? x : 0;
+      tot += x;
+    }
+    const int base = s_total;
+    if (base + tot <= p.ucap) {
+      int pos = base + wex + incl - n;
+      for (int w = w0; w < w1; ++w) {
+        uint32_t o = 0u;
+        for (int m = 0; m < M; ++m) o |= ubits[m * NWD + w];
+        while (o) {
+          const int bit = __ffs(o) - 1;
+          o &= o - 1u;
+          uint32_t mk = 0u;
+          for (int m = 0; m < M; ++m) mk |= ((ubits[m * NWD + w] >> bit) & 1u) << m;
+          out[pos++] = (lo + w * 32 + bit) | (int)(mk << UKEY_BITS);
+        }
+      }
+    }
+    __syncthreads(); /* s_warp, s_total and the bitmaps read */
+    if (tid == 0) s_total = base + tot;
+    if (tid < M) s_cur[tid] = s_end[tid];
+    __syncthreads();
+    if (s_total > p.ucap) break;
+  }
+  const int total = s_total;
+  const bool merged = total <= p.ucap;
+  if (merged) {
+    const bool fin = rows_finite<T>(p.q + b * p.qb + h * p.qh, p.qs, row0, nrows, p.D) &&
+                     rows_finite<T>(p.dout + b * p.gb + h * p.gh, p.gs, row0, nrows, p.D);
+    if (!__syncthreads_and(fin) && tid == 0) atomicOr(p.knf + bh, 1);
+  }
+  if (tid == 0) *ucnt = merged ? total : -1;
+}
+
+/* The window of union_build_kernel: its bitmaps (M x W bits) within 40 KB of shared memory. */
+static int union_window(int S, int M) {
+  const int wmax = (40 * 1024 * 8 / M) & ~31;
+  const int s32 = (S + 31) & ~31;
+  return s32 < wmax ? s32 : wmax;
+}
+
+template <typename T>
+int bwd_union_index_launch(BwdParams<T>& prm, int B, cudaStream_t stream) {
+  const int W = union_window(prm.S, 128 / prm.G);
+  const size_t smem = (size_t)(128 / prm.G) * (W / 32) * sizeof(uint32_t);
+  dim3 grid((unsigned)prm.NSG, (unsigned)prm.H, (unsigned)B);
+  union_build_kernel<T><<<grid, 256, smem, stream>>>(prm, W);
+  return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
+}
+
+template int bwd_union_index_launch<__half>(BwdParams<__half>&, int, cudaStream_t);
+template int bwd_union_index_launch<__nv_bfloat16>(BwdParams<__nv_bfloat16>&, int, cudaStream_t);
+
 }  // namespace dsv_attn

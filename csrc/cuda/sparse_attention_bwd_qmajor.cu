@@ -52,6 +52,9 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   const int row_end = min(g * p.G + p.G, p.S);
   const int nrows = min(BM, row_end - row0);
   if (nrows <= 0) return;
+  /* a merged 128-query block (bwd_union): bwd_wg128_kernel has its rows */
+  if (ATOMIC && p.ucnt && __ldg(p.ucnt + bh * p.NSG + row0 / 128) >= 0 && !__ldg(p.knf + bh))
+    return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   const int* list = p.kv_index + (bh * p.NG + g) * p.kmax;
@@ -331,6 +334,20 @@ static int qmajor_cfg(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t 
   return launch_qmajor<T, D, BM, 32, 2, ATOMIC, B>(sh, prm, stream);
 }
 
+/* Merged groups (the tuning's bwd_union, prm.uidx set by the host dispatch): the union of each
+ * 128-query block's lists (union_build_kernel), then the merged blocks on bwd_wg128_kernel over
+ * their unions; the query-major kernel then skips their groups. */
+template <typename T, int D>
+static int union_passes(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
+  const int st = bwd_union_index_launch<T>(prm, (int)sh->batch, stream);
+  if (st != DSV_OK) return st;
+  BwdParams<T> pu = prm;
+  pu.ug = prm.G;
+  pu.G = 128;
+  pu.NG = prm.NSG;
+  return bwd_wg128_launch<T, D, BwdParams<T>, true>(sh, pu, stream);
+}
+
 /* dQ of the key-major heads (no dK / dV), then dQ and the dK / dV reductions of the others.
  * With wgmma (an sm_90a build on a 9.0 device, the tuning's wgmma), D 64 / 128 and G >= 64, the
  * dQ-only pass runs on wgmma (sparse_attention_bwd_wg.cuh); the pass with reductions stays on
@@ -342,8 +359,13 @@ static int qmajor_passes(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
   int st = DSV_OK;
   int wg = 0; /* the dQ-only pass on wgmma */
   if constexpr (D == 64 || D == 128) wg = wgmma && bwd_wg_applies<T, D>(prm);
+  bool un = false; /* merged groups */
+  if constexpr (D == 64 || D == 128) un = wgmma && prm.uidx && bwd_wg_strides_fit<T>(prm);
+  if (!un) prm.ucnt = nullptr;
   if (prm.G <= 32) {
     if (prm.km_enabled && (st = qmajor_cfg<T, D, 32, false>(sh, prm, stream)) != DSV_OK) return st;
+    if constexpr (D == 64 || D == 128)
+      if (un && (st = union_passes<T, D>(sh, prm, stream)) != DSV_OK) return st;
     if ((st = qmajor_cfg<T, D, 32, true>(sh, prm, stream)) != DSV_OK) return st;
   } else {
     if (prm.km_enabled) {
@@ -352,6 +374,8 @@ static int qmajor_passes(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
       if (!wg) st = qmajor_cfg<T, D, 64, false>(sh, prm, stream);
       if (st != DSV_OK) return st;
     }
+    if constexpr (D == 64 || D == 128)
+      if (un && (st = union_passes<T, D>(sh, prm, stream)) != DSV_OK) return st;
     if constexpr (D == 64 || D == 128)
       if (wg && prm.g128 && prm.G % 128 == 0) return bwd_wg128_launch<T, D>(sh, prm, stream);
     if ((st = qmajor_cfg<T, D, 64, true>(sh, prm, stream)) != DSV_OK) return st;

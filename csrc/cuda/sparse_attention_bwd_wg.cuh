@@ -91,9 +91,12 @@ __device__ __forceinline__ void bwg_store_frag(T* tile, const uint32_t (&f)[BN /
 }
 
 /* The key of the accumulator row that the lane reduces (bwg_reduce_part): warp w holds key rows
- * 16 w + lane / 4 and + 8 of a 64-key tile, lanes of even lane & 3 reduce the first. */
+ * 16 w + lane / 4 and + 8 of a 64-key tile, lanes of even lane & 3 reduce the first. KM > 0:
+ * packed entries (merged groups), the key is entry & KM. */
+template <int KM = 0>
 __device__ __forceinline__ int bwg_reduce_key(const int* ki, int warp, int lane) {
-  return ki[warp * 16 + (lane >> 2) + ((lane & 1) == 0 ? 0 : 8)];
+  const int e = ki[warp * 16 + (lane >> 2) + ((lane & 1) == 0 ? 0 : 8)];
+  return KM && e >= 0 ? e & KM : e;
 }
 
 /* Adds columns 8 J0 .. 8 J1 - 1 of a 64-key x D fp32 tile (wgmma accumulator) into
@@ -166,18 +169,22 @@ __device__ __forceinline__ void bwg_tile_scores(IX& ix, const int* list, int j0,
 
 /* P = exp(scale s - lse) and dS = P (dP - delta) (without the scale factor) of one 64 x BN
  * tile, packed as the A fragments of the next MMAs (pa, da), for the lane's rows lr0 and lr1;
- * keys whose entry ki is < 0 give 0. ROWV: rows past the group's end (rv0 / rv1 false) give
- * P = dS = 0 by selects, so that a non-finite K or V row cannot reach dK / dV through them
- * (their Q and dO rows are zero: 0 x inf). */
-template <typename T, int BN, bool ROWV>
+ * keys whose entry ki is < 0 give 0, and with UN (merged groups: packed entries) those whose
+ * member bit ush is clear (dS by a select too). ROWV: rows past the group's end (rv0 / rv1
+ * false) give P = dS = 0 by selects, so that a non-finite K or V row cannot reach dK / dV
+ * through them (their Q and dO rows are zero: 0 x inf). */
+template <typename T, int BN, bool ROWV, bool UN = false>
 __device__ __forceinline__ void bwg_p_ds(const float (&s)[BN / 8][4], const float (&dp)[BN / 8][4],
                                          const int* ki, float scale_log2, float ls0, float ls1,
                                          float dl0, float dl1, bool rv0, bool rv1, int lane,
-                                         uint32_t (&pa)[BN / 16][4], uint32_t (&da)[BN / 16][4]) {
+                                         uint32_t (&pa)[BN / 16][4], uint32_t (&da)[BN / 16][4],
+                                         int ush = 0) {
 #pragma unroll
   for (int nt = 0; nt < BN / 8; ++nt) {
     const int col = nt * 8 + (lane & 3) * 2;
-    const bool v0 = ki[col] >= 0, v1 = ki[col + 1] >= 0;
+    const int e0 = ki[col], e1 = ki[col + 1];
+    const bool v0 = e0 >= 0 && (!UN || ((e0 >> ush) & 1));
+    const bool v1 = e1 >= 0 && (!UN || ((e1 >> ush) & 1));
     const bool r0 = !ROWV || rv0, r1 = !ROWV || rv1;
     const float p0 = v0 && r0 ? fast_exp2(s[nt][0] * scale_log2 - ls0) : 0.f;
     const float p1 = v1 && r0 ? fast_exp2(s[nt][1] * scale_log2 - ls0) : 0.f;
@@ -186,8 +193,16 @@ __device__ __forceinline__ void bwg_p_ds(const float (&s)[BN / 8][4], const floa
     const int kk = nt >> 1, hf = (nt & 1) * 2;
     pa[kk][hf] = Elem<T>::pack(p0, p1);
     pa[kk][hf + 1] = Elem<T>::pack(p2, p3);
-    const uint32_t d0 = Elem<T>::pack(p0 * (dp[nt][0] - dl0), p1 * (dp[nt][1] - dl0));
-    const uint32_t d1 = Elem<T>::pack(p2 * (dp[nt][2] - dl1), p3 * (dp[nt][3] - dl1));
+    float d[4] = {p0 * (dp[nt][0] - dl0), p1 * (dp[nt][1] - dl0), p2 * (dp[nt][2] - dl1),
+                  p3 * (dp[nt][3] - dl1)};
+    if (UN) { /* a key of another group's list: its dP may be non-finite (0 x inf) */
+      d[0] = v0 ? d[0] : 0.f;
+      d[1] = v1 ? d[1] : 0.f;
+      d[2] = v0 ? d[2] : 0.f;
+      d[3] = v1 ? d[3] : 0.f;
+    }
+    const uint32_t d0 = Elem<T>::pack(d[0], d[1]);
+    const uint32_t d1 = Elem<T>::pack(d[2], d[3]);
     da[kk][hf] = r0 ? d0 : 0u;
     da[kk][hf + 1] = r1 ? d1 : 0u;
   }
@@ -395,8 +410,11 @@ __device__ __forceinline__ void bwg_product(float (&acc)[D / 8][4], uint64_t ade
  * Warpgroup 1 gathers the key tiles alone (128 threads), issuing tile t + 1 into the stage of
  * tile t - 1 once its dQ (t - 1) has read it. One CTA barrier per tile. 1 CTA per SM. Key
  * ranges as bwd_wg_kernel. Rows past a partial last group's end (a whole warpgroup of them
- * possibly) give P = dS = 0 by selects (bwg_p_ds). */
-template <typename T, typename Prm, int D, int NS>
+ * possibly) give P = dS = 0 by selects (bwg_p_ds). UN: merged groups (PERF_LOG v26), launched
+ * with G = 128 over the 128-query blocks: the CTA of block u walks its union (uidx, ucnt from
+ * union_build_kernel; nothing where it was not merged), packed entries whose member bit of the
+ * warp's group (16 rows of one group of ug >= 16) masks each row's scores. */
+template <typename T, typename Prm, int D, int NS, bool UN = false>
 __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(NS == 2, "the stage of tile t - 1 is refilled with tile t + 1");
@@ -416,14 +434,23 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   int* kidx = reinterpret_cast<int*>(dlt + BM);         /* [NS][BN] */
   int* qidx = kidx + NS * BN;                           /* [BM] */
 
+  constexpr int KM = UN ? UKEY_MASK : 0; /* merged groups: packed entries */
   const int RG = p.nranges;
   QmajorCta c;
   if (!qmajor_cta<BM>(p, RG, 0, true, c)) return;
   const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, warp = (tid >> 5) & 3;
-  const int* list = p.kv_index + (c.bh * p.NG + c.g) * p.kmax;
-  const int count = trim_count<NT>(list, clamp_count(__ldg(p.kv_count + c.bh), p.kmax));
+  const int* list;
+  int count;
+  if constexpr (UN) { /* block c.g's union (union_build_kernel), if it was merged */
+    count = __ldg(p.ucnt + c.bh * p.NSG + c.g);
+    if (count < 0 || __ldg(p.knf + c.bh)) return;
+    list = p.uidx + (c.bh * p.NSG + c.g) * (size_t)p.ucap;
+  } else {
+    list = p.kv_index + (c.bh * p.NG + c.g) * p.kmax;
+    count = trim_count<NT>(list, clamp_count(__ldg(p.kv_count + c.bh), p.kmax));
+  }
   int klo, khi, j0, j1;
-  if (!qmajor_range<1>(p, c.bh, list, count, c.R, c.rr, klo, khi, j0, j1)) return;
+  if (!qmajor_range<1, KM>(p, c.bh, list, count, c.R, c.rr, klo, khi, j0, j1)) return;
   qmajor_rows<BM, NT>(p, c.bh, c.row0, c.nrows, qidx, lse2, dlt);
   __syncthreads();
   {
@@ -437,7 +464,7 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   const int ntiles = (j1 - j0 + BN - 1) / BN;
   /* warpgroup 1 gathers every key tile: tile 0 here (with the Q / dO group), tile t + 1 during
    * tile t */
-  KeyGather<T, D, 128, BN, true, int, false, 1> ix;
+  KeyGather<T, D, 128, BN, true, int, false, 1, KM> ix;
   const uint32_t ks0 = smem_u32(Ks), vs0 = smem_u32(Vs);
   if (wg == 1) {
     ix.init(p.k + c.b * p.kb + c.h * p.kh, p.ks, p.v + c.b * p.vb + c.h * p.vh, p.vs, tid - 128);
@@ -474,6 +501,8 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   const uint64_t bdesc0 = wg_desc(smem_u32(wg ? Qs : dOs), 64 * 128, 1024);
   float* red = (wg ? p.dkacc : p.dvacc) + c.bh * (size_t)p.S * D;
   const float ls0 = lse2[lr0], ls1 = lse2[lr1], dl0 = dlt[lr0], dl1 = dlt[lr1];
+  /* merged groups: the member bit of the warp's 16 rows (one group: ug >= 16) */
+  const int ush = UN ? UKEY_BITS + (64 * wg + 16 * warp) / p.ug : 0;
 
   int kid = -1; /* the key of the lane's reduction row in the previous tile */
   for (int t = 0; t < ntiles; ++t) {
@@ -506,8 +535,8 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
     wg_commit();
     bwg_scores_wait<BN>(s, dp);
     uint32_t pa[BN / 16][4];
-    bwg_p_ds<T, BN, true>(s, dp, ki, p.scale_log2, ls0, ls1, dl0, dl1, lr0 < c.nrows,
-                          lr1 < c.nrows, lane, pa, da);
+    bwg_p_ds<T, BN, true, UN>(s, dp, ki, p.scale_log2, ls0, ls1, dl0, dl1, lr0 < c.nrows,
+                              lr1 < c.nrows, lane, pa, da, ush);
     /* this warpgroup's halves of P and dS to shared memory before dQ += dS K is issued: da is
      * that MMA's A operand, and a wgmma's A registers may not be accessed (read either) until
      * a wait_group covers it (PTX ISA, wgmma.mma_async) */
@@ -525,7 +554,7 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
         bwg_reduce_part<D, 0, D / 8>(red, acc, kid, lane);
       }
     }
-    kid = bwg_reduce_key(ki, warp, lane);
+    kid = bwg_reduce_key<KM>(ki, warp, lane);
   }
   if (ntiles > 0) { /* the last tile's products (and warpgroup 1's last dQ) */
     __syncthreads();
@@ -544,13 +573,14 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
 #endif
 }
 
-template <typename T, int D, typename Prm>
+/* UN: merged groups, prm with G = 128 and NG = NSG (union_passes) */
+template <typename T, int D, typename Prm, bool UN = false>
 static int bwd_wg128_launch(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
   constexpr int NS = 2, BM = 128, BN = 64;
   const size_t smem = 1024 + (size_t)(2 * BM + 2 * NS * BN) * D * sizeof(T) +
                       (size_t)4 * BM * BN * sizeof(T) /* P, dS: two tiles each */ +
                       2 * BM * sizeof(float) + (size_t)(NS * BN + BM) * sizeof(int);
-  auto kern = bwd_wg128_kernel<T, Prm, D, NS>;
+  auto kern = bwd_wg128_kernel<T, Prm, D, NS, UN>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
     return DSV_ERR_CUDA;
@@ -561,12 +591,18 @@ static int bwd_wg128_launch(const dsv_attn_shape* sh, Prm& prm, cudaStream_t str
   return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
 }
 
+/* Whether K / V row strides are below 4 GB (KeyGather's 32-bit strides). */
+template <typename T, typename Prm>
+static bool bwd_wg_strides_fit(const Prm& prm) {
+  const int64_t lim = (int64_t)UINT32_MAX / (int64_t)sizeof(T);
+  return prm.ks <= lim && prm.vs <= lim;
+}
+
 /* Whether the wgmma kernel applies to these parameters (the device side, an sm_90a build on a
  * 9.0 device, is the tuning's wgmma): D 64 or 128, G >= 64, K / V row strides below 4 GB. */
 template <typename T, int D, typename Prm>
 static bool bwd_wg_applies(const Prm& prm) {
-  const int64_t lim = (int64_t)UINT32_MAX / (int64_t)sizeof(T); /* KeyGather's 32-bit strides */
-  return (D == 64 || D == 128) && prm.G >= 64 && prm.ks <= lim && prm.vs <= lim;
+  return (D == 64 || D == 128) && prm.G >= 64 && bwd_wg_strides_fit<T>(prm);
 }
 
 template <typename T, int D, bool ATOMIC, typename Prm, bool NORED = false, int BLK = 1>
