@@ -61,7 +61,7 @@ def has_cuda_kernels() -> bool:
 
 # the keys that DSV_KERNEL_TUNING may set (csrc/cuda/tuning.cu)
 KERNEL_TUNING_KEYS = ("sm_count", "l2_bytes", "wgmma", "km_wgmma", "g128", "km_ratio",
-                      "bwd_union", "bwd_ranges", "bwd_rmax", "tk_gpw", "tk_sample", "tk_split")
+                      "merge", "bwd_ranges", "bwd_rmax", "tk_gpw", "tk_sample", "tk_split")
 
 
 def _check_tuning_env() -> None:
@@ -93,9 +93,9 @@ def kernel_tuning(device=None) -> dict:
     applies, 2: for ``kv_block`` 16 too, 0: never), ``g128`` (1, the default: query groups of a
     multiple of 128 queries run 128 rows per CTA on two warpgroups sharing the key tiles where
     wgmma runs, 0: two CTAs of 64 rows), ``km_ratio`` (the backward's key-major threshold),
-    ``bwd_union`` (groups of 16 / 32 / 64 queries: the groups of a 128-query block run as one
-    128-row CTA over the union of their lists when it has at most ``bwd_union`` x (128 / G) x K
-    entries; 0.75 by default, 0: never),
+    ``merge`` (groups of 16 / 32 / 64 queries: the groups of a 128-query block run as one
+    128-row CTA over the union of their lists when it has at most ``merge`` x (128 / G) x K
+    entries, in the backward and at G 16 / 32 in the forward; 0.75 by default, 0: never),
     ``bwd_ranges`` / ``bwd_rmax`` (the backward's key ranges: forced count / the automatic
     rule's most; 0 = automatic), ``tk_gpw`` (the top-K estimation's query groups per warp: 16,
     8, or 0, the default: automatic), ``tk_sample`` (1, the default: the estimation locates each
@@ -133,7 +133,7 @@ def kernel_tuning(device=None) -> dict:
     for part in raw.split(","):
         key, _, val = part.partition("=")
         num = float(val)
-        out[key] = int(num) if num.is_integer() and key not in ("km_ratio", "bwd_union") else num
+        out[key] = int(num) if num.is_integer() and key not in ("km_ratio", "merge") else num
     return out
 
 

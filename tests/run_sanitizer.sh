@@ -8,7 +8,8 @@
 #   paths      memcheck over the sparse attention section once per DSV_KERNEL_TUNING setting that
 #              forces a backward path (query-major with 1 / 3 key ranges, the automatic ranges,
 #              key-major; mma.sync instead of wgmma; the key-major dK / dV pass on mma.sync, or
-#              on wgmma for 16-key block lists too), the tuning being read once per process; the
+#              on wgmma for 16-key block lists too; merged groups everywhere their lists allow,
+#              with 1 / 3 key ranges, and under racecheck), the tuning being read once per process; the
 #              settings of wgmma / km_wgmma also rerun the block-list section; tk_gpw=16 (the
 #              top-K estimation with 16 groups per warp: the small shapes take 8 by default)
 #              runs the ops section under memcheck and racecheck, tk_sample=0 (radix passes
@@ -38,6 +39,8 @@ for step in $STEPS; do
       for t in ${SAN_PATHS:-km_ratio=0,bwd_ranges=1 km_ratio=0,bwd_ranges=3 km_ratio=0,bwd_rmax=4 \
                km_ratio=1e9,bwd_ranges=1 km_ratio=0,wgmma=0 km_ratio=1e9,wgmma=0 \
                km_ratio=1e9,bwd_ranges=1,km_wgmma=1 km_ratio=1e9,bwd_ranges=1,km_wgmma=2 \
+               km_ratio=0,merge=1,bwd_ranges=1 km_ratio=0,merge=1,bwd_ranges=3 \
+               racecheck:km_ratio=0,merge=1 \
                tk_gpw=16 racecheck:tk_gpw=16 tk_sample=0 tk_split=2 racecheck:tk_split=2}; do
         sec=sparse_attention tool=memcheck extra="--leak-check no"
         case $t in *wgmma=*) sec=sparse_attention,kv_blocks;; esac

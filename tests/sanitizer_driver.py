@@ -53,6 +53,19 @@ def run_sparse_attention():
         cnt2 = torch.tensor([[kmax + 9] + [-1] * (H - 1)], dtype=torch.int32).cuda()
         out2, lse2 = T.attn_fwd(q, k, v, bad, cnt2, G, scale)
         T.attn_bwd(dout, q, k, v, out2, lse2, bad, cnt2, G, scale)
+    # merged groups (the tuning's merge): sorted lists whose 128-query blocks share most keys,
+    # short and empty lists, a partial last block
+    for (S, H, D, G, kmax, dtype) in [(301, 2, 64, 16, 60, torch.bfloat16),
+                                      (301, 2, 128, 32, 90, torch.float16),
+                                      (301, 2, 128, 64, 90, torch.bfloat16)]:
+        q, k, v = T.ref.make_qkv(1, S, H, D, dtype=dtype, layout="packed", generator=gen,
+                                 device="cuda")
+        idx = T._sorted_lists(1, H, S, G, kmax, gen, share=0.7, short=(1,), empty=(2,)).cuda()
+        cnt = torch.tensor([[kmax, 37][:H]], dtype=torch.int32).cuda()
+        scale = 1.0 / math.sqrt(D)
+        out, lse = T.attn_fwd(q, k, v, idx, cnt, G, scale)
+        dout = torch.randn(q.shape, generator=gen).to(dtype).cuda()
+        T.attn_bwd(dout, q, k, v, out, lse, idx, cnt, G, scale)
     torch.cuda.synchronize()
     print("sparse_attention: ok")
 

@@ -71,11 +71,11 @@ PATHS = {
                                               # pass on mma.sync (dQ still on wgmma)
     "kmajor_mma": "km_ratio=1e9,wgmma=0",     # the same on mma.sync only (forward included)
     "qmajor_mma": "km_ratio=0,wgmma=0",       # query-major on mma.sync only
-    "union": "km_ratio=0,bwd_ranges=1,bwd_union=1",   # groups of 16 / 32 / 64 queries merged
+    "union": "km_ratio=0,bwd_ranges=1,merge=1",   # groups of 16 / 32 / 64 queries merged
                                               # per 128-query block wherever their lists allow
                                               # it (sorted, finite inputs; D 64 / 128, H100 /
                                               # H200), scattered or not (PERF_LOG v26)
-    "union3": "km_ratio=0,bwd_ranges=3,bwd_union=1",  # the same with 3 key ranges
+    "union3": "km_ratio=0,bwd_ranges=3,merge=1",  # the same with 3 key ranges
 }
 # the tests of this file that take `path`, and the device-parametrized tests of
 # test_sparse_attention.py (their CUDA cases) that run on every path
@@ -231,10 +231,10 @@ def test_backward_nan_reaches_gradients(gen, path):
     assert torch.isnan(dv[0, sel, 0]).any(dim=-1).all()
 
 
-def _sorted_lists(B, H, S, G, kmax, gen, share=0.0, short=()):
+def _sorted_lists(B, H, S, G, kmax, gen, share=0.0, short=(), empty=()):
     """[B, H, NG, kmax] strictly ascending lists (what topk_estimate writes): each group's list
     keeps a `share` of its 128-query block's base list and draws the rest at random; groups in
-    `short` hold fewer valid entries (trailing -1)."""
+    `short` hold fewer valid entries (trailing -1), groups in `empty` none."""
     NG = -(-S // G)
     M = max(1, 128 // G)
     idx = torch.full((B, H, NG, kmax), -1, dtype=torch.int32)
@@ -246,7 +246,7 @@ def _sorted_lists(B, H, S, G, kmax, gen, share=0.0, short=()):
                 keep = base[torch.randperm(kmax, generator=gen)[:int(share * kmax)]]
                 rest = torch.randperm(S, generator=gen)
                 rest = rest[~torch.isin(rest, keep)][:kmax - keep.numel()]
-                n = kmax // 3 if g in short else kmax
+                n = 0 if g in empty else kmax // 3 if g in short else kmax
                 lst = torch.cat([keep, rest])[:n].sort().values
                 idx[b, h, g, :n] = lst.to(torch.int32)
     return idx
@@ -257,7 +257,7 @@ def _sorted_lists(B, H, S, G, kmax, gen, share=0.0, short=()):
 def test_backward_nan_reaches_only_its_groups(where, G, gen, path):
     """A NaN in one element of q, k, v or dout reaches exactly the gradients that attention over
     the lists reaches (NaN there, finite everywhere else), on every backward path: with merged
-    groups (bwd_union) a CTA's rows multiply masked zeros with other groups' rows and keys, so a
+    groups (merge) a CTA's rows multiply masked zeros with other groups' rows and keys, so a
     head with a non-finite q, k or dout element must run its groups separately. The key with the
     NaN is in group 0's list only; groups 0 and 1 share a 128-query block."""
     need_backend()
@@ -297,10 +297,11 @@ def test_backward_nan_reaches_only_its_groups(where, G, gen, path):
         keys[sel[sel >= 0]] = True
     nan_rows = torch.isnan(dq[0, :, 0].float()).any(dim=-1).cpu()
     assert torch.equal(nan_rows, rows), f"dq rows with NaN: {nan_rows.nonzero().flatten().tolist()}"
-    # the key-major dK / dV pass works on whole 64-key blocks: a NaN q or dout row reaches the
-    # other keys of its group's blocks too (masked zeros times the row)
+    # the key-major dK / dV pass works on whole 64-key blocks: a row with a NaN (in q or dout,
+    # or in lse and delta through k and v) reaches the other keys of its group's blocks too
+    # (masked zeros times the row)
     wide = keys.view(-1, 64).any(dim=1, keepdim=True).expand(-1, 64).reshape(-1)
-    kmajor = path.startswith("kmajor") and where in ("q", "dout")
+    kmajor = path.startswith("kmajor")
     for name, grad, want in (("dk", dk, keys), ("dv", dv, keys if where != "v" else 0 * keys)):
         # (dv = P^T dO: a NaN in v reaches out and delta, not P or dO)
         nan = torch.isnan(grad[0, :, 0].float()).any(dim=-1).cpu()
@@ -316,14 +317,15 @@ def test_backward_nan_reaches_only_its_groups(where, G, gen, path):
 @pytest.mark.parametrize("G", [16, 32, 64])
 def test_merged_groups_match_reference(G, D, share, gen, path):
     """Groups of 16 / 32 / 64 queries whose 128-query blocks share most keys (what coherent video
-    lists give), sorted as topk_estimate writes them: where merging applies (bwd_union, D 64 /
-    128 on an H100 / H200; everywhere in the "union" paths of test_backward_path) one 128-row CTA
-    walks the union of a block's lists with each row masked to its group's keys. A partial last
-    block and group, groups with fewer valid entries (trailing -1), and heads with counts 0, 1,
-    37 and kmax."""
+    lists give), sorted as topk_estimate writes them: where merging applies (the tuning's merge,
+    D 64 / 128 on an H100 / H200: the backward, and the forward at G 16 / 32; scattered lists
+    too in the "union" paths of test_backward_path) one 128-row CTA walks the union of a block's
+    lists with each row masked to its group's keys. A partial last block and group, groups with
+    fewer valid entries (trailing -1) or none (out 0, lse -inf beside groups that have keys),
+    and heads with counts 0, 1, 37 and kmax."""
     need_backend()
     B, H, S, kmax = 2, 3, 3 * 128 + 45, 96
-    idx = _sorted_lists(B, H, S, G, kmax, gen, share=share, short=(1, 5))
+    idx = _sorted_lists(B, H, S, G, kmax, gen, share=share, short=(1, 5), empty=(2,))
     cnt = torch.tensor([[kmax, 37, 1], [0, kmax, kmax]], dtype=torch.int32)
     q, k, v = make_inputs(B, S, H, D, torch.bfloat16 if G != 32 else torch.float16, gen)
     run_and_check(q, k, v, idx, cnt, G, 1.0 / math.sqrt(D), gen)
@@ -345,22 +347,25 @@ idx = idx.to(torch.int32).cuda()
 cnt = torch.full((1, H), K, dtype=torch.int32, device="cuda")
 q, k, v = (torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
            for _ in range(3))
-out = dsv_ext.sparse_attention(q, k, v, idx, cnt, G)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    out = dsv_ext.sparse_attention(q, k, v, idx, cnt, G)
     out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
 names = [e.name for e in prof.events()]
-print("MERGED", any("bwd_wg128_kernel" in n and n.rstrip(")").split("(")[0].endswith("true>")
-                    for n in names), any("union_build_kernel" in n for n in names))
+merged = lambda kern: any(kern in n and n.rstrip(")").split("(")[0].endswith("true>")
+                          for n in names)
+print("MERGED", merged("sparse_attn_fwd_wg_kernel"), merged("bwd_wg128_kernel"),
+      any("union_build_kernel" in n for n in names))
 """
 
 
-@pytest.mark.parametrize("tuning,expect", [("", "True True"), ("bwd_union=0", "False False")])
+@pytest.mark.parametrize("tuning,expect", [("", "True True True"),
+                                           ("merge=0", "False False False")])
 def test_merged_groups_run_by_default(tuning, expect):
     """With the default tuning, coherent lists of G = 32 (every group of a block lists the same
-    keys) run their backward on the merged 128-row kernel (bwd_union 0.75); bwd_union=0 turns
-    merging off. Seen through the profiler's kernel names, in a child process (the tuning is
-    read once per process)."""
+    keys) run their forward and backward on the merged 128-row kernels (merge 0.75); merge=0
+    turns merging off. Seen through the profiler's kernel names, in a child process (the
+    tuning is read once per process)."""
     need_backend()
     if not _have_ops():
         pytest.skip("needs the built extension (dsv_ext.sparse_attention)")

@@ -191,7 +191,7 @@ __device__ __forceinline__ void gather_keys_pre(T* ktile, T* vtile, const T* kba
  * BLK > 1 the keys of block lists, list_key);
  * issue() copies the K and V rows (entries outside [lo, hi) give zero rows) and records each
  * row's mask: MaskT float: 0 or -inf (a score bias), int: the position or -1. KM > 0: packed
- * entries (the merged lists of the backward, bwd_union): the key is entry & KM, and the int
+ * entries (merged groups, merged_groups.cuh): the key is entry & KM, and the int
  * mask records the whole entry. */
 template <int D, int NT, int BN>
 struct KeyGatherFits {

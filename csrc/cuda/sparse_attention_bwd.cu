@@ -26,11 +26,11 @@
  *    time touch 1/R of a head's K, V and accumulators; dQ is then reduced over ranges in fp32
  *    too (bwd_ranges: R per head from the L2 size and how scattered the head's lists are).
  *  Trailing -1 entries of a list (padding) are trimmed first (trim_count), in every path.
- *  Merged groups (the tuning's bwd_union, groups of 16, 32 or 64 queries on the 128-row kernels):
+ *  Merged groups (the tuning's merge, groups of 16, 32 or 64 queries on the 128-row kernels):
  *    where the lists of the M = 128 / G groups of a 128-query block overlap, one 128-row CTA
  *    (bwd_wg128_kernel) walks the union of their lists, each row's scores masked to its own
  *    group's keys, and reduces each key once per 128 rows instead of once per group
- *    (union_build_kernel in sparse_attention_bwd_index.cu decides per block; PERF_LOG v26).
+ *    (merged_groups.cuh: union_build_kernel decides per block; PERF_LOG v26).
  *
  * A head takes path 1 when its lists are strictly ascending and in range (as topk_estimate
  * writes them), D <= 128, and (key-block entries x 64) <= ratio x (groups x K); the ratio is the
@@ -53,8 +53,7 @@
  *
  * Files: this one is the host dispatch (workspace layout, key ranges, the order of the passes)
  * with the small element-wise kernels (delta, zeroing and converting the accumulators);
- * sparse_attention_bwd_index.cu builds the key-major index, picks each head's path and builds
- * the merged groups' lists,
+ * sparse_attention_bwd_index.cu builds the key-major index and picks each head's path,
  * sparse_attention_bwd_qmajor.cu and sparse_attention_bwd_kmajor.cu hold the two passes.
  */
 #include "sparse_attention_bwd.cuh"
@@ -148,18 +147,15 @@ static int check_blocks_bwd(const dsv_attn_shape* p) {
   return DSV_OK;
 }
 
-/* Merged groups (the tuning's bwd_union; union_build_kernel, bwd_wg128_kernel): where they may
- * run, the capacity of a 128-query block's union, min(S, bwd_union x (128 / G) x K); else 0.
- * Token lists, not deterministic (its heads are key-major), the 128-row kernels (wgmma and g128
- * on, D 64 / 128), G 16 / 32 / 64 (a warp's 16 rows in one group), S below 2^UKEY_BITS. */
-static int64_t union_capacity(const dsv_attn_shape* p, const dsv_tuning* t) {
+/* Merged groups (the tuning's merge; merged_groups.cuh): where they may run, the capacity of a
+ * 128-query block's union, else 0. Token lists, not deterministic (its heads are key-major),
+ * the 128-row kernels (wgmma and g128 on, D 64 / 128), and union_capacity's sizes. */
+static int64_t bwd_union_capacity(const dsv_attn_shape* p, const dsv_tuning* t) {
   const int64_t G = p->group_size < p->seqlen ? p->group_size : p->seqlen;
-  if (!t->wgmma || !t->g128 || !(t->bwd_union > 0.f) || p->kv_block != 1 ||
-      (p->flags & DSV_FLAG_DETERMINISTIC) || (p->head_dim != 64 && p->head_dim != 128) ||
-      (G != 16 && G != 32 && G != 64) || p->seqlen > ((int64_t)1 << UKEY_BITS) || p->kmax <= 0)
+  if (!t->wgmma || !t->g128 || p->kv_block != 1 || (p->flags & DSV_FLAG_DETERMINISTIC) ||
+      (p->head_dim != 64 && p->head_dim != 128))
     return 0;
-  const double c = ceil((double)t->bwd_union * (double)(128 / G) * (double)p->kmax);
-  return c < (double)p->seqlen ? (int64_t)c : p->seqlen;
+  return union_capacity(t->merge, p->seqlen, G, p->kmax);
 }
 
 static BwdLayout bwd_layout(const dsv_attn_shape* p, const dsv_tuning* t) {
@@ -167,7 +163,7 @@ static BwdLayout bwd_layout(const dsv_attn_shape* p, const dsv_tuning* t) {
   BwdLayout L;
   L.bsorted = L.bnsorted = 0;
   L.nsg = (p->seqlen + 127) / 128;
-  L.ucap = union_capacity(p, t);
+  L.ucap = bwd_union_capacity(p, t);
   const int64_t BH = p->batch * p->heads;
   const int64_t S = p->seqlen, D = p->head_dim;
   L.nkb = (S + KB - 1) / KB;
@@ -364,7 +360,7 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   prm.NSG = (int)L.nsg;
   prm.ucap = (int)L.ucap;
   prm.ug = prm.G;
-  prm.bwd_union = tun->bwd_union;
+  prm.merge = tun->merge;
   {
     const RangeCfg rc = bwd_ranges(sh, tun);
     /* deterministic: one key range, so that dQ is summed in registers (no fp32 reductions) */

@@ -11,6 +11,7 @@
 #define DSV_SPARSE_ATTENTION_BWD_CUH
 
 #include "attention_common.cuh"
+#include "merged_groups.cuh"
 #include "tuning.h"
 
 namespace dsv_attn {
@@ -55,22 +56,18 @@ struct BwdParams {
   int* bsorted;   /* [B, H, NG, kmax] each list's valid entries, ascending (duplicates kept) */
   int* bnsorted;  /* [B, H, NG] how many */
   int g128;       /* the tuning's g128: groups of a multiple of 128 rows on bwd_wg128_kernel */
-  /* merged groups (the tuning's bwd_union; built by union_build_kernel, run by bwd_wg128_kernel):
-   * the groups of G = 16, 32 or 64 queries of each 128-query block u run as one 128-row CTA over
-   * the union of their lists where it is short enough */
+  /* merged groups (the tuning's merge, merged_groups.cuh; built by union_build_kernel, run by
+   * bwd_wg128_kernel): the groups of G = 16, 32 or 64 queries of each 128-query block u run as
+   * one 128-row CTA over the union of their lists where it is short enough */
   int* uidx;      /* [B, H, NSG, ucap] block u's union, ascending: key | member mask << UKEY_BITS
                      (bit m: group M u + m selected the key); nullptr: no merging */
   int* ucnt;      /* [B, H, NSG] entries of the union; -1: the block's groups run separately */
   int* knf;       /* [B, H] 1: the head has a non-finite q, k or dout element (nothing merged) */
   int NSG, ucap;  /* 128-query blocks (ceil(S / 128)); union capacity per block */
   int ug;         /* the group size of the merged groups (bwd_wg128_kernel's launch) */
-  float bwd_union;
+  float merge;    /* the tuning's merge */
 };
 
-/* Packed entries of the merged lists: keys below 2^UKEY_BITS (the sequence length limit of
- * merging), member masks of up to 8 groups above them (the sign bit stays clear). */
-constexpr int UKEY_BITS = 23;
-constexpr int UKEY_MASK = (1 << UKEY_BITS) - 1;
 
 __device__ __forceinline__ int clamp_count(int c, int kmax) {
   return c < 0 ? 0 : (c > kmax ? kmax : c);
@@ -181,12 +178,6 @@ __device__ __forceinline__ void qmajor_rows(const Prm& p, size_t bh, int row0, i
  * ranges of every head; counts, offsets and (group, mask) entries of key-major heads. */
 template <typename T>
 int bwd_index_launch(BwdParams<T>& prm, int B, bool deterministic, cudaStream_t stream);
-
-/* Merged groups (sparse_attention_bwd_index.cu, after bwd_index_launch): the union of the lists
- * of each 128-query block's groups with member masks (uidx, ucnt) where the head is on the
- * query-major dK / dV path with strictly ascending lists, and the head's non-finite check (knf). */
-template <typename T>
-int bwd_union_index_launch(BwdParams<T>& prm, int B, cudaStream_t stream);
 
 /* Query-major passes (sparse_attention_bwd_qmajor.cu): dQ of the key-major heads, then dQ and
  * the dK / dV reductions of the others; wgmma: the tuning's choice of the Hopper kernels. */

@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(BM * 2) bwd_qmajor_kernel(const BwdParams<T> p
   const int row_end = min(g * p.G + p.G, p.S);
   const int nrows = min(BM, row_end - row0);
   if (nrows <= 0) return;
-  /* a merged 128-query block (bwd_union): bwd_wg128_kernel has its rows */
+  /* a merged 128-query block (the tuning's merge): bwd_wg128_kernel has its rows */
   if (ATOMIC && p.ucnt && __ldg(p.ucnt + bh * p.NSG + row0 / 128) >= 0 && !__ldg(p.knf + bh))
     return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -334,12 +334,26 @@ static int qmajor_cfg(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t 
   return launch_qmajor<T, D, BM, 32, 2, ATOMIC, B>(sh, prm, stream);
 }
 
-/* Merged groups (the tuning's bwd_union, prm.uidx set by the host dispatch): the union of each
- * 128-query block's lists (union_build_kernel), then the merged blocks on bwd_wg128_kernel over
- * their unions; the query-major kernel then skips their groups. */
+/* Merged groups (the tuning's merge, prm.uidx set by the host dispatch; merged_groups.cuh): the
+ * union of each 128-query block's lists (union_build_kernel: heads of the query-major dK / dV
+ * path, not scattered ones unless merge >= 1; K checked head-wide, Q and dO where merged), then
+ * the merged blocks on bwd_wg128_kernel over their unions; the query-major kernel then skips
+ * their groups. */
 template <typename T, int D>
 static int union_passes(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
-  const int st = bwd_union_index_launch<T>(prm, (int)sh->batch, stream);
+  UnionBuild ub;
+  ub.kv_index = prm.kv_index;
+  ub.kv_count = prm.kv_count;
+  ub.S = prm.S, ub.H = prm.H, ub.G = prm.G, ub.NG = prm.NG, ub.kmax = prm.kmax;
+  ub.NSG = prm.NSG, ub.ucap = prm.ucap, ub.D = prm.D;
+  ub.uidx = prm.uidx, ub.ucnt = prm.ucnt, ub.knf = prm.knf;
+  ub.path = prm.path, ub.kboff = prm.kboff, ub.kbcount = prm.kbcount, ub.nkb = prm.nkb;
+  ub.gate = prm.merge < 1.f;
+  ub.hc = prm.k, ub.hcb = prm.kb, ub.hcs = prm.ks, ub.hch = prm.kh;
+  ub.lc[0] = prm.q, ub.lcb[0] = prm.qb, ub.lcs[0] = prm.qs, ub.lch[0] = prm.qh;
+  ub.lc[1] = prm.dout, ub.lcb[1] = prm.gb, ub.lcs[1] = prm.gs, ub.lch[1] = prm.gh;
+  ub.nlc = 2;
+  const int st = union_build_launch<T>(ub, (int)sh->batch, stream);
   if (st != DSV_OK) return st;
   BwdParams<T> pu = prm;
   pu.ug = prm.G;

@@ -16,6 +16,7 @@
  *    mma.sync.m16n8k16 with ldmatrix from padded tiles.
  */
 #include "attention_common.cuh"
+#include "merged_groups.cuh"
 #include "tuning.h"
 #include "wgmma.cuh"
 
@@ -34,6 +35,13 @@ struct FwdParams {
   int S, H, G, NG, kmax, chunks;
   float scale_log2;
   int g128; /* the tuning's g128: groups of a multiple of 128 rows on two warpgroups per CTA */
+  /* merged groups (the tuning's merge, G 16 / 32; merged_groups.cuh), in the workspace:
+   * nullptr when not merging */
+  int* uidx; /* [B, H, NSG, ucap] */
+  int* ucnt; /* [B, H, NSG] */
+  int* knf;  /* [B, H] */
+  int NSG, ucap, ug;
+  float merge; /* the tuning's merge */
 };
 
 /* The BM queries a CTA handles (blockIdx.x = group x chunks + chunk, blockIdx.y = head,
@@ -70,6 +78,20 @@ __device__ __forceinline__ void fwd_chunk_list(const FwdParams<T>& p, FwdChunk<T
   c.vbase = p.v + c.b * p.vb + c.h * p.vh;
 }
 
+/* Merged groups: the chunk is 128-query block c.g (the launch's G = 128); its union and count,
+ * and the (batch, head) bases; false where the block was not merged (uniform per CTA). */
+template <typename T>
+__device__ __forceinline__ bool fwd_chunk_union(const FwdParams<T>& p, FwdChunk<T>& c) {
+  const size_t bh = (size_t)c.b * p.H + c.h;
+  c.count = __ldg(p.ucnt + bh * p.NSG + c.g);
+  if (c.count < 0 || __ldg(p.knf + bh)) return false;
+  c.list = p.uidx + (bh * p.NSG + c.g) * (size_t)p.ucap;
+  c.qbase = p.q + c.b * p.qb + c.h * p.qh;
+  c.kbase = p.k + c.b * p.kb + c.h * p.kh;
+  c.vbase = p.v + c.b * p.vb + c.h * p.vh;
+  return true;
+}
+
 /* Starts the copy of the chunk's BM query rows into Qs (padded, or swizzled with SWZ: one
  * swizzled tile of 64 rows per warpgroup, one after the other; rows past nrows are zero); qidx
  * is shared scratch of BM ints. */
@@ -89,13 +111,15 @@ __device__ __forceinline__ void fwd_load_q(T* Qs, int* qidx, const FwdParams<T>&
 
 /* Online-softmax step of one key tile for the two rows a lane holds (lane / 4 and lane / 4 + 8
  * of its warp's 16): masks the columns of missing keys (int mask: position -1; float mask: a
- * bias of -inf, 0 for present keys), scales to base 2, updates the running maximum (m0, m1)
- * and sum (l0, l1), leaves P = exp2(s - max) in s and returns the factors (a0, a1) that
- * rescale the output accumulated so far. */
-template <int BN, typename MaskT>
+ * bias of -inf, 0 for present keys; UN: packed entries of merged groups, whose member bit ush
+ * must be set too), scales to base 2, updates the running maximum (m0, m1) and sum (l0, l1),
+ * leaves P = exp2(s - max) in s and returns the factors (a0, a1) that rescale the output
+ * accumulated so far. */
+template <int BN, typename MaskT, bool UN = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[BN / 8][4], const MaskT* mask,
                                              float scale_log2, int lane, float& m0, float& m1,
-                                             float& l0, float& l1, float& a0, float& a1) {
+                                             float& l0, float& l1, float& a0, float& a1,
+                                             int ush = 0) {
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
   for (int nt = 0; nt < BN / 8; ++nt) {
@@ -109,7 +133,9 @@ __device__ __forceinline__ void softmax_tile(float (&s)[BN / 8][4], const MaskT*
       s[nt][3] = fmaf(s[nt][3], scale_log2, bb.y);
     } else {
       /* mask = the keys' positions, -1 for none */
-      const bool v0 = mask[col] >= 0, v1 = mask[col + 1] >= 0;
+      const int e0 = mask[col], e1 = mask[col + 1];
+      const bool v0 = e0 >= 0 && (!UN || ((e0 >> ush) & 1));
+      const bool v1 = e1 >= 0 && (!UN || ((e1 >> ush) & 1));
       s[nt][0] = v0 ? s[nt][0] * scale_log2 : -INFINITY;
       s[nt][1] = v1 ? s[nt][1] * scale_log2 : -INFINITY;
       s[nt][2] = v0 ? s[nt][2] * scale_log2 : -INFINITY;
@@ -165,12 +191,14 @@ __device__ __forceinline__ void pack_p(uint32_t* pa, const float (&s)[BN / 8][4]
 }
 
 /* Epilogue: out = O / l for the lane's two rows (rows past nrows are not written) and
- * lse = (m + log2 l) ln 2 (-inf for rows without keys). */
+ * lse = (m + log2 l) ln 2 (-inf for rows without keys). ush >= 0: the list is a merged
+ * groups' union and ush the member bit of the warp's group. */
 template <typename T, int D>
 __device__ __forceinline__ void store_out_lse(const FwdParams<T>& p, const float (&o)[D / 8][4],
                                               float m0, float m1, float l0, float l1, int b, int h,
                                               int row0, int nrows, int warp, int lane,
-                                              const int* list, int count, int ebound) {
+                                              const int* list, int count, int ebound,
+                                              int ush = -1) {
   l0 = quad_sum(l0);
   l1 = quad_sum(l1);
   const int lr0 = warp * 16 + (lane >> 2), lr1 = lr0 + 8;
@@ -180,13 +208,22 @@ __device__ __forceinline__ void store_out_lse(const FwdParams<T>& p, const float
    * every score -inf (the softmax is 0 / 0: NaN, as SDPA gives); a look at the list tells
    * them apart, only in the rare CTA that has such a row (every thread reaches this point);
    * an entry is valid below ebound (S for token lists, the number of key blocks for block
-   * lists). */
+   * lists); in a union, the warp's group has a key when an entry has its member bit. */
   float zero_out = 0.f, zero_lse = -INFINITY;
   if (__syncthreads_or((l0 == 0.f && lr0 < nrows) || (l1 == 0.f && lr1 < nrows))) {
     bool any = false;
-    for (int j = threadIdx.x; j < count && !any; j += blockDim.x)
-      any = (unsigned)__ldg(list + j) < (unsigned)ebound;
-    if (__syncthreads_or(any)) zero_out = zero_lse = __int_as_float(0x7fc00000);
+    if (ush < 0) {
+      for (int j = threadIdx.x; j < count && !any; j += blockDim.x)
+        any = (unsigned)__ldg(list + j) < (unsigned)ebound;
+      any = __syncthreads_or(any);
+    } else {
+      int bits = 0; /* the member masks of the union's entries, OR-ed over the CTA */
+      for (int j = threadIdx.x; j < count; j += blockDim.x) bits |= __ldg(list + j) >> UKEY_BITS;
+      int all = 0;
+      for (int m = 0; m < 8; ++m) all |= __syncthreads_or((bits >> m) & 1) << m;
+      any = (all >> (ush - UKEY_BITS)) & 1;
+    }
+    if (any) zero_out = zero_lse = __int_as_float(0x7fc00000);
   }
   const float inv0 = l0 == 0.f ? zero_out : 1.f / l0;
   const float inv1 = l1 == 0.f ? zero_out : 1.f / l1;
@@ -223,6 +260,11 @@ __global__ void __launch_bounds__(BM * 2) sparse_attn_fwd_kernel(const FwdParams
 
   FwdChunk<T> c;
   if (!fwd_chunk<T, BM>(p, c)) return;
+  /* a merged 128-query block (the tuning's merge): sparse_attn_fwd_wg_kernel has its rows */
+  if (BLK == 1 && p.ucnt) {
+    const size_t bh = (size_t)c.b * p.H + c.h;
+    if (__ldg(p.ucnt + bh * p.NSG + c.row0 / 128) >= 0 && !__ldg(p.knf + bh)) return;
+  }
   fwd_chunk_list<T, NT>(p, c);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   fwd_load_q<T, D, NT, BM, false>(Qs, qidx, p, c);
@@ -345,10 +387,19 @@ __device__ __forceinline__ void wg_pv(float (&o)[D / 8][4], const float (&s)[BN 
  * WG = 2 (groups of a multiple of 128 queries, the tuning's g128): 256 threads, 128 rows per
  * CTA, warpgroup w owning rows 64 w .. 64 w + 63 (its own Q tile) and both on one K / V
  * pipeline gathered by all 256 threads, so each key tile is copied once for 128 rows instead of
- * twice (PERF_LOG v15); 2 CTAs per SM. */
-template <typename T, int D, int BN, int NS, int MINB, int BLK = 1, int WG = 1>
+ * twice (PERF_LOG v15); 2 CTAs per SM. UN (WG = 2, merged groups of 16 or 32 queries, launched
+ * with G = 128 over the 128-query blocks; PERF_LOG v27): the CTA of block u walks its union
+ * (nothing where it was not merged), packed entries whose member bit of the warp's group masks
+ * each row's scores (int masks instead of the bias). */
+template <bool UN> struct FwdMask { using type = float; };
+template <> struct FwdMask<true> { using type = int; };
+
+template <typename T, int D, int BN, int NS, int MINB, int BLK = 1, int WG = 1, bool UN = false>
 __global__ void __launch_bounds__(128 * WG, MINB) sparse_attn_fwd_wg_kernel(const FwdParams<T> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(!UN || (WG == 2 && BLK == 1), "merged groups: 128 rows, token lists");
+  using MaskT = typename FwdMask<UN>::type;
+  constexpr int KM = UN ? UKEY_MASK : 0;
   constexpr int BM = 64 * WG, NT = 128 * WG;
   constexpr int QE = 64 * D, KE = BN * D; /* elements of a warpgroup's Q tile, of a K or V tile */
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -357,12 +408,17 @@ __global__ void __launch_bounds__(128 * WG, MINB) sparse_attn_fwd_wg_kernel(cons
   T* Qs = reinterpret_cast<T*>(smem); /* [WG][64 x D] */
   T* Ks = Qs + WG * QE;  /* [NS][BN x D] */
   T* Vs = Ks + NS * KE;  /* [NS][BN x D] */
-  float* kbias = reinterpret_cast<float*>(Vs + NS * KE); /* [NS][BN]: 0 or -inf per key */
+  MaskT* kbias = reinterpret_cast<MaskT*>(Vs + NS * KE); /* [NS][BN]: 0 or -inf per key (UN:
+                                                            the entry or -1) */
   int* qidx = reinterpret_cast<int*>(kbias + NS * BN);   /* [BM] */
 
   FwdChunk<T> c;
   if (!fwd_chunk<T, BM>(p, c)) return; /* uniform per CTA */
-  fwd_chunk_list<T, NT>(p, c);
+  if constexpr (UN) {
+    if (!fwd_chunk_union<T>(p, c)) return;
+  } else {
+    fwd_chunk_list<T, NT>(p, c);
+  }
   const int tid = threadIdx.x, lane = tid & 31;
   const int warp = WG == 1 ? tid >> 5 : (tid >> 5) & 3; /* in the warpgroup */
   const int wg = WG == 1 ? 0 : tid >> 7;
@@ -371,8 +427,10 @@ __global__ void __launch_bounds__(128 * WG, MINB) sparse_attn_fwd_wg_kernel(cons
   const int ntiles = (nkeys + BN - 1) / BN;
   /* NS-stage cp.async pipeline as in the kernel above: group s of the prologue holds tile s
    * (group 0 also the Q tile), one group is committed per tile, list entries one tile ahead */
-  KeyGather<T, D, NT, BN, true, float, false, BLK> ix;
+  KeyGather<T, D, NT, BN, true, MaskT, false, BLK, KM> ix;
   ix.init(c.kbase, p.ks, c.vbase, p.vs);
+  /* merged groups: the member bit of the warp's 16 rows (one group: ug >= 16) */
+  const int ush = UN ? UKEY_BITS + (64 * wg + 16 * warp) / p.ug : -1;
   const uint32_t ks0 = smem_u32(Ks), vs0 = smem_u32(Vs); /* stage 0's K and V tiles */
 #pragma unroll
   for (int st = 0; st < NS - 1; ++st) {
@@ -417,7 +475,8 @@ __global__ void __launch_bounds__(128 * WG, MINB) sparse_attn_fwd_wg_kernel(cons
     wg_wait<0>();
     wg_fence_regs<BN / 2>(&s[0][0]);
     float a0, a1;
-    softmax_tile<BN>(s, kbias + buf * BN, p.scale_log2, lane, m0, m1, l0, l1, a0, a1);
+    softmax_tile<BN, MaskT, UN>(s, kbias + buf * BN, p.scale_log2, lane, m0, m1, l0, l1, a0, a1,
+                                ush);
     rescale_out<D>(o, a0, a1);
     wg_pv<T, D, BN>(o, s, wg_desc_add(vdesc0, buf * KE * 2));
     wg_commit();
@@ -428,7 +487,7 @@ __global__ void __launch_bounds__(128 * WG, MINB) sparse_attn_fwd_wg_kernel(cons
   /* every thread of the CTA reaches the epilogue (its barriers are CTA-wide); a warpgroup past
    * the group's end has nrows <= 0 and writes nothing */
   store_out_lse<T, D>(p, o, m0, m1, l0, l1, c.b, c.h, c.row0 + 64 * wg, c.nrows - 64 * wg, warp,
-                      lane, c.list, c.count, BLK == 1 ? p.S : (p.S + BLK - 1) / BLK);
+                      lane, c.list, c.count, BLK == 1 ? p.S : (p.S + BLK - 1) / BLK, ush);
 #endif
 }
 
@@ -446,18 +505,44 @@ static int launch_fwd(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStr
   return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
 }
 
-template <typename T, int D, int BN, int NS, int MINB = 1, int BLK = 1, int WG = 1>
+template <typename T, int D, int BN, int NS, int MINB = 1, int BLK = 1, int WG = 1, bool UN = false>
 static int launch_fwd_wg(const dsv_attn_shape* sh, const FwdParams<T>& prm, cudaStream_t stream) {
   const size_t smem =
       1024 + (size_t)(64 * WG + 2 * NS * BN) * D * sizeof(T) + NS * BN * sizeof(float) +
       64 * WG * sizeof(int);
-  auto kern = sparse_attn_fwd_wg_kernel<T, D, BN, NS, MINB, BLK, WG>;
+  auto kern = sparse_attn_fwd_wg_kernel<T, D, BN, NS, MINB, BLK, WG, UN>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
     return DSV_ERR_CUDA;
   dim3 grid((unsigned)(prm.NG * prm.chunks), (unsigned)sh->heads, (unsigned)sh->batch);
   kern<<<grid, 128 * WG, smem, stream>>>(prm);
   return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
+}
+
+/* Merged groups (merged_groups.cuh): the union of each 128-query block's lists
+ * (union_build_kernel: V checked head-wide for non-finite elements), then the merged blocks on
+ * the 128-row wgmma kernel with 32-key tiles over their unions. */
+template <typename T, int D>
+static int fwd_union_passes(const dsv_attn_shape* sh, FwdParams<T>& prm, cudaStream_t stream) {
+  if (cudaMemsetAsync(prm.knf, 0, (size_t)sh->batch * prm.H * sizeof(int), stream) != cudaSuccess)
+    return DSV_ERR_CUDA;
+  UnionBuild ub;
+  ub.kv_index = prm.kv_index;
+  ub.kv_count = prm.kv_count;
+  ub.S = prm.S, ub.H = prm.H, ub.G = prm.G, ub.NG = prm.NG, ub.kmax = prm.kmax;
+  ub.NSG = prm.NSG, ub.ucap = prm.ucap, ub.D = D;
+  ub.uidx = prm.uidx, ub.ucnt = prm.ucnt, ub.knf = prm.knf;
+  ub.path = nullptr, ub.kboff = ub.kbcount = nullptr, ub.nkb = 0, ub.gate = prm.merge < 1.f;
+  ub.hc = prm.v, ub.hcb = prm.vb, ub.hcs = prm.vs, ub.hch = prm.vh;
+  ub.nlc = 0;
+  const int st = union_build_launch<T>(ub, (int)sh->batch, stream);
+  if (st != DSV_OK) return st;
+  FwdParams<T> pu = prm;
+  pu.ug = prm.G;
+  pu.G = 128;
+  pu.NG = prm.NSG;
+  pu.chunks = 1;
+  return launch_fwd_wg<T, D, 32, 2, 2, 1, 2, true>(sh, pu, stream);
 }
 
 /* The shipped key tiles: wgmma with 32 keys x 2 stages and 4 CTAs per SM (registers capped at
@@ -471,6 +556,18 @@ template <typename T, int D, int BLK = 1>
 static int fwd_dispatch_bm(const dsv_attn_shape* sh, FwdParams<T>& prm, int wgmma,
                            cudaStream_t stream) {
   const int G = prm.G;
+  if constexpr ((D == 64 || D == 128) && BLK == 1) {
+    /* merged groups (prm.uidx set by fwd_entry): the unions, the merged blocks on the 128-row
+     * kernel, then the other groups below (their CTAs skip the merged blocks) */
+    if (prm.uidx && wgmma) {
+      const int st = fwd_union_passes<T, D>(sh, prm, stream);
+      if (st != DSV_OK) return st;
+    } else {
+      prm.ucnt = nullptr;
+    }
+  } else {
+    prm.ucnt = nullptr;
+  }
   if constexpr (D == 64 || D == 128) {
     const int64_t lim = (int64_t)UINT32_MAX / (int64_t)sizeof(T); /* KeyGather's 32-bit strides */
     if (wgmma && G >= 64 && prm.ks <= lim && prm.vs <= lim) {
@@ -548,6 +645,10 @@ static FwdParams<T> fwd_params(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k,
   prm.kmax = (int)sh->kmax;
   prm.chunks = 1;
   prm.g128 = 0; /* fwd_entry: the tuning's */
+  prm.uidx = prm.ucnt = prm.knf = nullptr; /* fwd_entry: where merging runs */
+  prm.NSG = prm.ucap = 0;
+  prm.ug = prm.G;
+  prm.merge = 0.f;
   prm.scale_log2 = (float)(sh->scale * 1.4426950408889634);
   return prm;
 }
@@ -592,17 +693,64 @@ int check_attn_args(const dsv_attn_shape* p) {
 
 using namespace dsv_attn;
 
+namespace dsv_attn {
+
+/* Merged groups in the forward (the tuning's merge; merged_groups.cuh): the capacity of a
+ * 128-query block's union where they may run, else 0. Token lists, groups of 16 or 32 queries,
+ * the 128-row wgmma kernel (wgmma and g128 on, D 64 / 128, K / V row strides below 4 GB), and
+ * union_capacity's sizes. */
+static int64_t fwd_union_capacity(const dsv_attn_shape* p, const dsv_tuning* t, dsv_bshd k,
+                                  dsv_bshd v) {
+  const int64_t G = p->group_size < p->seqlen ? p->group_size : p->seqlen;
+  const int64_t lim = (int64_t)UINT32_MAX / 2; /* KeyGather's 32-bit strides (16-bit elements) */
+  if (!t->wgmma || !t->g128 || p->kv_block != 1 || (p->head_dim != 64 && p->head_dim != 128) ||
+      G > 32 || k.stride_s > lim || v.stride_s > lim)
+    return 0;
+  return union_capacity(t->merge, p->seqlen, G, p->kmax);
+}
+
+static UnionLayout fwd_union_layout(const dsv_attn_shape* p, int64_t ucap) {
+  return union_layout(p->batch * p->heads, (p->seqlen + 127) / 128, ucap);
+}
+
+}  // namespace dsv_attn
+
+/* The forward's workspace: the merged groups' unions where they may run (the K / V strides are
+ * not known here: the contiguous layout's, H D elements, are assumed; a call whose strides
+ * rule merging out leaves the workspace unused), else 0. */
 extern "C" size_t dsv_sparse_attention_fwd_workspace_cuda(const dsv_attn_shape* p) {
-  (void)p;
-  return 0;
+  if (check_attn_args(p) != DSV_OK) return 0;
+  const dsv_tuning* tun = nullptr;
+  if (dsv_tuning_current(&tun) != DSV_OK) return 0; /* the forward reports the error */
+  dsv_bshd kv;
+  kv.data = nullptr;
+  kv.stride_b = kv.stride_s = kv.stride_h = 0;
+  return fwd_union_layout(p, fwd_union_capacity(p, tun, kv, kv)).total;
 }
 
 namespace dsv_attn {
 
+/* The merged groups' part of the forward's parameters: set where they may run and the
+ * workspace holds them (a smaller or no workspace runs every group separately). */
+template <typename T>
+static void fwd_union_params(FwdParams<T>& prm, const dsv_attn_shape* p, const dsv_tuning* t,
+                             dsv_bshd k, dsv_bshd v, void* workspace, size_t workspace_bytes) {
+  const int64_t ucap = fwd_union_capacity(p, t, k, v);
+  const UnionLayout L = fwd_union_layout(p, ucap);
+  if (ucap <= 0 || !workspace || workspace_bytes < L.total) return;
+  char* ws = (char*)workspace;
+  prm.uidx = (int*)(ws + L.uidx);
+  prm.ucnt = (int*)(ws + L.ucnt);
+  prm.knf = (int*)(ws + L.knf);
+  prm.NSG = (int)((p->seqlen + 127) / 128);
+  prm.ucap = (int)ucap;
+  prm.merge = t->merge;
+}
+
 static int fwd_entry(FwdDispatchFn<__half> f16, FwdDispatchFn<__nv_bfloat16> bf16,
                      const char* tile, const dsv_attn_shape* p, dsv_bshd q, dsv_bshd k,
                      dsv_bshd v, const int32_t* kv_index, const int32_t* kv_count, dsv_bshd out,
-                     void* lse, void* stream) {
+                     void* lse, void* workspace, size_t workspace_bytes, void* stream) {
   int st = check_attn_args(p);
   if (st != DSV_OK) return st;
   if (p->batch == 0 || p->seqlen == 0 || p->heads == 0) return DSV_OK;
@@ -617,10 +765,12 @@ static int fwd_entry(FwdDispatchFn<__half> f16, FwdDispatchFn<__nv_bfloat16> bf1
     FwdParams<__nv_bfloat16> prm =
         fwd_params<__nv_bfloat16>(p, q, k, v, kv_index, kv_count, out, lse);
     prm.g128 = tun->g128;
+    if (!tile) fwd_union_params(prm, p, tun, k, v, workspace, workspace_bytes);
     return bf16(p, prm, tun->wgmma, tile, s);
   }
   FwdParams<__half> prm = fwd_params<__half>(p, q, k, v, kv_index, kv_count, out, lse);
   prm.g128 = tun->g128;
+  if (!tile) fwd_union_params(prm, p, tun, k, v, workspace, workspace_bytes);
   return f16(p, prm, tun->wgmma, tile, s);
 }
 
@@ -631,8 +781,6 @@ extern "C" int dsv_sparse_attention_fwd_cuda(const dsv_attn_shape* p, dsv_bshd q
                                              const int32_t* kv_count, dsv_bshd out, void* lse,
                                              void* workspace, size_t workspace_bytes,
                                              void* stream) {
-  (void)workspace;
-  (void)workspace_bytes;
   return fwd_entry(fwd_shipped<__half>, fwd_shipped<__nv_bfloat16>, nullptr, p, q, k, v,
-                   kv_index, kv_count, out, lse, stream);
+                   kv_index, kv_count, out, lse, workspace, workspace_bytes, stream);
 }

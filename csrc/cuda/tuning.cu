@@ -12,10 +12,11 @@
  *                           warpgroups share the key tiles; with wgmma on, token lists, D 64 /
  *                           128; the default), 0 two CTAs of 64 rows
  *   km_ratio                backward key-major ratio (0: never key-major, 1e9: wherever allowed)
- *   bwd_union               backward: the groups of a 128-query block (G 16 / 32 / 64) merged
- *                           into one 128-row CTA when their lists' union has at most
- *                           bwd_union x (128 / G) x K entries (0: never; >= 1: every block whose
- *                           lists allow it, scattered or not)
+ *   merge                   groups of 16 / 32 / 64 queries (where the 128-row kernels run): the
+ *                           groups of a 128-query block merged into one 128-row CTA when their
+ *                           lists' union has at most merge x (128 / G) x K entries; the backward
+ *                           at G 16 / 32 / 64, the forward at G 16 / 32 (0: never; >= 1: every
+ *                           block whose lists allow it, scattered or not)
  *   bwd_ranges              backward key ranges forced on every query-major head (0: automatic)
  *   bwd_rmax                the automatic rule's most key ranges (0: from the L2 size)
  *   tk_gpw                  top-K estimation: query groups per warp, 16 or 8; 0: automatic
@@ -66,9 +67,9 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
     t->km_ratio = x > 3.0e38 ? 3.0e38f : (float)x;
     return DSV_OK;
   }
-  if (DSV_KEY("bwd_union")) {
+  if (DSV_KEY("merge")) {
     if (x < 0 || x > 1) return DSV_ERR_TUNING;
-    t->bwd_union = (float)x;
+    t->merge = (float)x;
     return DSV_OK;
   }
   if (x != (double)(long long)x) return DSV_ERR_TUNING; /* the other keys are integers */
@@ -150,7 +151,7 @@ int fill(int device, dsv_tuning* t) {
   t->g128 = 1;     /* measured on the H200 at S = 64k: benchmarks/PERF_LOG.md, kernels v15 */
   /* measured crossover on the H200 at S = 64k, D = 128 (benchmarks/PERF_LOG.md, kernels v3) */
   t->km_ratio = 1.15f;
-  t->bwd_union = 0.75f; /* below the measured crossover: benchmarks/PERF_LOG.md, kernels v26 */
+  t->merge = 0.75f;    /* below the measured crossover: benchmarks/PERF_LOG.md, kernels v26 */
   t->bwd_ranges = 0;
   t->bwd_rmax = 0;
   t->tk_gpw = 0; /* automatic: measured on the H200, benchmarks/PERF_LOG.md, kernels v16 */
@@ -197,10 +198,10 @@ extern "C" int dsv_cuda_kernel_tuning(int device, char* buf, int64_t len) {
   if (st != DSV_OK) return st;
   const int n = snprintf(buf, (size_t)len,
                          "sm_count=%d,l2_bytes=%d,cc=%d,wgmma=%d,km_wgmma=%d,g128=%d,"
-                         "km_ratio=%g,bwd_union=%g,bwd_ranges=%d,bwd_rmax=%d,tk_gpw=%d,tk_sample=%d,"
+                         "km_ratio=%g,merge=%g,bwd_ranges=%d,bwd_rmax=%d,tk_gpw=%d,tk_sample=%d,"
                          "tk_split=%d",
                          t->sm_count, t->l2_bytes, t->cc, t->wgmma, t->km_wgmma, t->g128,
-                         (double)t->km_ratio, (double)t->bwd_union, t->bwd_ranges, t->bwd_rmax, t->tk_gpw,
+                         (double)t->km_ratio, (double)t->merge, t->bwd_ranges, t->bwd_rmax, t->tk_gpw,
                          t->tk_sample, t->tk_split);
   return n >= 0 && n < len ? DSV_OK : DSV_ERR_NOMEM;
 }

@@ -32,12 +32,13 @@ typedef struct dsv_tuning {
                        of 64 rows */
   float km_ratio;   /* backward: a head takes the key-major dK / dV pass when its lists' 64-key
                        block entries x 64 <= km_ratio x groups x K (0: never) */
-  float bwd_union;  /* backward, query-major dK / dV, groups of 16, 32 or 64 queries (where the
-                       128-row kernels run: wgmma on, g128, D 64 / 128): the M = 128 / G groups
-                       of a 128-query block run as one 128-row CTA over the union of their lists
-                       (each row masked to its own group's keys; one reduction per key and 128
-                       rows) when the union has at most bwd_union x M x K entries; heads with
-                       scattered lists are not merged unless bwd_union >= 1 (0: never) */
+  float merge;      /* groups of 16, 32 or 64 queries where the 128-row kernels run (wgmma and
+                       g128 on, D 64 / 128): the M = 128 / G groups of a 128-query block run as
+                       one 128-row CTA over the union of their lists (each row masked to its
+                       own group's keys; the backward reduces each key once per 128 rows) when
+                       the union has at most merge x M x K entries: the backward at G 16 / 32 /
+                       64, the forward at G 16 / 32; heads with scattered lists are not merged
+                       in the backward unless merge >= 1 (0: never) */
   int bwd_ranges;   /* backward, query-major dK / dV: 0 = key ranges per head by the automatic
                        rule, R >= 1 forces R ranges on every head (at most 16) */
   int bwd_rmax;     /* the automatic rule's most ranges: 0 = from the L2 size (at most 8) */

@@ -81,5 +81,5 @@ extern "C" int dsv_dev_sparse_attention_fwd_tile_cuda(const char* tile, const ds
                                                       void* lse, void* stream) {
   if (!tile) return DSV_ERR_INVALID;
   return fwd_entry(dev_fwd<__half>, dev_fwd<__nv_bfloat16>, tile, p, q, k, v, kv_index, kv_count,
-                   out, lse, stream);
+                   out, lse, nullptr, 0, stream);
 }
