@@ -173,6 +173,9 @@ def summary_rows():
         g9, g95 = _kernel_at(grows, G=128), _kernel_at(grows, G=128, sparsity=0.95)
     v25 = _kernels_v25()[0][("v25", 0.1)]
     v25_x = statistics.mean(r["speedup_vs_cudnn_fwdbwd"] for r in v25)
+    mg = _merged()[0]
+    mg64, mg32 = (statistics.mean(r["speedup_vs_cudnn_fwdbwd"] for r in mg[("merged", G, "smooth")])
+                  for G in (64, 32))
     tr = _load("bench_train.json")
     t9, tdense = _train_row(tr, 65536, "dsv_0.9")
     inf = _load("bench_inference.json")
@@ -196,7 +199,8 @@ def summary_rows():
         ("sparse attention vs cuDNN (estimate + forward + backward), 64k tokens, D = 128, G = 64, sparsity 0.9",
          f"**{k9['speedup_vs_cudnn_fwdbwd']:.2f}x** (0.95: {k95['speedup_vs_cudnn_fwdbwd']:.2f}x); "
          f"G = 128: {g9['speedup_vs_cudnn_fwdbwd']:.2f}x (0.95: {g95['speedup_vs_cudnn_fwdbwd']:.2f}x); "
-         f"G = 128 with v25's backward: {v25_x:.2f}x",
+         f"G = 128 with v25's backward: {v25_x:.2f}x; smooth lists with merged groups: G = 64 "
+         f"{mg64:.2f}x, G = 32 {mg32:.2f}x",
          f"{TARGETS['kernels']:g}x", k9["speedup_vs_cudnn_fwdbwd"] >= TARGETS["kernels"], "#kernels"),
         (f"training step vs dense, {tr['layers']} blocks of the 2.7B shape, 64k tokens, sparsity 0.9",
          f"**{t_speed:.2f}x** ({t9['median_ms']:.0f} vs {tdense['median_ms']:.0f} ms)",
@@ -276,6 +280,7 @@ timings. {prov}
 ![kernel times](../benchmarks/results/kernels.png)
 
 {_section_kernels_v25()}
+{_section_merged()}
 {_section_kernels_g128()}"""
 
 
@@ -306,6 +311,47 @@ def _section_kernels_v25():
 The grid above ran v24's kernels. v25 puts the two warpgroups of the 128-row backward out of step
 (PERF_LOG v25); timed against v24 in one build, interleaved, S = 64k, D = 128, G = 128, 24 heads,
 random lists ([results/kernels_v25/](../benchmarks/results/kernels_v25/ab.md)). {prov}
+
+{t}
+"""
+
+
+def _merged():
+    """Groups of 32 / 64 queries with merged groups off and on (results/kernels_v27: v26's backward
+    and v27's forward; the shipped build's G = 32 rows where it has them): the mean of the rounds per
+    (setting, G, lists), and the provenance."""
+    ab, shipped = _load("kernels_v27/ab.json"), _load("kernels_v27/shipped.json")
+    keep = {(r["G"], r["dist"]) for r in shipped}
+    recs = [r for r in ab if (r["G"], r["dist"]) not in keep] + shipped
+    out = {}
+    for r in recs:
+        out.setdefault((r["kernel"], r["G"], r["dist"]), []).append(r)
+    dates = sorted(r["run_date"] for r in recs)
+    commit = (f"{shipped[0]['run_commit']} for G = 32; {ab[0]['run_commit']} for G = 64 (whose "
+              "kernels are the shipped ones)")
+    return out, _prov(f"{dates[0]} - {dates[-1]}", commit, shipped[0]["run_card"],
+                      f"torch {shipped[0]['run_torch']}")
+
+
+def _section_merged():
+    groups, prov = _merged()
+    mean = lambda rs, k: statistics.mean(r[k] for r in rs)  # noqa: E731
+    rows = []
+    for (kern, G, dist), rs in sorted(groups.items(), key=lambda kv: (kv[0][2], -kv[0][1], kv[0][0] != "separate")):
+        rows.append((G, dist, kern, len(rs), _ms(mean(rs, "est_ms")), _ms(mean(rs, "fwd_ms")),
+                     _ms(mean(rs, "bwd_ms")), _ms(mean(rs, "total_ms")), _ms(mean(rs, "cudnn_fwdbwd_ms")),
+                     _x(mean(rs, "speedup_vs_cudnn_fwdbwd"))))
+    t = _table(["G", "lists", "groups", "rounds", "estimate ms", "forward ms", "backward ms", "total ms",
+                "cuDNN fwd+bwd ms", "speedup vs cuDNN"], rows)
+    return f"""### Merged groups (G = 32 / 64)
+
+Groups of 16, 32 or 64 queries whose lists overlap (coherent lists, as video gives) run the groups
+of each 128-query block as one 128-row CTA over the union of their lists, each row masked to its
+own group's keys (kernel tuning `merge`, PERF_LOG v26 / v27): the backward reduces each key of
+the union once per 128 rows, the forward (G 16 / 32) gathers it once. Scattered lists stay
+separate. S = 64k, D = 128, 24 heads, sparsity 0.9, merged groups off (`separate`) and on
+(`merged`, the default) interleaved
+([results/kernels_v27/](../benchmarks/results/kernels_v27/ab.md)). {prov}
 
 {t}
 """
