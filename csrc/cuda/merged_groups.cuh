@@ -62,6 +62,34 @@ struct UnionBuild {
   int nlc;
 };
 
+/* The fields a pass's parameters (FwdParams, BwdParams: the same member names) give: the lists,
+ * sizes, workspace and the gate (merge below 1); no path, no rows checked. */
+template <typename Prm>
+static UnionBuild union_build_of(const Prm& prm, int D) {
+  UnionBuild ub;
+  ub.kv_index = prm.kv_index;
+  ub.kv_count = prm.kv_count;
+  ub.S = prm.S, ub.H = prm.H, ub.G = prm.G, ub.NG = prm.NG, ub.kmax = prm.kmax;
+  ub.NSG = prm.NSG, ub.ucap = prm.ucap, ub.D = D;
+  ub.uidx = prm.uidx, ub.ucnt = prm.ucnt, ub.knf = prm.knf;
+  ub.path = nullptr, ub.kboff = ub.kbcount = nullptr, ub.nkb = 0;
+  ub.gate = prm.merge < 1.f;
+  ub.hc = nullptr, ub.hcb = ub.hcs = ub.hch = 0;
+  ub.nlc = 0;
+  return ub;
+}
+
+/* The parameters of the merged launch: the 128-query blocks as groups of 128 (ug keeps G). */
+template <typename Prm>
+static Prm union_launch_params(const Prm& prm) {
+  Prm pu = prm;
+  pu.ug = prm.G;
+  pu.G = 128;
+  pu.NG = prm.NSG;
+  pu.chunks = 1;
+  return pu;
+}
+
 template <typename T> struct ExpBits;
 template <> struct ExpBits<__half> { static constexpr uint32_t v = 0x7C007C00u; };
 template <> struct ExpBits<__nv_bfloat16> { static constexpr uint32_t v = 0x7F807F80u; };

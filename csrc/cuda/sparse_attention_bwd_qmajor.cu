@@ -341,24 +341,15 @@ static int qmajor_cfg(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t 
  * their groups. */
 template <typename T, int D>
 static int union_passes(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_t stream) {
-  UnionBuild ub;
-  ub.kv_index = prm.kv_index;
-  ub.kv_count = prm.kv_count;
-  ub.S = prm.S, ub.H = prm.H, ub.G = prm.G, ub.NG = prm.NG, ub.kmax = prm.kmax;
-  ub.NSG = prm.NSG, ub.ucap = prm.ucap, ub.D = prm.D;
-  ub.uidx = prm.uidx, ub.ucnt = prm.ucnt, ub.knf = prm.knf;
+  UnionBuild ub = union_build_of(prm, D);
   ub.path = prm.path, ub.kboff = prm.kboff, ub.kbcount = prm.kbcount, ub.nkb = prm.nkb;
-  ub.gate = prm.merge < 1.f;
   ub.hc = prm.k, ub.hcb = prm.kb, ub.hcs = prm.ks, ub.hch = prm.kh;
   ub.lc[0] = prm.q, ub.lcb[0] = prm.qb, ub.lcs[0] = prm.qs, ub.lch[0] = prm.qh;
   ub.lc[1] = prm.dout, ub.lcb[1] = prm.gb, ub.lcs[1] = prm.gs, ub.lch[1] = prm.gh;
   ub.nlc = 2;
   const int st = union_build_launch<T>(ub, (int)sh->batch, stream);
   if (st != DSV_OK) return st;
-  BwdParams<T> pu = prm;
-  pu.ug = prm.G;
-  pu.G = 128;
-  pu.NG = prm.NSG;
+  BwdParams<T> pu = union_launch_params(prm);
   return bwd_wg128_launch<T, D, BwdParams<T>, true>(sh, pu, stream);
 }
 

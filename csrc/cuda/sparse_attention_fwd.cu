@@ -526,23 +526,11 @@ template <typename T, int D>
 static int fwd_union_passes(const dsv_attn_shape* sh, FwdParams<T>& prm, cudaStream_t stream) {
   if (cudaMemsetAsync(prm.knf, 0, (size_t)sh->batch * prm.H * sizeof(int), stream) != cudaSuccess)
     return DSV_ERR_CUDA;
-  UnionBuild ub;
-  ub.kv_index = prm.kv_index;
-  ub.kv_count = prm.kv_count;
-  ub.S = prm.S, ub.H = prm.H, ub.G = prm.G, ub.NG = prm.NG, ub.kmax = prm.kmax;
-  ub.NSG = prm.NSG, ub.ucap = prm.ucap, ub.D = D;
-  ub.uidx = prm.uidx, ub.ucnt = prm.ucnt, ub.knf = prm.knf;
-  ub.path = nullptr, ub.kboff = ub.kbcount = nullptr, ub.nkb = 0, ub.gate = prm.merge < 1.f;
+  UnionBuild ub = union_build_of(prm, D);
   ub.hc = prm.v, ub.hcb = prm.vb, ub.hcs = prm.vs, ub.hch = prm.vh;
-  ub.nlc = 0;
   const int st = union_build_launch<T>(ub, (int)sh->batch, stream);
   if (st != DSV_OK) return st;
-  FwdParams<T> pu = prm;
-  pu.ug = prm.G;
-  pu.G = 128;
-  pu.NG = prm.NSG;
-  pu.chunks = 1;
-  return launch_fwd_wg<T, D, 32, 2, 2, 1, 2, true>(sh, pu, stream);
+  return launch_fwd_wg<T, D, 32, 2, 2, 1, 2, true>(sh, union_launch_params(prm), stream);
 }
 
 /* The shipped key tiles: wgmma with 32 keys x 2 stages and 4 CTAs per SM (registers capped at
