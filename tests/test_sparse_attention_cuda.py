@@ -71,11 +71,11 @@ PATHS = {
                                               # pass on mma.sync (dQ still on wgmma)
     "kmajor_mma": "km_ratio=1e9,wgmma=0",     # the same on mma.sync only (forward included)
     "qmajor_mma": "km_ratio=0,wgmma=0",       # query-major on mma.sync only
-    "union": "km_ratio=0,bwd_ranges=1,merge=1",   # groups of 16 / 32 / 64 queries merged
+    "merge": "km_ratio=0,bwd_ranges=1,merge=1",   # groups of 16 / 32 / 64 queries merged
                                               # per 128-query block wherever their lists allow
                                               # it (sorted, finite inputs; D 64 / 128, H100 /
-                                              # H200), scattered or not (PERF_LOG v26)
-    "union3": "km_ratio=0,bwd_ranges=3,merge=1",  # the same with 3 key ranges
+                                              # H200), scattered or not (PERF_LOG v26 / v27)
+    "merge3": "km_ratio=0,bwd_ranges=3,merge=1",  # the same with 3 key ranges
 }
 # the tests of this file that take `path`, and the device-parametrized tests of
 # test_sparse_attention.py (their CUDA cases) that run on every path
@@ -319,7 +319,7 @@ def test_merged_groups_match_reference(G, D, share, gen, path):
     """Groups of 16 / 32 / 64 queries whose 128-query blocks share most keys (what coherent video
     lists give), sorted as topk_estimate writes them: where merging applies (the tuning's merge,
     D 64 / 128 on an H100 / H200: the backward, and the forward at G 16 / 32; scattered lists
-    too in the "union" paths of test_backward_path) one 128-row CTA walks the union of a block's
+    too in the "merge" paths of test_backward_path) one 128-row CTA walks the union of a block's
     lists with each row masked to its group's keys. A partial last block and group, groups with
     fewer valid entries (trailing -1) or none (out 0, lse -inf beside groups that have keys),
     and heads with counts 0, 1, 37 and kmax."""
