@@ -191,7 +191,14 @@ int dsv_scatter_add_rows_cpu(dsv_dtype dtype, int64_t dim, const void* src,
  * backward needs head_dim <= 128 and kmax <= 16384 (DSV_ERR_UNSUPPORTED otherwise) and is always
  * deterministic, DSV_FLAG_DETERMINISTIC or not: dK / dV key-major over an index sorted by group,
  * dQ query-major, both summed in registers without atomics; its workspace holds a sorted copy of
- * the lists and that index (about 16 x B x H x num_groups x kmax bytes). */
+ * the lists and that index (about 16 x B x H x num_groups x kmax bytes).
+ *
+ * Token lists in groups of 16, 32 or 64 queries on an H100 / H200 (D 64 / 128): where the lists
+ * of a 128-query block's groups overlap, the kernels run them as one over the union of their
+ * lists (the kernel tuning's `merge`); the unions take workspace (forward and backward, up to
+ * merge x 4 x B x H x num_groups x kmax bytes). A forward given less workspace than its
+ * *_workspace_cuda() size (which assumes K / V row strides below 4 GB) runs every group
+ * separately, with the same results. */
 size_t dsv_sparse_attention_fwd_workspace_cuda(const dsv_attn_shape* p);
 int dsv_sparse_attention_fwd_cuda(const dsv_attn_shape* p, dsv_bshd q, dsv_bshd k, dsv_bshd v,
                                   const int32_t* kv_index, const int32_t* kv_count,
