@@ -61,7 +61,7 @@ def has_cuda_kernels() -> bool:
 
 # the keys that DSV_KERNEL_TUNING may set (csrc/cuda/tuning.cu)
 KERNEL_TUNING_KEYS = ("sm_count", "l2_bytes", "wgmma", "km_wgmma", "g128", "km_ratio",
-                      "merge", "bwd_ranges", "bwd_rmax", "tk_gpw", "tk_sample", "tk_split")
+                      "merge", "merge_window", "bwd_ranges", "bwd_rmax", "tk_gpw", "tk_sample", "tk_split")
 
 
 def _check_tuning_env() -> None:
@@ -96,6 +96,8 @@ def kernel_tuning(device=None) -> dict:
     ``merge`` (groups of 16 / 32 / 64 queries: the groups of a 128-query block run as one
     128-row CTA over the union of their lists when it has at most ``merge`` x (128 / G) x K
     entries, in the backward and at G 16 / 32 in the forward; 0.75 by default, 0: never),
+    ``merge_window`` (keys per window of the union builder; 0, the default: from its shared
+    memory; for tests),
     ``bwd_ranges`` / ``bwd_rmax`` (the backward's key ranges: forced count / the automatic
     rule's most; 0 = automatic), ``tk_gpw`` (the top-K estimation's query groups per warp: 16,
     8, or 0, the default: automatic), ``tk_sample`` (1, the default: the estimation locates each

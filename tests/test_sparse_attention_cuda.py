@@ -76,6 +76,9 @@ PATHS = {
                                               # it (sorted, finite inputs; D 64 / 128, H100 /
                                               # H200), scattered or not (PERF_LOG v26 / v27)
     "merge3": "km_ratio=0,bwd_ranges=3,merge=1",  # the same with 3 key ranges
+    "merge_w": "km_ratio=0,bwd_ranges=1,merge=1,merge_window=64",  # the same with the union
+                                              # builder's bitmaps in windows of 64 keys (several
+                                              # windows at these lengths, as S > 80k at G = 32)
 }
 # the tests of this file that take `path`, and the device-parametrized tests of
 # test_sparse_attention.py (their CUDA cases) that run on every path

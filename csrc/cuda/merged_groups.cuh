@@ -32,6 +32,7 @@
 #define DSV_MERGED_GROUPS_CUH
 
 #include "attention_common.cuh"
+#include "tuning.h"
 
 namespace dsv_attn {
 
@@ -301,11 +302,16 @@ static inline UnionLayout union_layout(int64_t BH, int64_t nsg, int64_t ucap) {
 }
 
 /* Launch (grid NSG x H x B); knf must be zero. The window: the bitmaps of M x W bits within
- * 40 KB of shared memory. */
+ * 40 KB of shared memory, or the tuning's merge_window keys where it is set (tests: several
+ * windows at small S). */
 template <typename T>
 static int union_build_launch(const UnionBuild& ub, int B, cudaStream_t stream) {
+  const dsv_tuning* tun = nullptr;
+  const int st = dsv_tuning_current(&tun);
+  if (st != DSV_OK) return st;
   const int M = 128 / ub.G;
-  const int wmax = (40 * 1024 * 8 / M) & ~31;
+  int wmax = (40 * 1024 * 8 / M) & ~31;
+  if (tun->merge_window > 0 && tun->merge_window < wmax) wmax = tun->merge_window;
   const int s32 = (ub.S + 31) & ~31;
   const int W = s32 < wmax ? s32 : wmax;
   const size_t smem = (size_t)M * (W / 32) * sizeof(uint32_t);

@@ -17,6 +17,8 @@
  *                           lists' union has at most merge x (128 / G) x K entries; the backward
  *                           at G 16 / 32 / 64, the forward at G 16 / 32 (0: never; >= 1: every
  *                           block whose lists allow it, scattered or not)
+ *   merge_window            merged groups: keys per window of the union builder (a multiple of
+ *                           32; 0: from 40 KB of shared memory, the default; tests)
  *   bwd_ranges              backward key ranges forced on every query-major head (0: automatic)
  *   bwd_rmax                the automatic rule's most key ranges (0: from the L2 size)
  *   tk_gpw                  top-K estimation: query groups per warp, 16 or 8; 0: automatic
@@ -89,6 +91,9 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
   } else if (DSV_KEY("g128")) {
     if (n != 0 && n != 1) return DSV_ERR_TUNING;
     t->g128 = (int)n; /* takes effect only where wgmma is on */
+  } else if (DSV_KEY("merge_window")) {
+    if (n < 0 || n > 1 << 22 || n % 32 != 0) return DSV_ERR_TUNING;
+    t->merge_window = (int)n;
   } else if (DSV_KEY("bwd_ranges")) {
     if (n < 0 || n > 16) return DSV_ERR_TUNING;
     t->bwd_ranges = (int)n;
@@ -198,10 +203,10 @@ extern "C" int dsv_cuda_kernel_tuning(int device, char* buf, int64_t len) {
   if (st != DSV_OK) return st;
   const int n = snprintf(buf, (size_t)len,
                          "sm_count=%d,l2_bytes=%d,cc=%d,wgmma=%d,km_wgmma=%d,g128=%d,"
-                         "km_ratio=%g,merge=%g,bwd_ranges=%d,bwd_rmax=%d,tk_gpw=%d,tk_sample=%d,"
-                         "tk_split=%d",
+                         "km_ratio=%g,merge=%g,merge_window=%d,bwd_ranges=%d,bwd_rmax=%d,"
+                         "tk_gpw=%d,tk_sample=%d,tk_split=%d",
                          t->sm_count, t->l2_bytes, t->cc, t->wgmma, t->km_wgmma, t->g128,
-                         (double)t->km_ratio, (double)t->merge, t->bwd_ranges, t->bwd_rmax, t->tk_gpw,
-                         t->tk_sample, t->tk_split);
+                         (double)t->km_ratio, (double)t->merge, t->merge_window, t->bwd_ranges,
+                         t->bwd_rmax, t->tk_gpw, t->tk_sample, t->tk_split);
   return n >= 0 && n < len ? DSV_OK : DSV_ERR_NOMEM;
 }

@@ -39,6 +39,9 @@ typedef struct dsv_tuning {
                        the union has at most merge x M x K entries: the backward at G 16 / 32 /
                        64, the forward at G 16 / 32; heads with scattered lists are not merged
                        in the backward unless merge >= 1 (0: never) */
+  int merge_window; /* merged groups: the keys per window of the union builder's bitmaps (a
+                       multiple of 32; 0: as many as 40 KB of shared memory hold, the default);
+                       for tests, which need several windows at small sequence lengths */
   int bwd_ranges;   /* backward, query-major dK / dV: 0 = key ranges per head by the automatic
                        rule, R >= 1 forces R ranges on every head (at most 16) */
   int bwd_rmax;     /* the automatic rule's most ranges: 0 = from the L2 size (at most 8) */
