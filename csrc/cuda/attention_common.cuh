@@ -335,6 +335,24 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x;
 }
 
+/* A list's count clamped to [0, kmax] (kv_count is the caller's: any value). */
+__device__ __forceinline__ int clamp_count(int c, int kmax) {
+  return c < 0 ? 0 : (c > kmax ? kmax : c);
+}
+
+/* First position in [a, e) of an ascending list whose entry is >= key (e if none): the part of a
+ * group's list inside one key range of the query-major backward, or inside one window of the
+ * union builder (merged_groups.cuh). KM > 0: packed entries, the key is entry & KM. */
+template <int KM = 0>
+__device__ __forceinline__ int list_lower_bound(const int* list, int a, int e, int key) {
+  while (a < e) {
+    const int m = (a + e) >> 1;
+    const int x = __ldg(list + m);
+    if ((KM ? x & KM : x) < key) a = m + 1; else e = m;
+  }
+  return a;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* host-side helpers */
 

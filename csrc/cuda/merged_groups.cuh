@@ -134,8 +134,7 @@ __global__ void __launch_bounds__(256) union_build_kernel(const UnionBuild p, in
   const int M = 128 / p.G, NWD = W / 32;
   const int row0 = u * 128, nrows = min(128, p.S - row0);
   int* ucnt = p.ucnt + bh * p.NSG + u;
-  const int c = __ldg(p.kv_count + bh);
-  const int count = c < 0 ? 0 : (c > p.kmax ? p.kmax : c);
+  const int count = clamp_count(__ldg(p.kv_count + bh), p.kmax);
   bool on = count > 0;
   if (p.path) {
     on = on && p.path[bh] == 0;
@@ -180,13 +179,7 @@ __global__ void __launch_bounds__(256) union_build_kernel(const UnionBuild p, in
     for (int i = tid; i < M * NWD; i += 256) ubits[i] = 0u;
     if (tid < M) { /* the end of the list's run in this window (its whole length in the last) */
       const int* list = p.kv_index + (bh * p.NG + u * M + tid) * p.kmax;
-      int a = s_cur[tid], e = s_cnt[tid];
-      if (hi < p.S)
-        while (a < e) {
-          const int mid = (a + e) >> 1;
-          if (__ldg(list + mid) < hi) a = mid + 1; else e = mid;
-        }
-      s_end[tid] = e;
+      s_end[tid] = hi < p.S ? list_lower_bound(list, s_cur[tid], s_cnt[tid], hi) : s_cnt[tid];
     }
     __syncthreads();
     bool bad = false;

@@ -69,10 +69,6 @@ struct BwdParams {
 };
 
 
-__device__ __forceinline__ int clamp_count(int c, int kmax) {
-  return c < 0 ? 0 : (c > kmax ? kmax : c);
-}
-
 /* Each thread's two query rows (row0 + lr0, row0 + lr1: the accumulator rows of its lane) of dQ
  * (scaled), written in the input dtype; rows past nrows are not written. The query-major
  * kernels end here when dQ is not reduced across key ranges. */
@@ -94,19 +90,6 @@ __device__ __forceinline__ void dq_store(const BwdParams<T>& p, int b, int h, in
       *reinterpret_cast<uint32_t*>(r + i * 8) =
           Elem<T>::pack(dq[i][2] * p.scale, dq[i][3] * p.scale);
   }
-}
-
-/* First position in [a, e) of an ascending list whose entry is >= key (e if none): the part of a
- * group's list inside one key range of the query-major backward. KM > 0: packed entries, the key
- * is entry & KM. */
-template <int KM = 0>
-__device__ __forceinline__ int list_lower_bound(const int* list, int a, int e, int key) {
-  while (a < e) {
-    const int m = (a + e) >> 1;
-    const int x = __ldg(list + m);
-    if ((KM ? x & KM : x) < key) a = m + 1; else e = m;
-  }
-  return a;
 }
 
 /* The query-major wgmma kernels' common steps (sparse_attention_bwd_wg.cuh; bwd_qmajor_kernel has
