@@ -391,7 +391,8 @@ def write_outputs(res: Dict, out: str) -> None:
     a = res["analysis"]
     prov = res.get("provenance", {})
     L = ["# Speed at equal recall", "",
-         f"Measured {prov.get('date', '?')}, commit {prov.get('commit', '?')}, {prov.get('card', '?')}. "
+         f"Measured {prov.get('date', '?')}, commit {prov.get('commit', '?')}"
+         + (f" (csrc {prov['csrc']})" if prov.get("csrc") else "") + f", {prov.get('card', '?')}. "
          f"Recall from {res.get('captures', '?')} captures of `{res.get('source', '?')}` "
          f"(S = {a['seq_len']}, every block and head"
          + (f", cube {'x'.join(map(str, a['cube']))}" if a.get("cube") else "")
@@ -532,7 +533,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     p = provenance()
     res["provenance"] = {"date": p.get("date"), "commit": os.environ.get("DSV_COMMIT") or p.get("commit"),
-                         "card": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+                         "csrc": p.get("csrc"), "card": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
     write_outputs(res, a.out)
     print(open(os.path.join(a.out, "equal_recall.md")).read())
     return 0

@@ -346,13 +346,15 @@ def write_markdown(results: Dict, path: str) -> None:
             L.append(f"| {S} | {'x'.join(map(str, r['grid']))} | {r['mode']} | {dens} | "
                      f"{r['median_ms']:.1f} | {r['min_ms']:.1f}-{r['max_ms']:.1f} | "
                      f"{r['tokens_per_s']:.0f} | {sp} | {r['peak_gb']:.1f} |")
-    prof = [(S, r.get("profiled_sparsity")) for S, rows in results["runs"].items() for r in rows
-            if r["mode"] == "dsv_prof" and r.get("profiled_sparsity")]
-    L += ["", "dsv_prof uses " + (f"the per-block sparsity of `{results['sparsity_from']}`"
-                                   if results.get("sparsity_from") else
-                                   "the sparsity the profiler measured on this (untrained) model "
-                                   "and input") + "; measured: "
-          + "; ".join(f"{S}: {', '.join(f'{v:.3f}' for v in p[:4])}{' ...' if len(p) > 4 else ''}"
+    src = results.get("sparsity_from")
+    key = "sparsity" if src else "profiled_sparsity"  # the sparsity each block ran at
+    prof = [(S, r.get(key)) for S, rows in results["runs"].items() for r in rows
+            if r["mode"] == "dsv_prof" and r.get(key)]
+    L += ["", "dsv_prof runs every block sparse at " + (
+        f"the per-block sparsity of `{src}` (a trained run's profiler, the block means cycled "
+        "over this model's blocks)" if src else
+        "the sparsity the profiler measured on this (untrained) model and input") + "; per block: "
+          + "; ".join(f"{S}: {', '.join(f'{v:.3f}' for v in p[:8])}{' ...' if len(p) > 8 else ''}"
                       for S, p in prof), ""]
     L += ["dsv_stage1 is DSV's stage 1 (dense attention + predictor training every step): the "
           "cost paid before the switch.", ""]
