@@ -7,7 +7,7 @@
 # ends in time; all logs are packed into $OUT/logs.tgz (one file to copy back).
 #   usage: bash benchmarks/device_session.sh   (carry .dsvwheels for diffusers, .devso if built)
 #   env:   STEPS="tests bench ncu san" (default; also ab topkab tun compare infer train grid topk det
-#          soak er),
+#          soak er calib),
 #          BUILD_LIMIT, TUNINGS (the tun step's DSV_KERNEL_TUNING settings), AB_ARGS,
 #          TEST_ARGS (e.g. "-m cuda": the GPU tests alone; the CPU ones run in CI),
 #          TEST_LIMIT, BENCH_LIMIT, SAN_STEPS / SAN_PATHS (tests/run_sanitizer.sh), ...
@@ -101,6 +101,16 @@ case " $STEPS " in *" er "*)  # equal-recall timings of the committed capture (n
   timeout ${ER_LIMIT:-420} python3 benchmarks/bench_equal_recall.py --analysis benchmarks/results/equal_recall/equal_recall.json \
     --time --out "$OUT/equal_recall" > "$OUT/er.log" 2>&1
   echo "equal recall rc=$?"; grep -E "^Recall|dense heads \| 0.9 |^\| auto" "$OUT/equal_recall/equal_recall.md";;
+esac
+case " $STEPS " in *" calib "*)  # the dispatcher's calibration table of this GPU, measured anew (~5 min)
+  # into $OUT/calibration.json (a copy of the shipped table, its entries replaced): copy it to
+  # dsv_ext/control/calibration/nvidia_h200.json to ship it
+  cp dsv_ext/control/calibration/nvidia_h200.json "$OUT/calibration.json"
+  for g in ${CALIB_G:-32 64 128}; do
+    timeout ${CALIB_LIMIT:-150} python3 -m dsv_ext.control.dispatch --group-size $g --heads 16 --head-dim 128 \
+      --kv-blocks 1 64 --out "$OUT/calibration.json" > "$OUT/calib_g$g.log" 2>&1
+    echo "calibration G=$g rc=$?"; grep -E "^  S=" "$OUT/calib_g$g.log" | cut -c1-160
+  done;;
 esac
 case " $STEPS " in *" det "*)
   timeout ${DET_LIMIT:-120} python3 benchmarks/bench_kernels.py --deterministic --out "$OUT/results" > "$OUT/det.log" 2>&1
