@@ -395,6 +395,14 @@ __device__ __forceinline__ void bwg_product(float (&acc)[D / 8][4], uint64_t ade
   wg_commit();
 }
 
+/* The named barriers of the out-of-step schedule with one-way signals (kernel tuning g128 = 2,
+ * PERF_LOG v28): per parity, warpgroup 0 / 1 wrote its P / dS halves (PD0, PD1),
+ * warpgroup 1 / 0 finished reading them (DK, DV); per stage, warpgroup 0 is done with it
+ * (EMPTY); within a warpgroup (WG). Each is arrived at by one warpgroup and synced by the
+ * other, and never arrived at twice before its sync (each second arrival waits, through the
+ * others, on that sync). */
+enum { PP_PD0 = 1, PP_PD1 = 3, PP_DK = 5, PP_DV = 7, PP_EMPTY = 9, PP_WG = 11 };
+
 /* The query-major pass with dK / dV reductions for groups of a multiple of 128 queries (the
  * tuning's g128; PERF_LOG kernels v15, v25): one CTA of 256 threads per 128 rows, warpgroup w
  * (warps 4 w .. 4 w + 3) owning rows 64 w .. 64 w + 63 with its own Q and dO tiles, both on one
@@ -413,15 +421,9 @@ __device__ __forceinline__ void bwg_product(float (&acc)[D / 8][4], uint64_t ade
  * possibly) give P = dS = 0 by selects (bwg_p_ds). UN: merged groups (PERF_LOG v26), launched
  * with G = 128 over the 128-query blocks: the CTA of block u walks its union (uidx, ucnt from
  * union_build_kernel; nothing where it was not merged), packed entries whose member bit of the
- * warp's group (16 rows of one group of ug >= 16) masks each row's scores. */
-/* The named barriers of the out-of-step schedule with one-way signals (kernel tuning g128 = 2,
- * PERF_LOG What next 000000): per parity, warpgroup 0 / 1 wrote its P / dS halves (PD0, PD1),
- * warpgroup 1 / 0 finished reading them (DK, DV); per stage, warpgroup 0 is done with it
- * (EMPTY); within a warpgroup (WG). Each is arrived at by one warpgroup and synced by the
- * other, and never arrived at twice before its sync (each second arrival waits, through the
- * others, on that sync). */
-enum { PP_PD0 = 1, PP_PD1 = 3, PP_DK = 5, PP_DV = 7, PP_EMPTY = 9, PP_WG = 11 };
-
+ * warp's group (16 rows of one group of ug >= 16) masks each row's scores. PP (kernel tuning
+ * g128 = 2, PERF_LOG v28): no CTA barrier in the loop; the signals above order the two
+ * warpgroups, and an mbarrier per stage tells both that its key tile (and key ids) landed. */
 template <typename T, typename Prm, int D, int NS, bool UN = false, bool PP = false>
 __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -12,7 +12,7 @@
  *                           warpgroups share the key tiles; with wgmma on, token lists, D 64 /
  *                           128; the default), 0 two CTAs of 64 rows, 2 the 128-row backward with
  *                           one-way signals between its warpgroups instead of a CTA barrier per
- *                           tile (PERF_LOG What next 000000; not yet measured)
+ *                           tile (PERF_LOG v28; not yet measured)
  *   km_ratio                backward key-major ratio (0: never key-major, 1e9: wherever allowed)
  *   merge                   groups of 16 / 32 / 64 queries (where the 128-row kernels run): the
  *                           groups of a 128-query block merged into one 128-row CTA when their
