@@ -52,7 +52,7 @@ sys.path.insert(0, ROOT)  # dsv_ext from this checkout when it is not installed
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import test_sparse_attention_cuda as T  # noqa: E402  (kernel access, ctypes wrapper)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import git_commit  # noqa: E402
+from bench_common import git_commit, provenance, provenance_line  # noqa: E402
 
 RANK = 16
 
@@ -533,14 +533,31 @@ def kv_block_times(blocks, Ss, Ds, Gs, sps, reps, flex, outdir):
                         print(json.dumps(r), flush=True)
             del bufs
             torch.cuda.empty_cache()
+    write_kv_block(rows, outdir, {"provenance": provenance(), "device": torch.cuda.get_device_name(),
+                                  "torch": torch.__version__, "heads": H, "dtype": "bf16"})
+
+
+def write_kv_block(rows, outdir, meta):
+    """kv_block.json ({meta, "records": rows}) and kv_block.md: block lists against the same lists
+    as token lists and FlexAttention at the same density."""
     os.makedirs(outdir, exist_ok=True)
     with open(os.path.join(outdir, "kv_block.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    print("\nS D G sparsity b | fwd fwd+bwd | token fwd fwd+bwd | flex fwd fwd+bwd (ms)")
+        json.dump(dict(meta, records=rows), f, indent=1)
+    lines = [f"# Block lists vs FlexAttention ({provenance_line(meta)})", "",
+             f"H={meta['heads']}, B=1, {meta['dtype']}, random block lists (no estimation), "
+             "FlexAttention block-sparse 128 x 128 at the same density in the same run; ms, medians.", "",
+             "| S | D | G | sparsity | kv_block | forward | forward + backward | same lists as tokens: "
+             "forward | forward + backward | Flex forward | Flex forward + backward | "
+             "fwd+bwd vs Flex |", "|---" * 12 + "|"]
     for r in rows:
-        print(f"{r['S']} {r['D']} {r['G']} {r['sparsity']} {r['kv_block']} | {r['fwd_ms']:.2f} "
-              f"{r['fwdbwd_ms']:.2f} | {r['token_fwd_ms']:.2f} {r['token_fwdbwd_ms']:.2f} | "
-              f"{r.get('flex_fwd_ms')} {r.get('flex_fwdbwd_ms')}")
+        fx = r.get("flex_fwdbwd_ms")
+        lines.append(f"| {r['S']} | {r['D']} | {r['G']} | {r['sparsity']} | {r['kv_block']} | "
+                     f"{r['fwd_ms']:.2f} | {r['fwdbwd_ms']:.2f} | {r['token_fwd_ms']:.2f} | "
+                     f"{r['token_fwdbwd_ms']:.2f} | {r.get('flex_fwd_ms') or float('nan'):.2f} | "
+                     f"{fx or float('nan'):.2f} | {(fx / r['fwdbwd_ms']) if fx else float('nan'):.2f}x |")
+    with open(os.path.join(outdir, "kv_block.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main():

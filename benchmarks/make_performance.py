@@ -102,12 +102,6 @@ def _kernels():
     return rows, _prov(r0["run_date"], r0["run_commit"], r0["run_card"], f"torch {r0['run_torch']}")
 
 
-def _kernels_g128():
-    rows = _load("kernels_g128/kernels.json")
-    r0 = rows[0]
-    return rows, _prov(r0["run_date"], r0["run_commit"], r0["run_card"], f"torch {r0['run_torch']}")
-
-
 def _kernel_at(rows, S=65536, D=128, G=64, sparsity=0.9, dist="random"):
     for r in rows:
         if (r["S"], r["D"], r["G"], r["dist"]) == (S, D, G, dist) and abs(r["sparsity"] - sparsity) < 1e-9:
@@ -166,16 +160,9 @@ def summary_rows():
     krows, _ = _kernels()
     k9 = _kernel_at(krows)
     k95 = _kernel_at(krows, sparsity=0.95)
-    try:  # G = 128 from the grid when it has it, else from the G = 128 comparison
-        g9, g95 = _kernel_at(krows, G=128), _kernel_at(krows, G=128, sparsity=0.95)
-    except KeyError:
-        grows, _ = _kernels_g128()
-        g9, g95 = _kernel_at(grows, G=128), _kernel_at(grows, G=128, sparsity=0.95)
-    v25 = _kernels_v25()[0][("v25", 0.1)]
-    v25_x = statistics.mean(r["speedup_vs_cudnn_fwdbwd"] for r in v25)
-    mg = _merged()[0]
-    mg64, mg32 = (statistics.mean(r["speedup_vs_cudnn_fwdbwd"] for r in mg[("merged", G, "smooth")])
-                  for G in (64, 32))
+    g9, g95 = _kernel_at(krows, G=128), _kernel_at(krows, G=128, sparsity=0.95)
+    s64, s32, r32 = (_kernel_at(krows, G=G, dist=dist)["speedup_vs_cudnn_fwdbwd"]
+                     for G, dist in ((64, "smooth"), (32, "smooth"), (32, "random")))
     tr = _load("bench_train.json")
     t9, tdense = _train_row(tr, 65536, "dsv_0.9")
     inf = _load("bench_inference.json")
@@ -199,8 +186,7 @@ def summary_rows():
         ("sparse attention vs cuDNN (estimate + forward + backward), 64k tokens, D = 128, G = 64, sparsity 0.9",
          f"**{k9['speedup_vs_cudnn_fwdbwd']:.2f}x** (0.95: {k95['speedup_vs_cudnn_fwdbwd']:.2f}x); "
          f"G = 128: {g9['speedup_vs_cudnn_fwdbwd']:.2f}x (0.95: {g95['speedup_vs_cudnn_fwdbwd']:.2f}x); "
-         f"G = 128 with v25's backward: {v25_x:.2f}x; smooth lists with merged groups: G = 64 "
-         f"{mg64:.2f}x, G = 32 {mg32:.2f}x",
+         f"smooth lists: G = 64 {s64:.2f}x, G = 32 {s32:.2f}x (random {r32:.2f}x)",
          f"{TARGETS['kernels']:g}x", k9["speedup_vs_cudnn_fwdbwd"] >= TARGETS["kernels"], "#kernels"),
         (f"training step vs dense, {tr['layers']} blocks of the 2.7B shape, 64k tokens, sparsity 0.9",
          f"**{t_speed:.2f}x** ({t9['median_ms']:.0f} vs {tdense['median_ms']:.0f} ms)",
@@ -279,41 +265,8 @@ timings. {prov}
 
 ![kernel times](../benchmarks/results/kernels.png)
 
-{_section_kernels_v25()}
 {_section_merged()}
-{_section_kernels_g128()}"""
-
-
-def _kernels_v25():
-    """The G = 128 backward of v24 and v25 interleaved (results/kernels_v25/ab.json): per kernel and
-    density the mean of the rounds, and the provenance."""
-    recs = _load("kernels_v25/ab.json")
-    out = {}
-    for r in recs:
-        out.setdefault((r["kernel"], round(1 - r["sparsity"], 3)), []).append(r)
-    r0 = recs[0]
-    return out, _prov(f"{r0['run_date']} - {recs[-1]['run_date']}", r0["run_commit"], r0["run_card"],
-                      f"torch {r0['run_torch']}")
-
-
-def _section_kernels_v25():
-    groups, prov = _kernels_v25()
-    mean = lambda rs, k: statistics.mean(r[k] for r in rs)  # noqa: E731
-    rows = []
-    for (kern, dens), rs in sorted(groups.items(), key=lambda kv: (-kv[0][1], kv[0][0])):
-        rows.append((kern, f"{dens:.1f}", rs[0]["K"], len(rs), _ms(mean(rs, "est_ms")), _ms(mean(rs, "fwd_ms")),
-                     _ms(mean(rs, "bwd_ms")), _ms(mean(rs, "total_ms")), _ms(mean(rs, "cudnn_fwdbwd_ms")),
-                     _x(mean(rs, "speedup_vs_cudnn_fwdbwd"))))
-    t = _table(["backward", "density", "K", "rounds", "estimate ms", "forward ms", "backward ms", "total ms",
-                "cuDNN fwd+bwd ms", "speedup vs cuDNN"], rows)
-    return f"""### The 128-row backward after the grid
-
-The grid above ran v24's kernels. v25 puts the two warpgroups of the 128-row backward out of step
-(PERF_LOG v25); timed against v24 in one build, interleaved, S = 64k, D = 128, G = 128, 24 heads,
-random lists ([results/kernels_v25/](../benchmarks/results/kernels_v25/ab.md)). {prov}
-
-{t}
-"""
+{_section_kv_block()}"""
 
 
 def _merged():
@@ -331,6 +284,27 @@ def _merged():
               "kernels are the shipped ones)")
     return out, _prov(f"{dates[0]} - {dates[-1]}", commit, shipped[0]["run_card"],
                       f"torch {shipped[0]['run_torch']}")
+
+
+def _section_kv_block():
+    d = _load("kv_block/kv_block.json")
+    p = d["provenance"]
+    t = _table(["S", "D", "G", "sparsity", "kv_block", "forward ms", "forward + backward ms",
+                "as token lists: fwd + bwd ms", "FlexAttention fwd + bwd ms", "vs FlexAttention"],
+               [(_tok(r["S"]), r["D"], r["G"], f"{r['sparsity']:.2f}", r["kv_block"], _ms(r["fwd_ms"]),
+                 _ms(r["fwdbwd_ms"]), _ms(r["token_fwdbwd_ms"]), _ms(r.get("flex_fwdbwd_ms")),
+                 _x(r["flex_fwdbwd_ms"] / r["fwdbwd_ms"]) if r.get("flex_fwdbwd_ms") else "-")
+                for r in d["records"]])
+    return f"""### Block lists vs FlexAttention at equal density
+
+`bench_kernels.py --kv-block 64 --flex --G 64 128` ([results/kv_block/](../benchmarks/results/kv_block/kv_block.md)):
+lists of 64-key blocks (`kv_block` 64, random blocks, no estimation) on the block-list kernels
+(deterministic backward: dK / dV key-major over an inverted index, no atomics), the same lists
+expanded to token lists, and FlexAttention's 128 x 128 block-sparse kernels at the same density,
+{d['heads']} heads, {d['dtype']}. {_prov(p['date'], f"{p['commit']} (csrc {p['csrc']})", d['device'], f"torch {d['torch']}")}
+
+{t}
+"""
 
 
 def _section_merged():
@@ -352,26 +326,6 @@ the union once per 128 rows, the forward (G 16 / 32) gathers it once. Scattered 
 separate. S = 64k, D = 128, 24 heads, sparsity 0.9, merged groups off (`separate`) and on
 (`merged`, the default) interleaved
 ([results/kernels_v27/](../benchmarks/results/kernels_v27/ab.md)). {prov}
-
-{t}
-"""
-
-
-def _section_kernels_g128():
-    rows, prov = _kernels_g128()
-    rows = sorted(rows, key=lambda r: (r["sparsity"], r["dist"] != "random", r["G"]))
-    t = _table(["S", "D", "G", "sparsity", "lists", "K", "estimate ms", "forward ms", "backward ms",
-                "total ms", "cuDNN fwd+bwd ms", "FlexAttention fwd+bwd ms", "speedup vs cuDNN"],
-               [(_tok(r["S"]), r["D"], r["G"], f"{r['sparsity']:.2f}", r["dist"], r["K"], _ms(r["est_ms"]),
-                 _ms(r["fwd_ms"]), _ms(r["bwd_ms"]), _ms(r["total_ms"]), _ms(r["cudnn_fwdbwd_ms"]),
-                 _ms(r.get("flex_fwdbwd_ms")), _x(r["speedup_vs_cudnn_fwdbwd"])) for r in rows])
-    return f"""### Groups of 128 queries
-
-Query groups of a multiple of 128 run 128 rows per CTA on two warpgroups that share the key
-tiles (kernel tuning `g128`, on by default on H100 / H200): each key tile is gathered once and
-each key's dK / dV reduced once per 128 rows instead of twice. The same keys per list as G = 64
-(a list serves twice the queries), G = 64 in the same run
-([results/kernels_g128/](../benchmarks/results/kernels_g128/kernels.md)). {prov}
 
 {t}
 """
@@ -446,6 +400,36 @@ groups per warp would give fewer than two CTAs per SM. Sampled band, automatic G
 median of two interleaved rounds. {_prov(ds['date'], ds['commit'], ds['card'], 'torch ' + ds['torch'])}
 
 {ts}
+
+{_section_topk_occupancy()}"""
+
+
+def _section_topk_occupancy():
+    """The estimation before / after v29 (three CTAs per SM), inside the attention benchmark
+    (results/kernels_v29/ab.json): the mean of the rounds per build, G and lists."""
+    recs = _load("kernels_v29/ab.json")
+    mean = lambda rs, k: statistics.mean(r[k] for r in rs)  # noqa: E731
+    rows = []
+    for G in sorted({r["G"] for r in recs}, reverse=True):
+        for dist in ("random", "smooth"):
+            b, a = ([r for r in recs if (r["G"], r["dist"], r["build"]) == (G, dist, w)] for w in ("before", "after"))
+            if not a or not b:
+                continue
+            rows.append((G, dist, _ms(mean(b, "est_ms")), _ms(mean(a, "est_ms")),
+                         f"{mean(a, 'est_ms') / mean(b, 'est_ms'):.2f}",
+                         f"{100 * statistics.mean(r['est_ms'] / r['total_ms'] for r in a):.1f}%",
+                         _x(mean(b, "speedup_vs_cudnn_fwdbwd")), _x(mean(a, "speedup_vs_cudnn_fwdbwd"))))
+    t = _table(["G", "lists", "estimate before (ms)", "after (ms)", "after / before", "share of the total after",
+                "speedup vs cuDNN before", "after"], rows)
+    dates = sorted(r["run_date"] for r in recs)
+    return f"""Three CTAs per SM (PERF_LOG v29): with rank 16 and 16 groups per warp the estimation's CTA
+takes 76800 bytes of shared memory, so three share an SM; at 64k tokens, G = 64, 24 heads its 384
+CTAs then run in one wave instead of 1.45. Inside the attention benchmark at 64k, D = 128, 24
+heads, sparsity 0.9, before and after interleaved twice ([results/kernels_v29/](../benchmarks/results/kernels_v29/ab.md)).
+{_prov(f"{dates[0]} - {dates[-1]}", "110045d (before, csrc caa64e35) and v29 (after, csrc 68352350)", recs[0]["run_card"],
+       "torch " + recs[0]["run_torch"])}
+
+{t}
 """
 
 
@@ -658,6 +642,11 @@ def section_where_sparse_pays():
     commits = ", ".join(sorted({e.get("commit", "unknown") for e in entries}))
     prov = _prov(f"{when[0]} to {when[-1]}" if len(when) > 1 else when[0], commits, e0["device"],
                  f"torch {e0.get('torch', '-')}")
+    pays = [min((s for s in sps if str(s) in e["sparse_ms"] and e["dense_ms"] >= e["sparse_ms"][str(s)]),
+                default=None)
+            for e in entries if e["group_size"] == 128 and e.get("kv_block", 1) == 1 and e["seq_len"] >= 32768]
+    pays = [p for p in pays if p is not None]
+    even = (f"{min(pays):g}" if min(pays) == max(pays) else f"{min(pays):g}-{max(pays):g}") if pays else "above 0.98"
     return f"""## Where sparse pays
 
 The dispatcher's calibration table shipped for the H200 (`{rel}`, measured with
@@ -667,7 +656,7 @@ one attention layer of {e0['heads']} heads of dim {e0['head_dim']}, {e0['dtype']
 (K = (1 - sparsity) S). Below 1.00x the dispatcher keeps a block dense. {prov} The recall targets of the paired evaluation below need
 {min(dens):.2f}-{max(dens):.2f} of the keys on the {ev['tokens_per_sample'] // 1024}k-token model (sparsity
 {1 - max(dens):.2f}-{1 - min(dens):.2f}), below every sparsity where a setting pays at 16k: the speed case rests
-on attention sparse enough to pass the break-even (sparsity ~0.5-0.7 at 32k-64k, G = 128).
+on attention sparse enough to pass the break-even (sparsity {even} at 32k-64k, G = 128 token lists).
 
 {t}
 """

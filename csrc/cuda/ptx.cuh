@@ -134,39 +134,6 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-/* Named barriers (ids 1-15; 0 is __syncthreads) of n threads, n a multiple of 32: sync waits
- * until n threads have arrived or synced; arrive counts the calling warp and goes on. */
-__device__ __forceinline__ void named_bar_sync(int id, int n) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void named_bar_arrive(int id, int n) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
-
-/* mbarriers in shared memory (sm_90): a phase completes when `count` arrivals have come; a
- * waiter names the parity of the phase it waits for (phase k: k & 1). mbar_arrive_cp: the
- * arrival comes when every cp.async the thread issued before it has landed (counted in
- * `count`: .noinc). mbar_arrive releases the thread's earlier shared-memory writes to the
- * waiters. */
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_cp(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
-  asm volatile(
-      "{\n\t.reg .pred done;\n"
-      "WAIT:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-      "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-
 /* 2^x on the special-function unit, subnormal results flushed to zero (exp2f adds a range
  * check and two multiplies around the same instruction to keep them: 4 more instructions per
  * score in the softmax loops, and probabilities below 2^-126 do not matter there). */

@@ -395,14 +395,6 @@ __device__ __forceinline__ void bwg_product(float (&acc)[D / 8][4], uint64_t ade
   wg_commit();
 }
 
-/* The named barriers of the out-of-step schedule with one-way signals (kernel tuning g128 = 2,
- * PERF_LOG v28): per parity, warpgroup 0 / 1 wrote its P / dS halves (PD0, PD1),
- * warpgroup 1 / 0 finished reading them (DK, DV); per stage, warpgroup 0 is done with it
- * (EMPTY); within a warpgroup (WG). Each is arrived at by one warpgroup and synced by the
- * other, and never arrived at twice before its sync (each second arrival waits, through the
- * others, on that sync). */
-enum { PP_PD0 = 1, PP_PD1 = 3, PP_DK = 5, PP_DV = 7, PP_EMPTY = 9, PP_WG = 11 };
-
 /* The query-major pass with dK / dV reductions for groups of a multiple of 128 queries (the
  * tuning's g128; PERF_LOG kernels v15, v25): one CTA of 256 threads per 128 rows, warpgroup w
  * (warps 4 w .. 4 w + 3) owning rows 64 w .. 64 w + 63 with its own Q and dO tiles, both on one
@@ -421,10 +413,8 @@ enum { PP_PD0 = 1, PP_PD1 = 3, PP_DK = 5, PP_DV = 7, PP_EMPTY = 9, PP_WG = 11 };
  * possibly) give P = dS = 0 by selects (bwg_p_ds). UN: merged groups (PERF_LOG v26), launched
  * with G = 128 over the 128-query blocks: the CTA of block u walks its union (uidx, ucnt from
  * union_build_kernel; nothing where it was not merged), packed entries whose member bit of the
- * warp's group (16 rows of one group of ug >= 16) masks each row's scores. PP (kernel tuning
- * g128 = 2, PERF_LOG v28): no CTA barrier in the loop; the signals above order the two
- * warpgroups, and an mbarrier per stage tells both that its key tile (and key ids) landed. */
-template <typename T, typename Prm, int D, int NS, bool UN = false, bool PP = false>
+ * warp's group (16 rows of one group of ug >= 16) masks each row's scores. */
+template <typename T, typename Prm, int D, int NS, bool UN = false>
 __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(NS == 2, "the stage of tile t - 1 is refilled with tile t + 1");
@@ -443,8 +433,6 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   float* dlt = lse2 + BM;                               /* [BM] */
   int* kidx = reinterpret_cast<int*>(dlt + BM);         /* [NS][BN] */
   int* qidx = kidx + NS * BN;                           /* [BM] */
-  /* PP: one mbarrier per key stage, 8-byte aligned after qidx */
-  uint64_t* kfull = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(qidx + BM) + 7) & ~(uintptr_t)7);
 
   constexpr int KM = UN ? UKEY_MASK : 0; /* merged groups: packed entries */
   const int RG = p.nranges;
@@ -464,8 +452,6 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   int klo, khi, j0, j1;
   if (!qmajor_range<1, KM>(p, c.bh, list, count, c.R, c.rr, klo, khi, j0, j1)) return;
   qmajor_rows<BM, NT>(p, c.bh, c.row0, c.nrows, qidx, lse2, dlt);
-  if (PP && threadIdx.x == 0) /* a stage's fill: 128 copy arrivals + 128 key-id arrivals */
-    for (int i = 0; i < NS; ++i) mbar_init(kfull + i, 256);
   __syncthreads();
   {
     const T* qb = p.q + c.b * p.qb + c.h * p.qh;
@@ -485,19 +471,10 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
     if (ntiles > 0) {
       ix.load(list, j0, j1);
       ix.issue(ks0, vs0, klo, khi, kidx);
-      if constexpr (PP) {
-        mbar_arrive_cp(kfull);
-        mbar_arrive(kfull);
-      }
     }
     ix.load(list, j0 + BN, j1);
   }
   cp_async_commit();
-  if constexpr (PP) { /* Q, dO (and key tile 0) landed: the loop has no CTA barrier */
-    cp_async_wait<0>();
-    fence_proxy_async_smem();
-    __syncthreads();
-  }
 
   float dq[D / 8][4], acc[D / 8][4];
   float s[BN / 8][4], dp[BN / 8][4];
@@ -530,44 +507,26 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   int kid = -1; /* the key of the lane's reduction row in the previous tile */
   for (int t = 0; t < ntiles; ++t) {
     const int st = t % NS;
-    if constexpr (!PP) {
-      cp_async_wait<0>(); /* tile t (this thread's part of it) */
-      fence_proxy_async_smem();
-      __syncthreads(); /* tile t landed; P / dS of tile t - 1 written by both warpgroups; the
-                          readers of parity t % 2 (the products of tile t - 2) done */
-    }
+    cp_async_wait<0>(); /* tile t (this thread's part of it) */
+    fence_proxy_async_smem();
+    __syncthreads(); /* tile t landed; P / dS of tile t - 1 written by both warpgroups; the
+                        readers of parity t % 2 (the products of tile t - 2) done */
     if (wg == 1 && t > 0) {
       /* dQ (t - 1) over the stage refilled below, and dK_t of tile t - 1 */
-      if constexpr (PP) named_bar_sync(PP_PD0 + ((t - 1) & 1), 256);
       bwg_dq_mma<T, D, BN>(dq, da, wg_desc_add(ktdesc0, (t - 1) % NS * KE * 2));
       bwg_product<T, D>(acc, wg_desc_add(adesc0, ((t - 1) & 1) * 2 * PE * 2), bdesc0);
       wg_wait<0>();
       wg_fence_regs<D / 2>(&dq[0][0]);
       wg_fence_regs<D / 2>(&acc[0][0]);
-      if constexpr (PP) /* parity (t - 1) & 1 read: warpgroup 0 writes tile t + 1 there */
-        if (t + 1 < ntiles) named_bar_arrive(PP_DK + ((t - 1) & 1), 256);
       bwg_reduce_part<D, 0, D / 8>(red, acc, kid, lane);
     }
     if (wg == 1) {
       if (t + 1 < ntiles) {
-        /* PP: the stage of tile t - 1 once warpgroup 0 is done with it */
-        if (PP && t > 0) {
-          named_bar_sync(PP_EMPTY + (t + 1) % NS, 256);
-          named_bar_sync(PP_WG + 1, 128); /* and every warp of this one (key ids of t - 1 read) */
-        }
         ix.issue(ks0 + (t + 1) % NS * KE * 2, vs0 + (t + 1) % NS * KE * 2, klo, khi,
                  kidx + (t + 1) % NS * BN);
-        if constexpr (PP) {
-          mbar_arrive_cp(kfull + (t + 1) % NS);
-          mbar_arrive(kfull + (t + 1) % NS);
-        }
         ix.load(list, j0 + (t + 2) * BN, j1);
       }
-      if constexpr (!PP) cp_async_commit();
-    }
-    if constexpr (PP) { /* tile t landed (and its key ids) */
-      mbar_wait(kfull + st, (t / NS) & 1);
-      fence_proxy_async_smem();
+      cp_async_commit();
     }
     const int* ki = kidx + st * BN;
     wg_fence();
@@ -578,44 +537,27 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
     uint32_t pa[BN / 16][4];
     bwg_p_ds<T, BN, true, UN>(s, dp, ki, p.scale_log2, ls0, ls1, dl0, dl1, lr0 < c.nrows,
                               lr1 < c.nrows, lane, pa, da, ush);
-    /* PP: parity t & 1 free (the other warpgroup's product of tile t - 2 read it) */
-    if (PP && t >= 2) named_bar_sync((wg ? PP_DV : PP_DK) + (t & 1), 256);
     /* this warpgroup's halves of P and dS to shared memory before dQ += dS K is issued: da is
      * that MMA's A operand, and a wgmma's A registers may not be accessed (read either) until
      * a wait_group covers it (PTX ISA, wgmma.mma_async) */
     bwg_store_frag<T, BN>(Ps + ((t & 1) * 2 + wg) * PE, pa, wl0, lane);
     bwg_store_frag<T, BN>(dSs + ((t & 1) * 2 + wg) * PE, da, wl0, lane);
     fence_proxy_async_smem();
-    if constexpr (PP) { /* the halves written: to the other warpgroup, and within this one */
-      named_bar_arrive((wg ? PP_PD1 : PP_PD0) + (t & 1), 256);
-      named_bar_sync(PP_WG + wg, 128);
-    }
     if (wg == 0) {
       /* dQ (t), then dV_t of tile t - 1 */
       bwg_dq_mma<T, D, BN>(dq, da, wg_desc_add(ktdesc0, st * KE * 2));
-      if (t > 0) {
-        if constexpr (PP) named_bar_sync(PP_PD1 + ((t - 1) & 1), 256);
-        bwg_product<T, D>(acc, wg_desc_add(adesc0, ((t - 1) & 1) * 2 * PE * 2), bdesc0);
-      }
+      if (t > 0) bwg_product<T, D>(acc, wg_desc_add(adesc0, ((t - 1) & 1) * 2 * PE * 2), bdesc0);
       wg_wait<0>();
       wg_fence_regs<D / 2>(&dq[0][0]);
       if (t > 0) {
         wg_fence_regs<D / 2>(&acc[0][0]);
-        if constexpr (PP) /* parity (t - 1) & 1 read: warpgroup 1 writes tile t + 1 there */
-          if (t + 1 < ntiles) named_bar_arrive(PP_DV + ((t - 1) & 1), 256);
         bwg_reduce_part<D, 0, D / 8>(red, acc, kid, lane);
       }
     }
     kid = bwg_reduce_key<KM>(ki, warp, lane);
-    /* PP: warpgroup 0 is done with the stage of tile t (its MMAs waited, its key ids read):
-     * warpgroup 1 gathers tile t + 2 into it */
-    if (PP && wg == 0 && t + 2 < ntiles) named_bar_arrive(PP_EMPTY + st, 256);
   }
   if (ntiles > 0) { /* the last tile's products (and warpgroup 1's last dQ) */
-    if constexpr (PP)
-      named_bar_sync((wg ? PP_PD0 : PP_PD1) + ((ntiles - 1) & 1), 256);
-    else
-      __syncthreads();
+    __syncthreads();
     if (wg == 1) {
       bwg_dq_mma<T, D, BN>(dq, da, wg_desc_add(ktdesc0, (ntiles - 1) % NS * KE * 2));
       wg_wait<0>();
@@ -635,12 +577,10 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
 template <typename T, int D, typename Prm, bool UN = false>
 static int bwd_wg128_launch(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
   constexpr int NS = 2, BM = 128, BN = 64;
-  const bool pp = prm.g128 == 2;
   const size_t smem = 1024 + (size_t)(2 * BM + 2 * NS * BN) * D * sizeof(T) +
                       (size_t)4 * BM * BN * sizeof(T) /* P, dS: two tiles each */ +
-                      2 * BM * sizeof(float) + (size_t)(NS * BN + BM) * sizeof(int) +
-                      (pp ? 8 + NS * sizeof(uint64_t) : 0);
-  auto kern = pp ? bwd_wg128_kernel<T, Prm, D, NS, UN, true> : bwd_wg128_kernel<T, Prm, D, NS, UN>;
+                      2 * BM * sizeof(float) + (size_t)(NS * BN + BM) * sizeof(int);
+  auto kern = bwd_wg128_kernel<T, Prm, D, NS, UN>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
     return DSV_ERR_CUDA;

@@ -117,14 +117,18 @@ struct dsv_tk_split {
 };
 
 /* shared memory: [GPC][256] histogram slabs, [2][TILE][SW] key tiles, the group states,
- * [threads] sink slots, and with a cluster (CL > 1) the split counts */
+ * [threads] sink slots, and with a cluster (CL > 1) the split counts. Nothing more: at RP = 16
+ * and 16 groups per warp this is 76800 bytes, exactly what lets three CTAs share an SM of
+ * 228 KB (with the 1 KB each CTA reserves; 16 bytes more and two fit: PERF_LOG v29). */
 template <int RP, int GPW, int CL>
-static size_t dsv_topk_smem_bytes() {
+static constexpr size_t dsv_topk_smem_bytes() {
   constexpr int GPC = TK_WARPS * GPW;
-  const int SW = RP / 2 + 4;
+  constexpr int SW = RP / 2 + 4;
   return (size_t)GPC * TK_BINS * 4 + (size_t)2 * TK_TILE * SW * 4 + sizeof(dsv_tk_groups<GPC>) +
-         (size_t)TK_THREADS * 4 + 16 + (CL > 1 ? sizeof(dsv_tk_split<GPC>) : 0);
+         (size_t)TK_THREADS * 4 + (CL > 1 ? sizeof(dsv_tk_split<GPC>) : 0);
 }
+static_assert(dsv_topk_smem_bytes<16, 16, 1>() <= 76800,
+              "the rank-16 estimation CTA must stay within 76800 bytes: three CTAs per SM (v29)");
 
 /* spread bit (2*b + e) of an 8-bit value to bit (8*b + e), b < 4, e < 2 */
 static __device__ __forceinline__ uint32_t dsv_tk_spread(uint32_t x) {

@@ -10,9 +10,7 @@
  *                           lists; the default), 2 also 16-key block lists, 0 its mma.sync kernel
  *   g128                    1 groups of a multiple of 128 queries on the 128-row kernels (two
  *                           warpgroups share the key tiles; with wgmma on, token lists, D 64 /
- *                           128; the default), 0 two CTAs of 64 rows, 2 the 128-row backward with
- *                           one-way signals between its warpgroups instead of a CTA barrier per
- *                           tile (PERF_LOG v28; not yet measured)
+ *                           128; the default), 0 two CTAs of 64 rows
  *   km_ratio                backward key-major ratio (0: never key-major, 1e9: wherever allowed)
  *   merge                   groups of 16 / 32 / 64 queries (where the 128-row kernels run): the
  *                           groups of a 128-query block merged into one 128-row CTA when their
@@ -91,7 +89,7 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
     if (n < 0 || n > 2) return DSV_ERR_TUNING;
     t->km_wgmma = (int)n; /* takes effect only where wgmma is on */
   } else if (DSV_KEY("g128")) {
-    if (n < 0 || n > 2) return DSV_ERR_TUNING;
+    if (n != 0 && n != 1) return DSV_ERR_TUNING;
     t->g128 = (int)n; /* takes effect only where wgmma is on */
   } else if (DSV_KEY("merge_window")) {
     if (n < 0 || n > 1 << 22 || n % 32 != 0) return DSV_ERR_TUNING;
