@@ -259,7 +259,10 @@ sparse attention call of B = 1, {rows[0]['run_H']} heads, bf16: top-K estimation
 cuDNN and FlashAttention-2 (through SDPA) and of FlexAttention's block-sparse kernels at the same
 density, in the same run. `random`: scattered lists; `smooth`: spatially smooth lists, as video
 features give. speedup = cuDNN fwd+bwd / (estimate + forward + backward). Medians of CUDA-event
-timings. {prov}
+timings. Groups of a multiple of 128 queries run 128 rows per CTA on two warpgroups that share
+the key tiles (kernel tuning `g128`): each key tile is gathered and each key's dK / dV reduced
+once per 128 rows; groups of 32 / 64 with coherent lists merge the groups of each 128-query
+block (below). {prov}
 
 {t}
 
