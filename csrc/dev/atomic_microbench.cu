@@ -7,6 +7,11 @@
  *   v4     : 32 x red.global.add.v4.f32 (atomicAdd(float4*)) per row update
  *   bulk   : one 512-byte cp.reduce.async.bulk (TMA) per row update from a shared-memory row
  *   store  : 32 x 16-byte plain stores (no reduction), the bandwidth ceiling of the pattern
+ *   frag   : the 128-row backward's pattern (bwg_reduce_part): a warp reduces 16 rows at a time,
+ *            each red.v4 instruction 16 rows x 32 bytes (two lanes' 16 bytes per 32-byte sector)
+ *   frag2  : the same 16 rows, each lane both 16-byte halves of a sector back to back
+ * (run under Nsight Compute with lts__t_requests_op_red.sum / lts__t_sectors_op_red.sum to see
+ * how many sectors each pattern's requests take: PERF_LOG What next 0000)
  * for a table that fits L2 (64k rows = 32 MB) and one that does not (24 x 64k rows = 768 MB).
  * Prints G floats/s.
  */
@@ -43,6 +48,35 @@ __global__ void k_store(float* tab, const int* rows, int nupd) {
   }
 }
 
+/* 16 rows per warp and step: lane -> row (lane >> 2) + 8 (lane & 1), columns 4 ((lane >> 1) & 1)
+ * of each 8-column block, as the wgmma accumulator after the pair swap */
+__global__ void k_frag(float* tab, const int* rows, int nupd) {
+  int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  int nw = (gridDim.x * blockDim.x) >> 5;
+  for (int u = w; u < nupd / 16; u += nw) {
+    const int r = rows[16 * u + (lane >> 2) + ((lane & 1) ? 8 : 0)];
+    float* row = tab + (size_t)r * 128 + ((lane >> 1) & 1) * 4;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      atomicAdd(reinterpret_cast<float4*>(row + j * 8), make_float4(1.f, 1.f, 1.f, 1.f));
+  }
+}
+/* 16 rows per warp and step: lane -> row lane >> 1, the 8-column blocks of parity lane & 1,
+ * both halves of each 32-byte sector from one lane */
+__global__ void k_frag2(float* tab, const int* rows, int nupd) {
+  int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  int nw = (gridDim.x * blockDim.x) >> 5;
+  for (int u = w; u < nupd / 16; u += nw) {
+    const int r = rows[16 * u + (lane >> 1)];
+    float* row = tab + (size_t)r * 128 + (lane & 1) * 8;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      atomicAdd(reinterpret_cast<float4*>(row + j * 16), make_float4(1.f, 1.f, 1.f, 1.f));
+      atomicAdd(reinterpret_cast<float4*>(row + j * 16 + 4), make_float4(1.f, 1.f, 1.f, 1.f));
+    }
+  }
+}
+
 __global__ void k_bulk(float* tab, const int* rows, int nupd) {
   __shared__ __align__(16) float src[128];
   for (int i = threadIdx.x; i < 128; i += blockDim.x) src[i] = 1.0f;
@@ -76,8 +110,9 @@ int main() {
     for (int i = 0; i < nupd; ++i) h[i] = (int)(((long long)rand() * 32768 + rand()) % nrows);
     CK(cudaMemcpy(rows, h, nupd * sizeof(int), cudaMemcpyHostToDevice));
     CK(cudaMemset(tab, 0, nrows * 128 * sizeof(float)));
-    const char* names[4] = {"scalar red.f32", "v4 red.f32", "plain v4 store", "bulk reduce"};
-    for (int v = 0; v < 4; ++v) {
+    const char* names[6] = {"scalar red.f32", "v4 red.f32", "plain v4 store", "bulk reduce",
+                            "frag v4 red", "frag2 v4 red"};
+    for (int v = 0; v < 6; ++v) {
       float best = 1e30f;
       for (int it = 0; it < 4; ++it) {
         CK(cudaEventRecord(e0));
@@ -85,6 +120,8 @@ int main() {
         if (v == 1) k_v4<<<132 * 8, 256>>>(tab, rows, nupd);
         if (v == 2) k_store<<<132 * 8, 256>>>(tab, rows, nupd);
         if (v == 3) k_bulk<<<132 * 8, 256>>>(tab, rows, nupd);
+        if (v == 4) k_frag<<<132 * 8, 256>>>(tab, rows, nupd);
+        if (v == 5) k_frag2<<<132 * 8, 256>>>(tab, rows, nupd);
         CK(cudaEventRecord(e1));
         CK(cudaEventSynchronize(e1));
         float ms;
