@@ -21,7 +21,8 @@ wheels .dsvwheels
 BUILD_LIMIT=${BUILD_LIMIT:-240} ensure_ext || exit 1
 python3 -c "import dsv_ext, torch; print('torch', torch.__version__, 'CUDA kernels:', dsv_ext.has_cuda_kernels())"
 case " $STEPS " in *" tests "*)
-  DSV_TEST_FAST=1 timeout ${TEST_LIMIT:-420} python3 -m pytest -q -p no:cacheprovider -rf --durations=30 ${TEST_ARGS:-} ${TESTS:-tests} > "$OUT/tests.log" 2>&1
+  eval "targs=(${TEST_ARGS:-})"  # shell words: TEST_ARGS='-k "a and b"' keeps "a and b" one argument
+  DSV_TEST_FAST=1 timeout ${TEST_LIMIT:-420} python3 -m pytest -q -p no:cacheprovider -rf --durations=30 "${targs[@]}" ${TESTS:-tests} > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20; grep -E "^[0-9.]+s (call|setup)" "$OUT/tests.log" | head -8; tail -1 "$OUT/tests.log";;
 esac
 case " $STEPS " in *" bench "*)
