@@ -52,6 +52,11 @@ def _x(v):
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _mean(rs, key):
+    """The mean of one field over records."""
+    return statistics.mean(r[key] for r in rs)
+
+
 def _ms(v, nd=2):
     return "-" if v is None else f"{v:.{nd}f}"
 
@@ -312,12 +317,11 @@ expanded to token lists, and FlexAttention's 128 x 128 block-sparse kernels at t
 
 def _section_merged():
     groups, prov = _merged()
-    mean = lambda rs, k: statistics.mean(r[k] for r in rs)  # noqa: E731
     rows = []
     for (kern, G, dist), rs in sorted(groups.items(), key=lambda kv: (kv[0][2], -kv[0][1], kv[0][0] != "separate")):
-        rows.append((G, dist, kern, len(rs), _ms(mean(rs, "est_ms")), _ms(mean(rs, "fwd_ms")),
-                     _ms(mean(rs, "bwd_ms")), _ms(mean(rs, "total_ms")), _ms(mean(rs, "cudnn_fwdbwd_ms")),
-                     _x(mean(rs, "speedup_vs_cudnn_fwdbwd"))))
+        rows.append((G, dist, kern, len(rs), _ms(_mean(rs, "est_ms")), _ms(_mean(rs, "fwd_ms")),
+                     _ms(_mean(rs, "bwd_ms")), _ms(_mean(rs, "total_ms")), _ms(_mean(rs, "cudnn_fwdbwd_ms")),
+                     _x(_mean(rs, "speedup_vs_cudnn_fwdbwd"))))
     t = _table(["G", "lists", "groups", "rounds", "estimate ms", "forward ms", "backward ms", "total ms",
                 "cuDNN fwd+bwd ms", "speedup vs cuDNN"], rows)
     return f"""### Merged groups (G = 32 / 64)
@@ -411,17 +415,16 @@ def _section_topk_occupancy():
     """The estimation before / after v29 (three CTAs per SM), inside the attention benchmark
     (results/kernels_v29/ab.json): the mean of the rounds per build, G and lists."""
     recs = _load("kernels_v29/ab.json")
-    mean = lambda rs, k: statistics.mean(r[k] for r in rs)  # noqa: E731
     rows = []
     for G in sorted({r["G"] for r in recs}, reverse=True):
         for dist in ("random", "smooth"):
             b, a = ([r for r in recs if (r["G"], r["dist"], r["build"]) == (G, dist, w)] for w in ("before", "after"))
             if not a or not b:
                 continue
-            rows.append((G, dist, _ms(mean(b, "est_ms")), _ms(mean(a, "est_ms")),
-                         f"{mean(a, 'est_ms') / mean(b, 'est_ms'):.2f}",
+            rows.append((G, dist, _ms(_mean(b, "est_ms")), _ms(_mean(a, "est_ms")),
+                         f"{_mean(a, 'est_ms') / _mean(b, 'est_ms'):.2f}",
                          f"{100 * statistics.mean(r['est_ms'] / r['total_ms'] for r in a):.1f}%",
-                         _x(mean(b, "speedup_vs_cudnn_fwdbwd")), _x(mean(a, "speedup_vs_cudnn_fwdbwd"))))
+                         _x(_mean(b, "speedup_vs_cudnn_fwdbwd")), _x(_mean(a, "speedup_vs_cudnn_fwdbwd"))))
     t = _table(["G", "lists", "estimate before (ms)", "after (ms)", "after / before", "share of the total after",
                 "speedup vs cuDNN before", "after"], rows)
     dates = sorted(r["run_date"] for r in recs)
