@@ -774,6 +774,27 @@ Validation loss at equal steps (both runs dense throughout: the gaps are trainin
 "Three seeds on real video" below):
 
 {eq}
+{_long_video_repeats()}"""
+
+
+def _long_video_repeats():
+    """Full attention on long-video run again with the same seed: the run-to-run spread."""
+    d = _load("long-video-repeats/spread.json")
+    r0 = d["runs"][0]
+    rows = [(e["step"], *("-" if v is None else f"{v:.4f}" for v in e["val_loss"]),
+             f"{e['spread_pct']:.1f}%" if "spread_pct" in e else "-") for e in d["val"]]
+    n = len(d["runs"])
+    t = _table(["step", *(f"run {i + 1}" for i in range(n)), "spread (max - min) / mean"], rows)
+    first, rel = d["first_train_step_spread_above"], d["train_rel_spread"]
+    worst = max(e.get("spread_pct", 0) for e in d["val"])
+    return f"""
+How large that noise is at this shape: full attention run {n} times with the same seed, data and
+initialisation (`benchmarks/repeat_spread.py`, `results/long-video-repeats/`). {_prov(r0['date_utc'] + ' UTC', r0['commit'][:7], r0['card'])}
+The logged training losses first differ at step {first['0']} ({rel[str(first['0'])]:.0e} relative) and first differ by
+more than 1% at step {first['0.01']}; the validation losses then spread by up to {worst:.1f}% between runs that differ only in the order of
+floating-point sums. A single pair of runs cannot resolve a 1% gap here.
+
+{t}
 """
 
 

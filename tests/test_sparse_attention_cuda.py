@@ -79,6 +79,9 @@ PATHS = {
     "merge_w": "km_ratio=0,bwd_ranges=1,merge=1,merge_window=64",  # the same with the union
                                               # builder's bitmaps in windows of 64 keys (several
                                               # windows at these lengths, as S > 80k at G = 32)
+    "lines": "km_ratio=0,bwd_ranges=3,merge=1,g128=2",  # the 128-row backward (G = 128 and
+                                              # merged groups) with its dK / dV reductions staged
+                                              # as whole 128-byte lines (PERF_LOG v30)
 }
 # the tests of this file that take `path`, and the device-parametrized tests of
 # test_sparse_attention.py (their CUDA cases) that run on every path

@@ -28,7 +28,8 @@
  * bwd_wg128_kernel (below, launched by qmajor_passes for groups of a multiple of 128 queries
  * with the tuning's g128): the pass with reductions for 128 rows per CTA on two warpgroups that
  * share the key tiles, forming dV_t and dK_t over all 128 rows (one each) and reducing every key
- * once per 128 rows (PERF_LOG kernels v15), the warpgroups out of step (v25).
+ * once per 128 rows (PERF_LOG kernels v15), the warpgroups out of step (v25); with the tuning's
+ * g128 = 2 its reductions go through a shared-memory slab per warp as whole 128-byte lines (v30).
  */
 #ifndef DSV_SPARSE_ATTENTION_BWD_WG_CUH
 #define DSV_SPARSE_ATTENTION_BWD_WG_CUH
@@ -124,6 +125,66 @@ template <int D>
 __device__ __forceinline__ void bwg_reduce_rows(float* acc, const float (&a)[D / 8][4],
                                                 const int* ki, int warp, int lane) {
   bwg_reduce_part<D, 0, D / 8>(acc, a, bwg_reduce_key(ki, warp, lane), lane);
+}
+
+/* Line reductions (the tuning's g128 = 2, PERF_LOG v30): the same 64-key x D tile added into
+ * acc[key][D] through a 16-row x 32-column fp32 slab of shared memory per warp (slab: 2 KB, its
+ * 16-byte chunks XOR-swizzled by row, so that both the fragment stores and the row loads are
+ * conflict-free), so that every red.global.add.v4.f32 covers 4 rows x 128 contiguous bytes: four
+ * whole L2 lines (4-sector requests) instead of 16 rows x one 32-byte sector each (16 requests);
+ * csrc/dev/atomic_microbench.cu measures the two patterns (v4 against frag). kid[i]: the key of
+ * the warp's row 4 i + lane / 8 (bwg_line_keys), nothing where it is < 0. */
+template <int D>
+__device__ __forceinline__ void bwg_reduce_lines(float* acc, const float (&a)[D / 8][4],
+                                                 const int (&kid)[4], float* slab, int lane) {
+  const int g = lane >> 2, c0 = (lane & 3) >> 1, w = (lane & 1) * 2; /* fragment rows g, g + 8 */
+  const int rr = lane >> 3, ch = lane & 7;                             /* row loads */
+#pragma unroll
+  for (int m = 0; m < D / 32; ++m) {
+    __syncwarp(); /* the previous slab's loads done */
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const int c = ((2 * jj + c0) ^ g) * 4 + w; /* columns 8 jj + 2 (lane & 3) + {0, 1} */
+      *reinterpret_cast<float2*>(slab + g * 32 + c) = make_float2(a[4 * m + jj][0], a[4 * m + jj][1]);
+      *reinterpret_cast<float2*>(slab + (g + 8) * 32 + c) =
+          make_float2(a[4 * m + jj][2], a[4 * m + jj][3]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 4 * i + rr;
+      const float4 v = *reinterpret_cast<const float4*>(slab + r * 32 + ((ch ^ (r & 7)) * 4));
+      if (kid[i] >= 0)
+        atomicAdd(reinterpret_cast<float4*>(acc + (size_t)kid[i] * D + 32 * m + 4 * ch), v);
+    }
+  }
+}
+
+/* The keys of the rows that the lane reduces in the next tile: LR (line reductions,
+ * bwg_reduce_lines) the warp's rows 4 i + lane / 8, else one (bwg_reduce_key). KM as there. */
+template <int KM, bool LR>
+__device__ __forceinline__ void bwg_tile_keys(int (&kid)[LR ? 4 : 1], const int* ki, int warp,
+                                              int lane) {
+  if constexpr (LR) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int e = ki[warp * 16 + 4 * i + (lane >> 3)];
+      kid[i] = KM && e >= 0 ? e & KM : e;
+    }
+  } else {
+    kid[0] = bwg_reduce_key<KM>(ki, warp, lane);
+  }
+}
+
+/* The warp's part of a 64-key x D tile into acc: line reductions (LR) or pairs of lanes. */
+template <int D, bool LR>
+__device__ __forceinline__ void bwg_reduce_tile(float* acc, const float (&a)[D / 8][4],
+                                                const int (&kid)[LR ? 4 : 1], float* slab,
+                                                int lane) {
+  if constexpr (LR)
+    bwg_reduce_lines<D>(acc, a, kid, slab, lane);
+  else
+    bwg_reduce_part<D, 0, D / 8>(acc, a, kid[0], lane);
 }
 
 /* S and dP of the warpgroup's rows over the tile just computed, waited for (their registers
@@ -414,7 +475,7 @@ __device__ __forceinline__ void bwg_product(float (&acc)[D / 8][4], uint64_t ade
  * with G = 128 over the 128-query blocks: the CTA of block u walks its union (uidx, ucnt from
  * union_build_kernel; nothing where it was not merged), packed entries whose member bit of the
  * warp's group (16 rows of one group of ug >= 16) masks each row's scores. */
-template <typename T, typename Prm, int D, int NS, bool UN = false>
+template <typename T, typename Prm, int D, int NS, bool UN = false, bool LR = false>
 __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(NS == 2, "the stage of tile t - 1 is refilled with tile t + 1");
@@ -429,7 +490,8 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   T* Vs = Ks + NS * KE;               /* [NS][BN x D] */
   T* Ps = Vs + NS * KE;               /* [2 tile parity][2 warpgroups][64 x BN] */
   T* dSs = Ps + 4 * PE;               /* [2][2][64 x BN] */
-  float* lse2 = reinterpret_cast<float*>(dSs + 4 * PE); /* [BM] */
+  float* slabs = reinterpret_cast<float*>(dSs + 4 * PE); /* LR: [8 warps][16 x 32] */
+  float* lse2 = slabs + (LR ? 8 * 512 : 0);             /* [BM] */
   float* dlt = lse2 + BM;                               /* [BM] */
   int* kidx = reinterpret_cast<int*>(dlt + BM);         /* [NS][BN] */
   int* qidx = kidx + NS * BN;                           /* [BM] */
@@ -504,7 +566,10 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   /* merged groups: the member bit of the warp's 16 rows (one group: ug >= 16) */
   const int ush = UN ? UKEY_BITS + (64 * wg + 16 * warp) / p.ug : 0;
 
-  int kid = -1; /* the key of the lane's reduction row in the previous tile */
+  float* slab = slabs + (tid >> 5) * 512;
+  int kid[LR ? 4 : 1]; /* the keys of the lane's reduction rows in the previous tile */
+#pragma unroll
+  for (int i = 0; i < (LR ? 4 : 1); ++i) kid[i] = -1;
   for (int t = 0; t < ntiles; ++t) {
     const int st = t % NS;
     cp_async_wait<0>(); /* tile t (this thread's part of it) */
@@ -518,7 +583,7 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
       wg_wait<0>();
       wg_fence_regs<D / 2>(&dq[0][0]);
       wg_fence_regs<D / 2>(&acc[0][0]);
-      bwg_reduce_part<D, 0, D / 8>(red, acc, kid, lane);
+      bwg_reduce_tile<D, LR>(red, acc, kid, slab, lane);
     }
     if (wg == 1) {
       if (t + 1 < ntiles) {
@@ -551,10 +616,10 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
       wg_fence_regs<D / 2>(&dq[0][0]);
       if (t > 0) {
         wg_fence_regs<D / 2>(&acc[0][0]);
-        bwg_reduce_part<D, 0, D / 8>(red, acc, kid, lane);
+        bwg_reduce_tile<D, LR>(red, acc, kid, slab, lane);
       }
     }
-    kid = bwg_reduce_key<KM>(ki, warp, lane);
+    bwg_tile_keys<KM, LR>(kid, ki, warp, lane);
   }
   if (ntiles > 0) { /* the last tile's products (and warpgroup 1's last dQ) */
     __syncthreads();
@@ -566,21 +631,23 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
     bwg_product<T, D>(acc, wg_desc_add(adesc0, ((ntiles - 1) & 1) * 2 * PE * 2), bdesc0);
     wg_wait<0>();
     wg_fence_regs<D / 2>(&acc[0][0]);
-    bwg_reduce_part<D, 0, D / 8>(red, acc, kid, lane);
+    bwg_reduce_tile<D, LR>(red, acc, kid, slab, lane);
   }
   cp_async_wait<0>();
   bwg_dq_out<T, D>(p, dq, RG, c.bh, c.b, c.h, c.row0 + 64 * wg, wl0, c.nrows - 64 * wg, lane);
 #endif
 }
 
-/* UN: merged groups, prm with G = 128 and NG = NSG (union_passes) */
-template <typename T, int D, typename Prm, bool UN = false>
-static int bwd_wg128_launch(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
+/* UN: merged groups, prm with G = 128 and NG = NSG (union_passes); LR: line reductions (the
+ * tuning's g128 = 2, bwg_reduce_lines) */
+template <typename T, int D, typename Prm, bool UN = false, bool LR = false>
+static int bwd_wg128_launch_one(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
   constexpr int NS = 2, BM = 128, BN = 64;
   const size_t smem = 1024 + (size_t)(2 * BM + 2 * NS * BN) * D * sizeof(T) +
                       (size_t)4 * BM * BN * sizeof(T) /* P, dS: two tiles each */ +
+                      (LR ? (size_t)8 * 512 * sizeof(float) : 0) /* the warps' slabs */ +
                       2 * BM * sizeof(float) + (size_t)(NS * BN + BM) * sizeof(int);
-  auto kern = bwd_wg128_kernel<T, Prm, D, NS, UN>;
+  auto kern = bwd_wg128_kernel<T, Prm, D, NS, UN, LR>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
     return DSV_ERR_CUDA;
@@ -589,6 +656,13 @@ static int bwd_wg128_launch(const dsv_attn_shape* sh, Prm& prm, cudaStream_t str
             (unsigned)sh->batch);
   kern<<<grid, 256, smem, stream>>>(prm);
   return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
+}
+
+/* The 128-row backward with the reductions of the tuning's g128 (2: line reductions) */
+template <typename T, int D, typename Prm, bool UN = false>
+static int bwd_wg128_launch(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
+  return prm.g128 == 2 ? bwd_wg128_launch_one<T, D, Prm, UN, true>(sh, prm, stream)
+                       : bwd_wg128_launch_one<T, D, Prm, UN, false>(sh, prm, stream);
 }
 
 /* Whether K / V row strides are below 4 GB (KeyGather's 32-bit strides). */

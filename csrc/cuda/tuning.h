@@ -29,7 +29,8 @@ typedef struct dsv_tuning {
                        queries: 1 runs 128 rows per CTA on two warpgroups that share the key
                        tiles (the forward, and the backward's query-major pass with dK / dV
                        reductions: one reduction per key and 128 rows; the default), 0 two CTAs
-                       of 64 rows */
+                       of 64 rows, 2 as 1 with that backward's reductions staged in shared
+                       memory so that each covers whole 128-byte lines */
   float km_ratio;   /* backward: a head takes the key-major dK / dV pass when its lists' 64-key
                        block entries x 64 <= km_ratio x groups x K (0: never) */
   float merge;      /* groups of 16, 32 or 64 queries where the 128-row kernels run (wgmma and
