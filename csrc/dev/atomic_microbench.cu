@@ -10,6 +10,7 @@
  *   frag   : the 128-row backward's pattern (bwg_reduce_part): a warp reduces 16 rows at a time,
  *            each red.v4 instruction 16 rows x 32 bytes (two lanes' 16 bytes per 32-byte sector)
  *   frag2  : the same 16 rows, each lane both 16-byte halves of a sector back to back
+ *   lines  : the same 16 rows, each instruction 4 rows x 128 contiguous bytes (v30's pattern)
  * (run under Nsight Compute with lts__t_requests_op_red.sum / lts__t_sectors_op_red.sum to see
  * how many sectors each pattern's requests take: PERF_LOG What next 0000)
  * for a table that fits L2 (64k rows = 32 MB) and one that does not (24 x 64k rows = 768 MB).
@@ -77,6 +78,25 @@ __global__ void k_frag2(float* tab, const int* rows, int nupd) {
   }
 }
 
+/* v30's line reductions (bwg_reduce_lines): 16 rows per warp and step, each instruction 4 rows
+ * x 128 contiguous bytes (lane -> row 4 i + lane / 8, 16-byte chunk lane % 8 of a 32-column
+ * slab), the staging in shared memory left out */
+__global__ void k_lines(float* tab, const int* rows, int nupd) {
+  int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  int nw = (gridDim.x * blockDim.x) >> 5;
+  for (int u = w; u < nupd / 16; u += nw) {
+    int r[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r[i] = rows[16 * u + 4 * i + (lane >> 3)];
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        atomicAdd(reinterpret_cast<float4*>(tab + (size_t)r[i] * 128 + 32 * m + 4 * (lane & 7)),
+                  make_float4(1.f, 1.f, 1.f, 1.f));
+  }
+}
+
 __global__ void k_bulk(float* tab, const int* rows, int nupd) {
   __shared__ __align__(16) float src[128];
   for (int i = threadIdx.x; i < 128; i += blockDim.x) src[i] = 1.0f;
@@ -110,9 +130,9 @@ int main() {
     for (int i = 0; i < nupd; ++i) h[i] = (int)(((long long)rand() * 32768 + rand()) % nrows);
     CK(cudaMemcpy(rows, h, nupd * sizeof(int), cudaMemcpyHostToDevice));
     CK(cudaMemset(tab, 0, nrows * 128 * sizeof(float)));
-    const char* names[6] = {"scalar red.f32", "v4 red.f32", "plain v4 store", "bulk reduce",
-                            "frag v4 red", "frag2 v4 red"};
-    for (int v = 0; v < 6; ++v) {
+    const char* names[7] = {"scalar red.f32", "v4 red.f32", "plain v4 store", "bulk reduce",
+                            "frag v4 red", "frag2 v4 red", "lines v4 red"};
+    for (int v = 0; v < 7; ++v) {
       float best = 1e30f;
       for (int it = 0; it < 4; ++it) {
         CK(cudaEventRecord(e0));
@@ -122,6 +142,7 @@ int main() {
         if (v == 3) k_bulk<<<132 * 8, 256>>>(tab, rows, nupd);
         if (v == 4) k_frag<<<132 * 8, 256>>>(tab, rows, nupd);
         if (v == 5) k_frag2<<<132 * 8, 256>>>(tab, rows, nupd);
+        if (v == 6) k_lines<<<132 * 8, 256>>>(tab, rows, nupd);
         CK(cudaEventRecord(e1));
         CK(cudaEventSynchronize(e1));
         float ms;
