@@ -18,17 +18,21 @@ import os
 import statistics
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dsv_ext.app.compare import _read_metrics  # noqa: E402
+
 
 def read_run(path):
-    rows = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl")) if line.strip()]
+    hist, vals = _read_metrics(path)  # a step logged twice (resumed runs): the last record
     meta = {}
     for m in (os.path.join(path, "meta.json"), os.path.join(os.path.dirname(os.path.normpath(path)), "meta.json")):
         if os.path.exists(m):
             meta = json.load(open(m))
             break
     return {"path": path, "meta": meta,
-            "val": {r["step"]: r["val_loss"] for r in rows if r["kind"] == "val"},
-            "train": {r["step"]: r["last_loss"] for r in rows if r["kind"] == "train"}}
+            "val": {r["step"]: r["val_loss"] for r in vals},
+            "train": {r["step"]: r["last_loss"] for r in hist if r.get("kind") == "train"}}
 
 
 def spread(runs):
@@ -93,9 +97,10 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump(res, f, indent=1)
+    md = markdown(res, a.title)
     with open(a.out + ".md", "w") as f:
-        f.write(markdown(res, a.title))
-    print(markdown(res, a.title))
+        f.write(md)
+    print(md)
     return 0
 
 
