@@ -92,8 +92,7 @@ def kernel_tuning(device=None) -> dict:
     ``km_wgmma`` (1, the default: the backward's key-major dK / dV pass among them where it
     applies, 2: for ``kv_block`` 16 too, 0: never), ``g128`` (1, the default: query groups of a
     multiple of 128 queries run 128 rows per CTA on two warpgroups sharing the key tiles where
-    wgmma runs, 0: two CTAs of 64 rows, 2: as 1 with the 128-row backward's dK / dV reductions
-    staged as whole 128-byte lines, under measurement), ``km_ratio`` (the backward's key-major threshold),
+    wgmma runs, 0: two CTAs of 64 rows), ``km_ratio`` (the backward's key-major threshold),
     ``merge`` (groups of 16 / 32 / 64 queries: the groups of a 128-query block run as one
     128-row CTA over the union of their lists when it has at most ``merge`` x (128 / G) x K
     entries, in the backward and at G 16 / 32 in the forward; 0.75 by default, 0: never),

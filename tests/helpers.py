@@ -46,6 +46,7 @@ in that type from the same inputs.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import math
 import os
@@ -459,6 +460,10 @@ def _bind_attn(lib):
         ctypes.POINTER(AttnShape), Bshd, Bshd, Bshd, Bshd, Bshd, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_void_p, Bshd, Bshd, Bshd, ctypes.c_void_p,
         ctypes.c_size_t, ctypes.c_void_p]
+    if hasattr(lib, "dsv_dev_sparse_attention_bwd_variant_cuda"):  # csrc/dev/attn_bwd_variants.cu
+        f = lib.dsv_dev_sparse_attention_bwd_variant_cuda
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_char_p] + lib.dsv_sparse_attention_bwd_cuda.argtypes
 
 
 def _bind_ops(lib):
@@ -611,7 +616,16 @@ def attn_bwd(dout, q, k, v, out, lse, kv_index, kv_count, G, scale, deterministi
     sh = attn_shape(q, kv_index, G, scale, int(deterministic))
     ws = lib.dsv_sparse_attention_bwd_workspace_cuda(ctypes.byref(sh))
     work = torch.full(((max(ws, 16) + 3) // 4,), float("nan"), dtype=torch.float32, device=q.device)
-    st = lib.dsv_sparse_attention_bwd_cuda(
+    # DSV_DEV_BWD_VARIANT: a query-major variant of csrc/dev/attn_bwd_variants.cu (its library
+    # as DSV_ATTN_LIB), e.g. "w128_nored"
+    variant = os.environ.get("DSV_DEV_BWD_VARIANT")
+    if variant:
+        if not hasattr(lib, "dsv_dev_sparse_attention_bwd_variant_cuda"):
+            raise KernelError("DSV_DEV_BWD_VARIANT needs DSV_ATTN_LIB = a csrc/dev/attn_bwd_variants.cu build")
+        call = functools.partial(lib.dsv_dev_sparse_attention_bwd_variant_cuda, variant.encode())
+    else:
+        call = lib.dsv_sparse_attention_bwd_cuda
+    st = call(
         ctypes.byref(sh), bshd(q), bshd(k), bshd(v), bshd(out), bshd(dout), lse.data_ptr(),
         kv_index.data_ptr(), kv_count.data_ptr(), bshd(dq), bshd(dk), bshd(dv),
         work.data_ptr(), ws, torch.cuda.current_stream().cuda_stream)

@@ -18,7 +18,6 @@ key ranges, mma.sync).
 """
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
@@ -190,8 +189,7 @@ def _same_nan_then_close(name, got, want, tol):
 
 
 def test_g128_agrees_with_64_row_kernels(tmp_path):
-    """g128 = 1 (128 rows per CTA) and g128 = 2 (the same with line reductions in the backward)
-    against g128 = 0 (two CTAs of 64): forward within twice the
+    """g128 = 1 (128 rows per CTA) against g128 = 0 (two CTAs of 64): forward within twice the
     reference bound (TOL2), the same -inf lse rows; the backward within twice the gradient bound
     (GTOL2); NaN in q (either warpgroup's rows), dout, K or V reaches exactly the elements it
     reaches on the 64-row kernels, and a NaN query or dout row of group 1 leaves the other
@@ -201,7 +199,7 @@ def test_g128_agrees_with_64_row_kernels(tmp_path):
     if os.environ.get("DSV_TEST_PATH"):
         pytest.skip("inside a path run")
     res = {}
-    for g128 in (0, 1, 2):  # g128 = 1's and 2's backwards on g128 = 0's forward results
+    for g128 in (0, 1):  # g128 = 1's backwards on g128 = 0's forward results
         f = tmp_path / f"g128_{g128}.pt"
         spec = ",".join(x for x in (os.environ.get("DSV_KERNEL_TUNING", ""), f"g128={g128}") if x)
         env = dict(os.environ, DSV_KERNEL_TUNING=spec, DSV_ROOT=ROOT)
@@ -210,21 +208,21 @@ def test_g128_agrees_with_64_row_kernels(tmp_path):
                            text=True, timeout=900, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-3000:]
         res[g128] = torch.load(f)
-    assert [res[g]["tuning"].get("g128", g) for g in (0, 1, 2)] == [0, 1, 2]
+    assert res[1]["tuning"].get("g128", 1) == 1 and res[0]["tuning"].get("g128", 0) == 0
     wgmma = res[1]["tuning"].get("wgmma", 0) == 1
-    for g128, dt in itertools.product((1, 2), (torch.bfloat16, torch.float16)):
-        (o1, l1, *g1), (o0, l0, *g0) = res[g128][f"agree_{dt}"], res[0][f"agree_{dt}"]
-        check_close(f"out ({dt}, g128={g128} vs 64 rows)", o1, o0.double(), TOL2[dt])
+    for dt in (torch.bfloat16, torch.float16):
+        (o1, l1, *g1), (o0, l0, *g0) = res[1][f"agree_{dt}"], res[0][f"agree_{dt}"]
+        check_close(f"out ({dt}, g128 vs 64 rows)", o1, o0.double(), TOL2[dt])
         assert torch.equal(torch.isinf(l1), torch.isinf(l0))
         fin = torch.isfinite(l0)
         assert (l1[fin] - l0[fin]).abs().max().item() <= 2e-3
         for name, a, b in zip(("dq", "dk", "dv"), g1, g0):
-            check_close(f"{name} ({dt}, g128={g128} vs 64 rows)", a, b.double(), GTOL2[dt])
+            check_close(f"{name} ({dt}, g128 vs 64 rows)", a, b.double(), GTOL2[dt])
         if wgmma:
             assert not torch.equal(g1[1], g0[1]) and not torch.equal(g1[2], g0[2]), \
                 "dK / dV bit-identical: the 128-row backward kernel did not run"
-    for g128, where in itertools.product((1, 2), NAN_CASES):
-        (o1, l1, *g1), (o0, l0, *g0) = res[g128][where], res[0][where]
+    for where in NAN_CASES:
+        (o1, l1, *g1), (o0, l0, *g0) = res[1][where], res[0][where]
         if where != "dout_nan":
             assert torch.isnan(o0).any(), "the case must put a NaN somewhere"
         _same_nan_then_close(f"out ({where})", o1, o0, TOL2[torch.bfloat16])

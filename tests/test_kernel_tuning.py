@@ -105,7 +105,7 @@ def test_override_is_reported_and_read_once():
 
 
 @gpu
-@pytest.mark.parametrize("spec", ["bwd_ranges=99", "km_wgmma=3", "g128=3", "merge=1.5",
+@pytest.mark.parametrize("spec", ["bwd_ranges=99", "km_wgmma=3", "g128=2", "merge=1.5",
                                   "merge_window=33"])
 def test_malformed_override_fails_the_kernels(spec):
     code = ("import torch, dsv_ext\n"

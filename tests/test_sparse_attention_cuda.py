@@ -79,9 +79,6 @@ PATHS = {
     "merge_w": "km_ratio=0,bwd_ranges=1,merge=1,merge_window=64",  # the same with the union
                                               # builder's bitmaps in windows of 64 keys (several
                                               # windows at these lengths, as S > 80k at G = 32)
-    "lines": "km_ratio=0,bwd_ranges=3,merge=1,g128=2",  # the 128-row backward (G = 128 and
-                                              # merged groups) with its dK / dV reductions staged
-                                              # as whole 128-byte lines (PERF_LOG v30)
 }
 # the tests of this file that take `path`, and the device-parametrized tests of
 # test_sparse_attention.py (their CUDA cases) that run on every path
@@ -358,8 +355,23 @@ with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) a
     out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
 names = [e.name for e in prof.events()]
-merged = lambda kern: any(kern in n and n.rstrip(")").split("(")[0].endswith("true>")
-                          for n in names)
+
+
+def template_args(name):  # the top-level template arguments of a demangled kernel name
+    name = name.split("(")[0]
+    args, depth, cur = [], 0, ""
+    for ch in name[name.index("<") + 1:name.rindex(">")]:
+        depth += (ch == "<") - (ch == ">")
+        if ch == "," and depth == 0:
+            args.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return args + [cur.strip()]
+
+
+# UN (merged groups): the last template argument of both kernels
+merged = lambda kern: any(kern + "<" in n and template_args(n)[-1] == "true" for n in names)
 print("MERGED", merged("sparse_attn_fwd_wg_kernel"), merged("bwd_wg128_kernel"),
       any("union_build_kernel" in n for n in names))
 """

@@ -28,8 +28,8 @@
  * bwd_wg128_kernel (below, launched by qmajor_passes for groups of a multiple of 128 queries
  * with the tuning's g128): the pass with reductions for 128 rows per CTA on two warpgroups that
  * share the key tiles, forming dV_t and dK_t over all 128 rows (one each) and reducing every key
- * once per 128 rows (PERF_LOG kernels v15), the warpgroups out of step (v25); with the tuning's
- * g128 = 2 its reductions go through a shared-memory slab per warp as whole 128-byte lines (v30).
+ * once per 128 rows (PERF_LOG kernels v15), the warpgroups out of step (v25), its reductions
+ * through a shared-memory slab per warp as whole 128-byte lines (v30).
  */
 #ifndef DSV_SPARSE_ATTENTION_BWD_WG_CUH
 #define DSV_SPARSE_ATTENTION_BWD_WG_CUH
@@ -127,7 +127,7 @@ __device__ __forceinline__ void bwg_reduce_rows(float* acc, const float (&a)[D /
   bwg_reduce_part<D, 0, D / 8>(acc, a, bwg_reduce_key(ki, warp, lane), lane);
 }
 
-/* Line reductions (the tuning's g128 = 2, PERF_LOG v30): the same 64-key x D tile added into
+/* Line reductions (bwd_wg128_kernel, PERF_LOG v30): a 64-key x D tile added into
  * acc[key][D] through a 16-row x 32-column fp32 slab of shared memory per warp (slab: 2 KB, its
  * 16-byte chunks XOR-swizzled by row, so that both the fragment stores and the row loads are
  * conflict-free), so that every red.global.add.v4.f32 covers 4 rows x 128 contiguous bytes: four
@@ -160,31 +160,28 @@ __device__ __forceinline__ void bwg_reduce_lines(float* acc, const float (&a)[D 
   }
 }
 
-/* The keys of the rows that the lane reduces in the next tile: LR (line reductions,
- * bwg_reduce_lines) the warp's rows 4 i + lane / 8, else one (bwg_reduce_key). KM as there. */
-template <int KM, bool LR>
-__device__ __forceinline__ void bwg_tile_keys(int (&kid)[LR ? 4 : 1], const int* ki, int warp,
-                                              int lane) {
-  if constexpr (LR) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int e = ki[warp * 16 + 4 * i + (lane >> 3)];
-      kid[i] = KM && e >= 0 ? e & KM : e;
-    }
+/* bwg_reduce_lines, or with NORED (a measurement of their cost) nothing but what keeps the
+ * products that feed them */
+template <int D, bool NORED>
+__device__ __forceinline__ void bwg_reduce_out(float* acc, const float (&a)[D / 8][4],
+                                               const int (&kid)[4], float* slab, int lane,
+                                               float (&dq)[D / 8][4]) {
+  if constexpr (NORED) {
+    if (a[0][0] == 1.2345e-30f) dq[0][0] += 1.f;
   } else {
-    kid[0] = bwg_reduce_key<KM>(ki, warp, lane);
+    bwg_reduce_lines<D>(acc, a, kid, slab, lane);
   }
 }
 
-/* The warp's part of a 64-key x D tile into acc: line reductions (LR) or pairs of lanes. */
-template <int D, bool LR>
-__device__ __forceinline__ void bwg_reduce_tile(float* acc, const float (&a)[D / 8][4],
-                                                const int (&kid)[LR ? 4 : 1], float* slab,
-                                                int lane) {
-  if constexpr (LR)
-    bwg_reduce_lines<D>(acc, a, kid, slab, lane);
-  else
-    bwg_reduce_part<D, 0, D / 8>(acc, a, kid[0], lane);
+/* The keys of the rows that the lane reduces in the next tile (bwg_reduce_lines): the warp's
+ * rows 4 i + lane / 8. KM as bwg_reduce_key. */
+template <int KM>
+__device__ __forceinline__ void bwg_tile_keys(int (&kid)[4], const int* ki, int warp, int lane) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = ki[warp * 16 + 4 * i + (lane >> 3)];
+    kid[i] = KM && e >= 0 ? e & KM : e;
+  }
 }
 
 /* S and dP of the warpgroup's rows over the tile just computed, waited for (their registers
@@ -463,7 +460,9 @@ __device__ __forceinline__ void bwg_product(float (&acc)[D / 8][4], uint64_t ade
  * for its rows and writes P and dS to its half of two shared [128 query][64 key] tiles; over
  * all 128 rows warpgroup 0 forms dV_t = P^T dO and warpgroup 1 dK_t = dS^T Q (8 k16 steps: the
  * two halves are summed in the tensor cores) and adds its 64 x D tile to the fp32 accumulator
- * once: one reduction per key and 128 rows instead of two. The two warpgroups run out of step:
+ * once: one reduction per key and 128 rows instead of two, each warp's 16 rows through its own
+ * 2 KB slab of shared memory as whole 128-byte lines (bwg_reduce_lines, PERF_LOG v30). The two
+ * warpgroups run out of step:
  * the 128-row products of tile t are formed during tile t + 1 (P / dS double-buffered by tile
  * parity, so no barrier inside a tile), warpgroup 0 after its dQ (t + 1), warpgroup 1 before
  * its S / dP (t + 1) and together with its dQ (t), which runs one tile late (its dS fragments
@@ -474,8 +473,9 @@ __device__ __forceinline__ void bwg_product(float (&acc)[D / 8][4], uint64_t ade
  * possibly) give P = dS = 0 by selects (bwg_p_ds). UN: merged groups (PERF_LOG v26), launched
  * with G = 128 over the 128-query blocks: the CTA of block u walks its union (uidx, ucnt from
  * union_build_kernel; nothing where it was not merged), packed entries whose member bit of the
- * warp's group (16 rows of one group of ug >= 16) masks each row's scores. */
-template <typename T, typename Prm, int D, int NS, bool UN = false, bool LR = false>
+ * warp's group (16 rows of one group of ug >= 16) masks each row's scores. NORED: no
+ * reductions (wrong dK / dV; csrc/dev measures their cost with it). */
+template <typename T, typename Prm, int D, int NS, bool UN = false, bool NORED = false>
 __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(NS == 2, "the stage of tile t - 1 is refilled with tile t + 1");
@@ -490,8 +490,8 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   T* Vs = Ks + NS * KE;               /* [NS][BN x D] */
   T* Ps = Vs + NS * KE;               /* [2 tile parity][2 warpgroups][64 x BN] */
   T* dSs = Ps + 4 * PE;               /* [2][2][64 x BN] */
-  float* slabs = reinterpret_cast<float*>(dSs + 4 * PE); /* LR: [8 warps][16 x 32] */
-  float* lse2 = slabs + (LR ? 8 * 512 : 0);             /* [BM] */
+  float* slabs = reinterpret_cast<float*>(dSs + 4 * PE); /* [8 warps][16 x 32] */
+  float* lse2 = slabs + 8 * 512;                        /* [BM] */
   float* dlt = lse2 + BM;                               /* [BM] */
   int* kidx = reinterpret_cast<int*>(dlt + BM);         /* [NS][BN] */
   int* qidx = kidx + NS * BN;                           /* [BM] */
@@ -567,9 +567,9 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   const int ush = UN ? UKEY_BITS + (64 * wg + 16 * warp) / p.ug : 0;
 
   float* slab = slabs + (tid >> 5) * 512;
-  int kid[LR ? 4 : 1]; /* the keys of the lane's reduction rows in the previous tile */
+  int kid[4]; /* the keys of the lane's reduction rows in the previous tile */
 #pragma unroll
-  for (int i = 0; i < (LR ? 4 : 1); ++i) kid[i] = -1;
+  for (int i = 0; i < 4; ++i) kid[i] = -1;
   for (int t = 0; t < ntiles; ++t) {
     const int st = t % NS;
     cp_async_wait<0>(); /* tile t (this thread's part of it) */
@@ -583,7 +583,7 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
       wg_wait<0>();
       wg_fence_regs<D / 2>(&dq[0][0]);
       wg_fence_regs<D / 2>(&acc[0][0]);
-      bwg_reduce_tile<D, LR>(red, acc, kid, slab, lane);
+      bwg_reduce_out<D, NORED>(red, acc, kid, slab, lane, dq);
     }
     if (wg == 1) {
       if (t + 1 < ntiles) {
@@ -616,10 +616,10 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
       wg_fence_regs<D / 2>(&dq[0][0]);
       if (t > 0) {
         wg_fence_regs<D / 2>(&acc[0][0]);
-        bwg_reduce_tile<D, LR>(red, acc, kid, slab, lane);
+        bwg_reduce_out<D, NORED>(red, acc, kid, slab, lane, dq);
       }
     }
-    bwg_tile_keys<KM, LR>(kid, ki, warp, lane);
+    bwg_tile_keys<KM>(kid, ki, warp, lane);
   }
   if (ntiles > 0) { /* the last tile's products (and warpgroup 1's last dQ) */
     __syncthreads();
@@ -631,23 +631,22 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
     bwg_product<T, D>(acc, wg_desc_add(adesc0, ((ntiles - 1) & 1) * 2 * PE * 2), bdesc0);
     wg_wait<0>();
     wg_fence_regs<D / 2>(&acc[0][0]);
-    bwg_reduce_tile<D, LR>(red, acc, kid, slab, lane);
+    bwg_reduce_out<D, NORED>(red, acc, kid, slab, lane, dq);
   }
   cp_async_wait<0>();
   bwg_dq_out<T, D>(p, dq, RG, c.bh, c.b, c.h, c.row0 + 64 * wg, wl0, c.nrows - 64 * wg, lane);
 #endif
 }
 
-/* UN: merged groups, prm with G = 128 and NG = NSG (union_passes); LR: line reductions (the
- * tuning's g128 = 2, bwg_reduce_lines) */
-template <typename T, int D, typename Prm, bool UN = false, bool LR = false>
-static int bwd_wg128_launch_one(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
+/* UN: merged groups, prm with G = 128 and NG = NSG (union_passes); NORED as the kernel */
+template <typename T, int D, typename Prm, bool UN = false, bool NORED = false>
+static int bwd_wg128_launch(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
   constexpr int NS = 2, BM = 128, BN = 64;
   const size_t smem = 1024 + (size_t)(2 * BM + 2 * NS * BN) * D * sizeof(T) +
                       (size_t)4 * BM * BN * sizeof(T) /* P, dS: two tiles each */ +
-                      (LR ? (size_t)8 * 512 * sizeof(float) : 0) /* the warps' slabs */ +
+                      (size_t)8 * 512 * sizeof(float) /* the warps' slabs */ +
                       2 * BM * sizeof(float) + (size_t)(NS * BN + BM) * sizeof(int);
-  auto kern = bwd_wg128_kernel<T, Prm, D, NS, UN, LR>;
+  auto kern = bwd_wg128_kernel<T, Prm, D, NS, UN, NORED>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
       cudaSuccess)
     return DSV_ERR_CUDA;
@@ -656,13 +655,6 @@ static int bwd_wg128_launch_one(const dsv_attn_shape* sh, Prm& prm, cudaStream_t
             (unsigned)sh->batch);
   kern<<<grid, 256, smem, stream>>>(prm);
   return cudaGetLastError() == cudaSuccess ? DSV_OK : DSV_ERR_CUDA;
-}
-
-/* The 128-row backward with the reductions of the tuning's g128 (2: line reductions) */
-template <typename T, int D, typename Prm, bool UN = false>
-static int bwd_wg128_launch(const dsv_attn_shape* sh, Prm& prm, cudaStream_t stream) {
-  return prm.g128 == 2 ? bwd_wg128_launch_one<T, D, Prm, UN, true>(sh, prm, stream)
-                       : bwd_wg128_launch_one<T, D, Prm, UN, false>(sh, prm, stream);
 }
 
 /* Whether K / V row strides are below 4 GB (KeyGather's 32-bit strides). */

@@ -10,9 +10,7 @@
  *                           lists; the default), 2 also 16-key block lists, 0 its mma.sync kernel
  *   g128                    1 groups of a multiple of 128 queries on the 128-row kernels (two
  *                           warpgroups share the key tiles; with wgmma on, token lists, D 64 /
- *                           128; the default), 0 two CTAs of 64 rows, 2 as 1 with the 128-row
- *                           backward's dK / dV reductions staged in shared memory as whole
- *                           128-byte lines (PERF_LOG v30; under measurement)
+ *                           128; the default), 0 two CTAs of 64 rows
  *   km_ratio                backward key-major ratio (0: never key-major, 1e9: wherever allowed)
  *   merge                   groups of 16 / 32 / 64 queries (where the 128-row kernels run): the
  *                           groups of a 128-query block merged into one 128-row CTA when their
@@ -91,7 +89,7 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
     if (n < 0 || n > 2) return DSV_ERR_TUNING;
     t->km_wgmma = (int)n; /* takes effect only where wgmma is on */
   } else if (DSV_KEY("g128")) {
-    if (n < 0 || n > 2) return DSV_ERR_TUNING;
+    if (n != 0 && n != 1) return DSV_ERR_TUNING;
     t->g128 = (int)n; /* takes effect only where wgmma is on */
   } else if (DSV_KEY("merge_window")) {
     if (n < 0 || n > 1 << 22 || n % 32 != 0) return DSV_ERR_TUNING;
@@ -155,7 +153,7 @@ int fill(int device, dsv_tuning* t) {
   t->wgmma = 0;
 #endif
   t->km_wgmma = 1; /* measured on the H200 at S = 64k: benchmarks/PERF_LOG.md, kernels v13 */
-  t->g128 = 1;     /* measured on the H200 at S = 64k: benchmarks/PERF_LOG.md, kernels v15 */
+  t->g128 = 1;     /* measured on the H200 at S = 64k: benchmarks/PERF_LOG.md, kernels v15, v30 */
   /* measured crossover on the H200 at S = 64k, D = 128 (benchmarks/PERF_LOG.md, kernels v3) */
   t->km_ratio = 1.15f;
   t->merge = 0.75f;    /* below the measured crossover: benchmarks/PERF_LOG.md, kernels v26 */

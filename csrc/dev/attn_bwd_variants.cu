@@ -2,7 +2,7 @@
  * attn_bwd_variants.cu - the sparse attention backward's query-major variants that lost to the
  * shipped ones (mma.sync, 32 keys x 2 stages, TMA bulk reductions; the dQ-only pass on wgmma where
  * it applies; csrc/cuda/sparse_attention_bwd_qmajor.cu), built from the shipped kernel templates
- * so that they stay in step. Numbers: benchmarks/PERF_LOG.md (v4, v5, v8).
+ * so that they stay in step. Numbers: benchmarks/PERF_LOG.md (v4, v5, v8, v31).
  *
  *   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
  *        -DDSV_WGMMA -Icsrc -Xcompiler -fPIC -shared csrc/dev/attn_bwd_variants.cu -o bwd_var.so
@@ -17,6 +17,9 @@
  *   "w64x2"               the wgmma kernel for both passes, its reductions from registers
  *   "w64x2_nored"         the same without the reductions (wrong dK / dV: measures their cost;
  *                         bf16, D = 128, else as "w64x2")
+ *   "w128_nored"          groups of a multiple of 128 queries: the shipped 128-row kernel
+ *                         (bwd_wg128_kernel) without its reductions (wrong dK / dV: measures
+ *                         their cost; D 64 / 128); other groups as "w64x2"
  * Not thread-safe (the variant of the running call is a global).
  */
 #include <string.h>
@@ -70,6 +73,8 @@ static int dev_qmajor_passes(const dsv_attn_shape* sh, BwdParams<T>& prm, int wg
   }
   if constexpr (D == 64 || D == 128) {
     if (wg == 2) {
+      if (!strcmp(v, "w128_nored") && prm.g128 && prm.G % 128 == 0)
+        return bwd_wg128_launch<T, D, BwdParams<T>, false, true>(sh, prm, stream);
       if constexpr (D == 128 && DevIsBf16<T>::value)
         if (!strcmp(v, "w64x2_nored"))
           return bwd_wg_launch_one<T, D, true, BwdParams<T>, true>(sh, prm, stream);
