@@ -2,7 +2,7 @@
  * attn_bwd_variants.cu - the sparse attention backward's query-major variants that lost to the
  * shipped ones (mma.sync, 32 keys x 2 stages, TMA bulk reductions; the dQ-only pass on wgmma where
  * it applies; csrc/cuda/sparse_attention_bwd_qmajor.cu), built from the shipped kernel templates
- * so that they stay in step. Numbers: benchmarks/PERF_LOG.md (v4, v5, v8, v31).
+ * so that they stay in step. Numbers: benchmarks/PERF_LOG.md (v4, v5, v8, v30).
  *
  *   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
  *        -DDSV_WGMMA -Icsrc -Xcompiler -fPIC -shared csrc/dev/attn_bwd_variants.cu -o bwd_var.so
