@@ -370,9 +370,10 @@ def template_args(name):  # the top-level template arguments of a demangled kern
     return args + [cur.strip()]
 
 
-# UN (merged groups): the last template argument of both kernels
-merged = lambda kern: any(kern + "<" in n and template_args(n)[-1] == "true" for n in names)
-print("MERGED", merged("sparse_attn_fwd_wg_kernel"), merged("bwd_wg128_kernel"),
+# UN (merged groups): template argument 7 of sparse_attn_fwd_wg_kernel<T, D, BN, NS, MINB, BLK,
+# WG, UN>, 4 of bwd_wg128_kernel<T, Prm, D, NS, UN, NORED>
+merged = lambda kern, i: any(kern + "<" in n and template_args(n)[i] == "true" for n in names)
+print("MERGED", merged("sparse_attn_fwd_wg_kernel", 7), merged("bwd_wg128_kernel", 4),
       any("union_build_kernel" in n for n in names))
 """
 
