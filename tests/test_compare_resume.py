@@ -141,6 +141,35 @@ def test_compare_report_fields_and_sample_strip(tmp_path):
     assert saved["samples"]["path"] == "compare_samples.png"
 
 
+@needs_dsv
+def test_sample_strip_of_arms_finished_apart(tmp_path):
+    """Each arm keeps its rows of the sample strip (samples.npz) when it finishes, so that an
+    arm trained on another machine, its folder copied back without checkpoints, still has its
+    samples in the strip: the same strip, pixel for pixel, as one call for both arms."""
+    import numpy as np
+    from PIL import Image
+
+    from dsv_ext.app.compare import compare
+
+    cfg = micro_config(steps=4, log_every=1, val_every=2)
+    one = compare(cfg, str(tmp_path / "one"), device="cpu", progress=False, samples=2, sample_steps=2)
+    out = tmp_path / "apart"
+    res = compare(cfg, str(out), device="cpu", progress=False, samples=2, sample_steps=2, arms=("dense",))
+    assert not res["complete"] and (out / "dense" / "samples.npz").exists()
+    os.remove(out / "dense" / "ckpt_last.pt")  # as the folder comes back from a machine
+    res = compare(cfg, str(out), device="cpu", progress=False, resume=True, samples=2, sample_steps=2)
+    assert res["complete"] is not False and res["samples"] == one["samples"]
+    assert res["val_at_equal_steps"] == one["val_at_equal_steps"]
+    strip = lambda d: np.asarray(Image.open(d / "compare_samples.png"))  # noqa: E731
+    assert np.array_equal(strip(tmp_path / "one"), strip(out))
+    # without an arm's samples or checkpoint the strip cannot be drawn: the report says none
+    os.remove(out / "dsv" / "samples.npz")
+    os.remove(out / "compare_samples.png")
+    res = compare(cfg, str(out), device="cpu", progress=False, resume=True, samples=2, sample_steps=3)
+    assert res.get("samples") is None and not (out / "compare_samples.png").exists()
+    assert "compare_samples.png" not in open(out / "compare.md").read()
+
+
 def test_train_time_limit_stops_with_a_checkpoint_and_resumes_exactly(tmp_path):
     from dsv_ext.app.train import train
     from test_train import _read

@@ -19,7 +19,8 @@ Trains the config twice with :func:`dsv_ext.app.train.train` (``attention=dense`
   against training time, and DSV's per-block sparsity and predictor recall over the steps, with
   the stage-2 switch marked;
 - ``compare.json``: the numbers behind the table; ``dense/`` and ``dsv/``: the two runs
-  (metrics, config, summary; their checkpoints are deleted unless ``--keep-checkpoints``).
+  (metrics, config, summary, ``samples.npz``: the run's rows of the sample strip, written when
+  it finishes; their checkpoints are deleted unless ``--keep-checkpoints``).
 
 Long runs in time-limited chunks: ``--time-limit S`` stops the current run with a checkpoint
 before S seconds have passed and exits (exit code 0, "incomplete" printed); the same command with
@@ -29,7 +30,9 @@ call that finishes both runs writes the report from the metrics of all chunks.
 Two GPUs: ``--arms dense --device cuda:0`` and ``--arms dsv --device cuda:1`` in two processes
 with the same ``--out`` train the arms side by side (same init, data, noise and seed: the runs do
 not depend on each other); the one that finishes last finds both runs done and writes the report
-and the sample strip (or run ``--resume`` once both are done).
+and the sample strip (or run ``--resume`` once both are done). The arms may also finish on
+different machines: a finished run's folder without its checkpoint (metrics, summary,
+``samples.npz``) counts as done.
 
 With ``--seeds N`` (N >= 2; 3 or more for a usable interval) the pair is trained N times, seed
 ``train.seed + i`` for run i (model init, data order, noise), each pair into ``seed<i>/`` as
@@ -181,6 +184,11 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
         if not runs[att]["summary"].get("complete", True):
             complete = False
             break
+        if samples > 0:  # the arm's part of the sample strip, while its checkpoint is here
+            try:
+                write_arm_samples(out_dir, att, num=samples, steps=sample_steps, device=device)
+            except ImportError as e:
+                print(f"compare: no samples of the {att} run ({e})", file=sys.stderr)
     if not complete:
         done = {a: _read_metrics(os.path.join(out_dir, a))[0] for a in ARMS}
         at = {a: (h[-1]["step"] if h else 0) for a, h in done.items()}
@@ -201,8 +209,10 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
             return {"complete": False, "steps": target, "progress": {a: target for a in ARMS},
                     "note": note}
     res = build_report(cfg, out_dir, _summaries(out_dir))
-    have_ckpts = all(os.path.exists(os.path.join(out_dir, a, "ckpt_last.pt")) for a in ("dense", "dsv"))
-    if samples > 0 and not have_ckpts:  # a finished comparison reported again: keep its samples
+    # each arm's samples: its samples.npz for this num / steps, else its checkpoint to draw them
+    have_parts = all(_arm_samples(out_dir, a, samples, sample_steps) is not None or
+                     os.path.exists(os.path.join(out_dir, a, "ckpt_last.pt")) for a in ARMS)
+    if samples > 0 and not have_parts:  # a finished comparison reported again: keep its samples
         try:
             with open(os.path.join(out_dir, "compare.json")) as f:
                 old = json.load(f).get("samples")
@@ -401,25 +411,25 @@ def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[st
     return res
 
 
-def write_sample_strip(out_dir: str, path: str, num: int = 2, steps: int = 20,
-                       device: Optional[str] = None, frames_shown: int = 4) -> Dict[str, Any]:
-    """A PNG: for ``num`` starting noises, ``frames_shown`` frames (evenly spaced in time) of a
-    held-out data clip, then of the full-attention model's sample, then of DSV's (same noise,
-    ``steps`` Euler steps), one row each, from ``dense/ckpt_last.pt`` and ``dsv/ckpt_last.pt``."""
+ARM_SAMPLES = "samples.npz"
+
+
+def write_arm_samples(out_dir: str, att: str, num: int = 2, steps: int = 20,
+                      device: Optional[str] = None, frames_shown: int = 4) -> Dict[str, Any]:
+    """One arm's rows of the sample strip, from ``<out_dir>/<att>/ckpt_last.pt`` into
+    ``<att>/samples.npz`` (small: frames at the latent resolution), so that the strip can be
+    drawn after the checkpoint is gone (each arm finished in its own job or on its own
+    machine): ``frames_shown`` frames, evenly spaced in time, of ``num`` held-out data clips
+    and of the model's samples from ``num`` noises (a fixed generator: the same noises for
+    both arms; ``steps`` Euler steps). Returns the arm's entry (mode, num, steps)."""
     import numpy as np
     import torch
-    from PIL import Image, ImageDraw
 
     from .data import make_dataset
     from .sample import latents_to_frames, load_for_sampling, sample_latents
 
-    rows, labels, info = [], [], {"num": num, "steps": steps, "solver": "euler"}
-    models = {}
-    for att in ("dense", "dsv"):
-        sm = load_for_sampling(os.path.join(out_dir, att, "ckpt_last.pt"), device)
-        models[att] = sm
-        info[f"{att}_mode"] = sm.mode
-    cfg = models["dense"].config
+    sm = load_for_sampling(os.path.join(out_dir, att, "ckpt_last.pt"), device)
+    cfg = sm.config
     src = (cfg.get("data") or {}).get("source", "procedural")
     norm = "joint" if src in ("video", "folder") or (cfg.get("data") or {}).get("mode") == "pixels" else "channel"
     c, t, h, w = (cfg["data"].get("channels", 4), cfg["data"]["frames"], cfg["data"]["height"],
@@ -431,25 +441,72 @@ def write_sample_strip(out_dir: str, path: str, num: int = 2, steps: int = 20,
     g = torch.Generator().manual_seed(1234)
     sel = np.linspace(0, t - 1, min(frames_shown, t)).round().astype(int)
     prec = cfg["train"].get("precision", "auto")
+    data, model = [], []
     for i in range(num):
         noise = torch.randn(1, c, t, h, w, generator=g)
         if i < len(val):
-            rows.append(latents_to_frames(val[i], normalize=norm)[sel])
-            labels.append(f"data {i}")
-        for att in ("dense", "dsv"):
-            sm = models[att]
-            with torch.no_grad():
-                z = sample_latents(sm.model, noise.to(sm.device), steps, precision=prec)[0]
-            rows.append(latents_to_frames(z, normalize=norm)[sel])
-            labels.append(("full attn" if att == "dense" else "DSV") + f" {i}")
-    del models
+            data.append(latents_to_frames(val[i], normalize=norm, scale=1)[sel])
+        with torch.no_grad():
+            z = sample_latents(sm.model, noise.to(sm.device), steps, precision=prec)[0]
+        model.append(latents_to_frames(z, normalize=norm, scale=1)[sel])
+    info = {"mode": sm.mode, "num": num, "steps": steps, "frames_shown": [int(x) for x in sel]}
+    del sm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    np.savez_compressed(os.path.join(out_dir, att, ARM_SAMPLES),
+                        data=np.stack(data) if data else np.zeros((0,), np.uint8),
+                        model=np.stack(model), info=json.dumps(info))
+    return info
+
+
+def _arm_samples(out_dir: str, att: str, num: int, steps: int):
+    """``(info, data frames, model frames)`` of an arm's samples.npz written for ``num`` noises
+    and ``steps`` Euler steps, else None."""
+    import numpy as np
+
+    path = os.path.join(out_dir, att, ARM_SAMPLES)
+    if not os.path.exists(path):
+        return None
+    with np.load(path) as z:
+        info = json.loads(str(z["info"]))
+        if info.get("num") != num or info.get("steps") != steps:
+            return None
+        return info, z["data"], z["model"]
+
+
+def write_sample_strip(out_dir: str, path: str, num: int = 2, steps: int = 20,
+                       device: Optional[str] = None, frames_shown: int = 4,
+                       min_height: int = 128) -> Dict[str, Any]:
+    """A PNG: for ``num`` starting noises, ``frames_shown`` frames of a held-out data clip, then
+    of the full-attention model's sample, then of DSV's (same noise, ``steps`` Euler steps), one
+    row each, from each arm's samples.npz (write_arm_samples; written here from the arm's
+    ``ckpt_last.pt`` where it is missing), upscaled to at least ``min_height`` pixels."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    parts = {}
+    for att in ARMS:
+        if _arm_samples(out_dir, att, num, steps) is None:
+            write_arm_samples(out_dir, att, num=num, steps=steps, device=device,
+                              frames_shown=frames_shown)
+        parts[att] = _arm_samples(out_dir, att, num, steps)
+    data = parts["dense"][1]
+    rows, labels = [], []
+    for i in range(num):
+        if i < len(data):
+            rows.append(data[i])
+            labels.append(f"data {i}")
+        for att in ARMS:
+            rows.append(parts[att][2][i])
+            labels.append(("full attn" if att == "dense" else "DSV") + f" {i}")
+    sc = max(1, -(-min_height // rows[0].shape[1]))
+    rows = [r.repeat(sc, axis=1).repeat(sc, axis=2) for r in rows]
+    nsel = rows[0].shape[0]
     fh, fw = rows[0].shape[1:3]
     gap, margin = 2, 70
-    img = np.full((len(rows) * (fh + gap), margin + len(sel) * (fw + gap), 3), 255, np.uint8)
+    img = np.full((len(rows) * (fh + gap), margin + nsel * (fw + gap), 3), 255, np.uint8)
     for r, fr in enumerate(rows):
-        for j in range(len(sel)):
+        for j in range(nsel):
             y, x = r * (fh + gap), margin + j * (fw + gap)
             img[y:y + fh, x:x + fw] = fr[j]
     im = Image.fromarray(img)
@@ -457,8 +514,9 @@ def write_sample_strip(out_dir: str, path: str, num: int = 2, steps: int = 20,
     for r, lab in enumerate(labels):
         draw.text((3, r * (fh + gap) + fh // 2 - 5), lab, fill=(0, 0, 0))
     im.save(path)
-    info["path"] = os.path.basename(path)
-    info["frames_shown"] = [int(x) for x in sel]
+    info = {"num": num, "steps": steps, "solver": "euler",
+            "dense_mode": parts["dense"][0]["mode"], "dsv_mode": parts["dsv"][0]["mode"],
+            "path": os.path.basename(path), "frames_shown": parts["dense"][0]["frames_shown"]}
     return info
 
 
