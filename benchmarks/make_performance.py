@@ -356,6 +356,46 @@ reductions cost). Times in ms; speedup = cuDNN fwd+bwd / (estimate + forward + b
 {_prov(d['date'], d['commit'], d['card'])}
 
 {t}
+
+{_section_lines()}"""
+
+
+def _section_lines():
+    """The 128-row backward's reductions as fragments or whole lines (PERF_LOG v30), and the kernel
+    without its reductions (results/kernels_v30/ab.json): the mean of the rounds."""
+    recs = _load("kernels_v30/ab.json")
+    frag, line = "before (fragment reductions)", "after (line reductions)"
+    rows = []
+    for D in (128, 64):
+        for G in (128, 64):
+            for dist in ("random", "smooth"):
+                b, a = ([r for r in recs if (r["part"], r["G"], r["dist"], r["build"]) == (f"D{D}", G, dist, w)]
+                        for w in (frag, line))
+                if not a or not b or (G, dist) == (64, "random"):  # G = 64 random: the 64-row kernel
+                    continue
+                nored = [r for r in recs if (r["part"], r["D"], r["G"], r["dist"], r["build"]) ==
+                         ("nored", D, G, dist, "no reductions (w128_nored)")]
+                rows.append((D, G, dist, _ms(_mean(b, "bwd_ms")), _ms(_mean(a, "bwd_ms")),
+                             f"{_mean(a, 'bwd_ms') / _mean(b, 'bwd_ms'):.3f}",
+                             "lines" if D == 128 else "fragments",
+                             _ms(_mean(nored, "bwd_ms")) if nored else "-"))
+    t = _table(["D", "G", "lists", "backward, fragments (ms)", "lines (ms)", "lines / fragments", "ships",
+                "without reductions (ms)"], rows)
+    dates = sorted(r["run_date"] for r in recs)
+    return f"""### The 128-row backward's reductions (G = 128 and merged groups)
+
+Each warp of the 128-row backward adds its 16 key rows x D of dK / dV (fp32) into the
+accumulators either as fragments (16 rows x one 32-byte sector per instruction) or, staged
+through 2 KB of shared memory, as whole 128-byte lines (4 rows per instruction; PERF_LOG v30).
+Lines ship at D = 128, fragments at D = 64, where the staging costs more than it saves. The last
+column is the same kernel with its reductions left out (`w128_nored` of
+`csrc/dev/attn_bwd_variants.cu`, measurement only): the reductions are about a third of the
+backward at D = 128. S = 64k, 24 heads, sparsity 0.9, interleaved rounds
+([results/kernels_v30/](../benchmarks/results/kernels_v30/ab.md)).
+{_prov(f"{dates[0]} - {dates[-1]}", "fe9be47 (both reductions), 9504b55 (lines at D = 64, w128_nored)",
+       recs[0]["run_card"], "torch " + recs[0]["run_torch"])}
+
+{t}
 """
 
 
