@@ -623,14 +623,15 @@ def attn_bwd(dout, q, k, v, out, lse, kv_index, kv_count, G, scale, deterministi
         if not hasattr(lib, "dsv_dev_sparse_attention_bwd_variant_cuda"):
             raise KernelError("DSV_DEV_BWD_VARIANT needs DSV_ATTN_LIB = a csrc/dev/attn_bwd_variants.cu build")
         call = functools.partial(lib.dsv_dev_sparse_attention_bwd_variant_cuda, variant.encode())
+        name = f"dsv_dev_sparse_attention_bwd_variant_cuda ({variant!r}; -1: not a variant's name)"
     else:
-        call = lib.dsv_sparse_attention_bwd_cuda
+        call, name = lib.dsv_sparse_attention_bwd_cuda, "dsv_sparse_attention_bwd_cuda"
     st = call(
         ctypes.byref(sh), bshd(q), bshd(k), bshd(v), bshd(out), bshd(dout), lse.data_ptr(),
         kv_index.data_ptr(), kv_count.data_ptr(), bshd(dq), bshd(dk), bshd(dv),
         work.data_ptr(), ws, torch.cuda.current_stream().cuda_stream)
     if st != 0:
-        raise KernelError(f"dsv_sparse_attention_bwd_cuda returned {st}")
+        raise KernelError(f"{name} returned {st}")
     return dq, dk, dv
 
 

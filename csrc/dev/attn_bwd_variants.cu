@@ -20,7 +20,8 @@
  *   "w128_nored"          groups of a multiple of 128 queries: the shipped 128-row kernel
  *                         (bwd_wg128_kernel) without its reductions (wrong dK / dV: measures
  *                         their cost; D 64 / 128); other groups as "w64x2"
- * Not thread-safe (the variant of the running call is a global).
+ * Another name returns DSV_ERR_INVALID. Not thread-safe (the variant of the running call is a
+ * global).
  */
 #include <string.h>
 
@@ -102,7 +103,13 @@ extern "C" int dsv_dev_sparse_attention_bwd_variant_cuda(
     dsv_bshd out, dsv_bshd dout, const void* lse, const int32_t* kv_index,
     const int32_t* kv_count, dsv_bshd dq, dsv_bshd dk, dsv_bshd dv, void* workspace,
     size_t workspace_bytes, void* stream) {
-  if (!variant) return DSV_ERR_INVALID;
+  /* an unknown name is an error, not the shipped kernels timed under a wrong label */
+  static const char* const known[] = {"64x2", "32x3", "32x4", "32x2", "v4", "w64x2",
+                                      "w64x2_nored", "w128_nored"};
+  bool ok = false;
+  for (size_t i = 0; variant && i < sizeof(known) / sizeof(known[0]); ++i)
+    ok = ok || !strcmp(variant, known[i]);
+  if (!ok) return DSV_ERR_INVALID;
   g_dev_variant = variant;
   const BwdQmajor qm = {dev_qmajor<__half>, dev_qmajor<__nv_bfloat16>};
   const int st = bwd_entry(qm, p, q, k, v, out, dout, lse, kv_index, kv_count, dq, dk, dv,
