@@ -6,8 +6,8 @@
 # on the attention kernels, and compute-sanitizer. Each step has its own time limit so the call
 # ends in time; all logs are packed into $OUT/logs.tgz (one file to copy back).
 #   usage: bash benchmarks/device_session.sh   (carry .dsvwheels for diffusers, .devso if built)
-#   env:   STEPS="tests bench ncu san" (default; also ab topkab tun compare infer train grid topk det
-#          soak er calib),
+#   env:   STEPS="tests bench ncu san" (default; also ab topkab tun nored compare infer train grid
+#          topk det soak er calib),
 #          BUILD_LIMIT, TUNINGS (the tun step's DSV_KERNEL_TUNING settings), AB_ARGS,
 #          TEST_ARGS (e.g. "-m cuda": the GPU tests alone; the CPU ones run in CI),
 #          TEST_LIMIT, BENCH_LIMIT, SAN_STEPS / SAN_PATHS (tests/run_sanitizer.sh), ...
@@ -59,6 +59,17 @@ case " $STEPS " in *" tun "*)  # the attention kernels under kernel tunings (TUN
     n=$(echo "$t" | tr '=,' '__')
     DSV_KERNEL_TUNING=$t timeout ${AB_LIMIT:-100} $AB --out "$OUT/tun/${n}_$r" > "$OUT/tun_${n}_$r.log" 2>&1
     echo "tun $t run $r rc=$?"; grep -E "^\| [0-9]" "$OUT/tun/${n}_$r/kernels.md" 2>/dev/null | cut -c1-160
+  done; done;;
+esac
+case " $STEPS " in *" nored "*)  # the 128-row backward with and without its dK / dV reductions
+  # (csrc/dev/attn_bwd_variants.cu "w128_nored", one library, interleaved; NORED_ARGS: the shape)
+  bash benchmarks/build_devvar.sh csrc/dev/attn_bwd_variants.cu > "$OUT/devvar_build.log" 2>&1 ||
+    { echo "nored: build failed"; tail -20 "$OUT/devvar_build.log"; }
+  for r in 1 2; do for v in shipped w128_nored; do
+    DSV_DEV_BWD_VARIANT=$([ $v = shipped ] || echo $v) DSV_ATTN_LIB=$PWD/.devvar/attn_bwd_variants.so \
+      timeout ${AB_LIMIT:-100} python3 benchmarks/bench_kernels.py ${NORED_ARGS:---S 65536 --D 128 --G 128 --sparsity 0.9 --dist random smooth} \
+      --reps 5 --out "$OUT/nored/${v}_$r" > "$OUT/nored_${v}_$r.log" 2>&1
+    echo "nored $v run $r rc=$?"; grep -E "^\| [0-9]" "$OUT/nored/${v}_$r/kernels.md" 2>/dev/null | cut -c1-120
   done; done;;
 esac
 case " $STEPS " in *" topk "*)  # top-K estimation under kernel tunings (TOPK_TUNINGS), interleaved
