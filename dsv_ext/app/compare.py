@@ -486,10 +486,11 @@ def write_sample_strip(out_dir: str, path: str, num: int = 2, steps: int = 20,
 
     parts = {}
     for att in ARMS:
-        if _arm_samples(out_dir, att, num, steps) is None:
+        parts[att] = _arm_samples(out_dir, att, num, steps)
+        if parts[att] is None:
             write_arm_samples(out_dir, att, num=num, steps=steps, device=device,
                               frames_shown=frames_shown)
-        parts[att] = _arm_samples(out_dir, att, num, steps)
+            parts[att] = _arm_samples(out_dir, att, num, steps)
     data = parts["dense"][1]
     rows, labels = [], []
     for i in range(num):
