@@ -396,6 +396,25 @@ backward at D = 128. S = 64k, 24 heads, sparsity 0.9, interleaved rounds
        recs[0]["run_card"], "torch " + recs[0]["run_torch"])}
 
 {t}
+
+{_section_swizzle()}"""
+
+
+def _section_swizzle():
+    """The line-reduction slab without bank conflicts (PERF_LOG v31, results/kernels_v31/ab.json:
+    the last round of each shape, before / after)."""
+    recs = _load("kernels_v31/ab.json")
+    parts = []
+    for G, dist in ((128, "random"), (128, "smooth"), (64, "smooth")):
+        b, a = ([r for r in recs if (r["G"], r["dist"], r["build"]) == (G, dist, w)] for w in ("before", "after"))
+        if a and b:
+            parts.append(f"G = {G} {dist} {_ms(b[0]['bwd_ms'])} -> {_ms(a[0]['bwd_ms'])} ms")
+    return f"""Nsight Compute on that kernel (G = 128, random lists) found the slab's fragment stores
+2-way bank-conflicted: a 64-bit shared store is served half a warp at a time, and v30's swizzle
+(chunk XOR row) put the half-warp's 8 chunks on 4. Swizzled by 2 row mod 8 they cover all 8
+(PERF_LOG v31). Backward before -> after: {"; ".join(parts)}
+([results/kernels_v31/](../benchmarks/results/kernels_v31/ab.md), {recs[0]["run_date"]}, {recs[0]["run_card"]};
+both rounds in the table there).
 """
 
 

@@ -129,8 +129,9 @@ __device__ __forceinline__ void bwg_reduce_rows(float* acc, const float (&a)[D /
 
 /* Line reductions (bwd_wg128_kernel, PERF_LOG v30): a 64-key x D tile added into
  * acc[key][D] through a 16-row x 32-column fp32 slab of shared memory per warp (slab: 2 KB, its
- * 16-byte chunks XOR-swizzled by row, so that both the fragment stores and the row loads are
- * conflict-free), so that every red.global.add.v4.f32 covers 4 rows x 128 contiguous bytes: four
+ * 16-byte chunks XOR-swizzled by 2 row mod 8: a 64-bit store is served half a warp at a time, and
+ * the half-warp's fragment (rows g..g + 3, two chunks each) then covers all 8 chunks, so both
+ * the fragment stores and the row loads are conflict-free (PERF_LOG v31)), so that every red.global.add.v4.f32 covers 4 rows x 128 contiguous bytes: four
  * whole L2 lines (4-sector requests) instead of 16 rows x one 32-byte sector each (16 requests);
  * csrc/dev/atomic_microbench.cu measures both patterns (lines against frag). kid[i]: the key of
  * the warp's row 4 i + lane / 8 (bwg_tile_keys), nothing where it is < 0. */
@@ -138,13 +139,14 @@ template <int D>
 __device__ __forceinline__ void bwg_reduce_lines(float* acc, const float (&a)[D / 8][4],
                                                  const int (&kid)[4], float* slab, int lane) {
   const int g = lane >> 2, c0 = (lane & 3) >> 1, w = (lane & 1) * 2; /* fragment rows g, g + 8 */
+  const int sw = (2 * g) & 7; /* rows g and g + 8: chunk swizzle 2 row mod 8 */
   const int rr = lane >> 3, ch = lane & 7;                             /* row loads */
 #pragma unroll
   for (int m = 0; m < D / 32; ++m) {
     __syncwarp(); /* the previous slab's loads done */
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
-      const int c = ((2 * jj + c0) ^ g) * 4 + w; /* columns 8 jj + 2 (lane & 3) + {0, 1} */
+      const int c = ((2 * jj + c0) ^ sw) * 4 + w; /* columns 8 jj + 2 (lane & 3) + {0, 1} */
       *reinterpret_cast<float2*>(slab + g * 32 + c) = make_float2(a[4 * m + jj][0], a[4 * m + jj][1]);
       *reinterpret_cast<float2*>(slab + (g + 8) * 32 + c) =
           make_float2(a[4 * m + jj][2], a[4 * m + jj][3]);
@@ -153,7 +155,7 @@ __device__ __forceinline__ void bwg_reduce_lines(float* acc, const float (&a)[D 
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = 4 * i + rr;
-      const float4 v = *reinterpret_cast<const float4*>(slab + r * 32 + ((ch ^ (r & 7)) * 4));
+      const float4 v = *reinterpret_cast<const float4*>(slab + r * 32 + ((ch ^ ((2 * r) & 7)) * 4));
       if (kid[i] >= 0)
         atomicAdd(reinterpret_cast<float4*>(acc + (size_t)kid[i] * D + 32 * m + 4 * ch), v);
     }
