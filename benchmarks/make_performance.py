@@ -846,9 +846,12 @@ def _long_video_repeats():
     t = _table(["step", *(f"run {i + 1}" for i in range(n)), "spread (max - min) / mean"], rows)
     first, rel = d["first_train_step_spread_above"], d["train_rel_spread"]
     worst = max(e.get("spread_pct", 0) for e in d["val"])
+    dates = sorted(r["date_utc"] for r in d["runs"])
+    when = dates[0] + " UTC" if dates[0] == dates[-1] else f"{dates[0]} - {dates[-1]} UTC"
+    commits = ", ".join(dict.fromkeys(r["commit"][:7] for r in d["runs"]))
     return f"""
 How large that noise is at this shape: full attention run {n} times with the same seed, data and
-initialisation (`benchmarks/repeat_spread.py`, `results/long-video-repeats/`). {_prov(r0['date_utc'] + ' UTC', r0['commit'][:7], r0['card'])}
+initialisation (`benchmarks/repeat_spread.py`, `results/long-video-repeats/`). {_prov(when, commits, r0['card'])}
 The logged training losses first differ at step {first['0']} ({rel[str(first['0'])]:.0e} relative) and first differ by
 more than 1% at step {first['0.01']}; the validation losses then spread by up to {worst:.1f}% between runs that differ only in the order of
 floating-point sums. A single pair of runs cannot resolve a 1% gap here.
