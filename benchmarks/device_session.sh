@@ -87,14 +87,15 @@ esac
 case " $STEPS " in *" ncu "*)
   for dist in ${NCU_DISTS:-random smooth}; do
     # NCU_REGEX: the kernels to profile (e.g. "dsv_topk" for the estimation), NCU_ARGS: the
-    # driver's shape (e.g. "--G 128 --heads 24")
+    # driver's shape (e.g. "--G 128 --heads 24"); SourceCounters: shared-memory bank conflicts
+    # ("L1 Wavefronts Shared Excessive") and the instructions warps stall on (PERF_LOG v31)
     timeout ${NCU_LIMIT:-80} ncu --clock-control none -k regex:"${NCU_REGEX:-sparse_attn_fwd|bwd_qmajor|bwd_kmajor|bwd_wg}" \
       -c ${NCU_COUNT:-3} --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
       --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis --section SchedulerStats \
-      python3 benchmarks/ncu_attention.py --dist $dist ${NCU_ARGS:-} > "$OUT/ncu_$dist.txt" 2>&1
+      --section SourceCounters python3 benchmarks/ncu_attention.py --dist $dist ${NCU_ARGS:-} > "$OUT/ncu_$dist.txt" 2>&1
     echo "ncu $dist rc=$?"
   done
-  grep -E "sparse_attn_fwd|bwd_qmajor|bwd_kmajor|bwd_wg|dsv_topk|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible" "$OUT/ncu_random.txt" | head -40;;
+  grep -E "sparse_attn_fwd|bwd_qmajor|bwd_kmajor|bwd_wg|dsv_topk|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Wavefronts Shared Excessive" "$OUT/ncu_random.txt" | head -40;;
 esac
 case " $STEPS " in *" compare "*)
   timeout ${COMPARE_LIMIT:-420} python3 -m dsv_ext.app.compare --config configs/small.yaml --device cuda \
