@@ -132,7 +132,8 @@ __device__ __forceinline__ void bwg_reduce_rows(float* acc, const float (&a)[D /
  * 16-byte chunks XOR-swizzled by 2 row mod 8: a 64-bit store is served half a warp at a time,
  * and the half-warp's fragment (rows g..g + 3, two chunks each) then covers all 8 chunks, so
  * both the fragment stores and the row loads are conflict-free; PERF_LOG v31), so that every
- * red.global.add.v4.f32 covers 4 rows x 128 contiguous bytes: four whole L2 lines (4-sector requests) instead of 16 rows x one 32-byte sector each (16 requests);
+ * red.global.add.v4.f32 covers 4 rows x 128 contiguous bytes: four whole L2 lines (4-sector
+ * requests) instead of 16 rows x one 32-byte sector each (16 requests);
  * csrc/dev/atomic_microbench.cu measures both patterns (lines against frag). kid[i]: the key of
  * the warp's row 4 i + lane / 8 (bwg_tile_keys), nothing where it is < 0. */
 template <int D>
