@@ -521,7 +521,8 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   const int RG = p.nranges;
   QmajorCta c;
   if (!qmajor_cta<BM>(p, RG, 0, true, c)) return;
-  const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, warp = (tid >> 5) & 3;
+  const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3;
+  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0); /* warp-uniform to the compiler: descriptors in uniform registers */
   const int* list;
   int count;
   if constexpr (UN) { /* block c.g's union (union_build_kernel), if it was merged */
@@ -544,7 +545,8 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
     gather_rows_async<T, D, NT, 64, true>(dOs, gb, p.gs, qidx, 64);
     gather_rows_async<T, D, NT, 64, true>(dOs + QE, gb, p.gs, qidx + 64, 64);
   }
-  const int ntiles = (j1 - j0 + BN - 1) / BN;
+  /* warp-uniform to the compiler (as wg): the tile loop's stage offsets in uniform registers */
+  const int ntiles = __shfl_sync(0xffffffffu, (j1 - j0 + BN - 1) / BN, 0);
   /* warpgroup 1 gathers every key tile: tile 0 here (with the Q / dO group), tile t + 1 during
    * tile t */
   KeyGather<T, D, 128, BN, true, int, false, 1, KM> ix;

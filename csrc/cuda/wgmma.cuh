@@ -36,7 +36,12 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_
 /* The descriptor of the operand `bytes` further on (the start address is the low 14 bits, in
  * 16-byte units, and shared addresses stay below 2^18, so the sum does not carry out). */
 __device__ __forceinline__ uint64_t wg_desc_add(uint64_t desc, uint32_t bytes) {
-  return desc + (bytes >> 4);
+  uint32_t lo, hi;
+  asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "l"(desc));
+  lo += bytes >> 4;
+  uint64_t r;
+  asm("mov.b64 %0, {%1, %2};" : "=l"(r) : "r"(lo), "r"(hi));
+  return r;
 }
 
 __device__ __forceinline__ void wg_fence() {
