@@ -377,9 +377,8 @@ def _section_lines():
                          ("nored", D, G, dist, "no reductions (w128_nored)")]
                 rows.append((D, G, dist, _ms(_mean(b, "bwd_ms")), _ms(_mean(a, "bwd_ms")),
                              f"{_mean(a, 'bwd_ms') / _mean(b, 'bwd_ms'):.3f}",
-                             "lines" if D == 128 else "fragments",
                              _ms(_mean(nored, "bwd_ms")) if nored else "-"))
-    t = _table(["D", "G", "lists", "backward, fragments (ms)", "lines (ms)", "lines / fragments", "ships",
+    t = _table(["D", "G", "lists", "backward, fragments (ms)", "lines (ms)", "lines / fragments",
                 "without reductions (ms)"], rows)
     dates = sorted(r["run_date"] for r in recs)
     return f"""### The 128-row backward's reductions (G = 128 and merged groups)
@@ -387,7 +386,8 @@ def _section_lines():
 Each warp of the 128-row backward adds its 16 key rows x D of dK / dV (fp32) into the
 accumulators either as fragments (16 rows x one 32-byte sector per instruction) or, staged
 through 2 KB of shared memory, as whole 128-byte lines (4 rows per instruction; PERF_LOG v30).
-Lines ship at D = 128, fragments at D = 64, where the staging costs more than it saves. The last
+This table is the first measurement, with a bank-conflicted slab: lines won at D = 128 and lost
+at D = 64; without the conflicts (below) they break even at D = 64 and ship at both. The last
 column is the same kernel with its reductions left out (`w128_nored` of
 `csrc/dev/attn_bwd_variants.cu`, measurement only): the reductions are about a third of the
 backward at D = 128. S = 64k, 24 heads, sparsity 0.9, interleaved rounds
@@ -397,7 +397,39 @@ backward at D = 128. S = 64k, 24 heads, sparsity 0.9, interleaved rounds
 
 {t}
 
-{_section_swizzle()}"""
+{_section_swizzle()}
+{_section_uniform()}"""
+
+
+def _ab_means(rel, shapes):
+    """(D, G, dist, before ms, after ms) of the backward, means over the rounds of an interleaved
+    before / after file (results/kernels_v*/ab.json)."""
+    recs = _load(rel)
+    out = []
+    for D, G, dist in shapes:
+        b, a = ([r for r in recs if (r["D"], r["G"], r["dist"], r["build"]) == (D, G, dist, w)]
+                for w in ("before", "after"))
+        if a and b:
+            out.append((D, G, dist, _mean(b, "bwd_ms"), _mean(a, "bwd_ms")))
+    return recs, out
+
+
+def _section_uniform():
+    """The descriptors in uniform registers (PERF_LOG v32) and lines at D = 64 (v33)."""
+    shapes = [(128, 128, "random"), (128, 128, "smooth"), (128, 64, "smooth"),
+              (64, 128, "random"), (64, 128, "smooth"), (64, 64, "smooth")]
+    r32, m32 = _ab_means("kernels_v32/ab.json", shapes[:3])
+    r33, m33 = _ab_means("kernels_v33/ab.json", shapes[3:])
+    fmt = lambda ms: "; ".join(f"G = {G} {dist} {_ms(b)} -> {_ms(a)} ms ({100 * (a / b - 1):+.1f}%)"
+                               for D, G, dist, b, a in ms)
+    return f"""The same kernel's wgmma descriptors were rebuilt with 64-bit arithmetic before every
+MMA because the warpgroup index and the tile count were not provably warp-uniform; read through
+a warp shuffle they stay in uniform registers (PERF_LOG v32: 920 fewer instructions, no spills).
+D = 128 backward, means of two interleaved rounds: {fmt(m32)}
+([results/kernels_v32/](../benchmarks/results/kernels_v32/ab.md), {r32[0]["run_date"]}, {r32[0]["run_card"]}; G = 64 smooth is
+the merged-groups kernel). Lines at D = 64 with the conflict-free slab (v33): {fmt(m33)}
+([results/kernels_v33/](../benchmarks/results/kernels_v33/ab.md), {r33[0]["run_date"]}, {r33[0]["run_card"]}).
+"""
 
 
 def _section_swizzle():

@@ -163,44 +163,28 @@ __device__ __forceinline__ void bwg_reduce_lines(float* acc, const float (&a)[D 
   }
 }
 
-/* Whether the 128-row backward reduces whole lines (bwg_reduce_lines) at head dim D: measured
- * (PERF_LOG v30) 3-4% faster at D = 128, 2-4% slower at D = 64, where pairs of lanes reduce
- * (bwg_reduce_part) and the slabs take no shared memory; both with v30's slab, whose bank
- * conflicts v31 removed (D = 128 a further 4-5%; D = 64 not measured again). */
-template <int D>
-struct BwgLines {
-  static constexpr bool value = D == 128;
-};
-
-/* The warp's part of a 64-key x D tile into acc (line reductions where BwgLines, else pairs of
- * lanes), or with NORED (a measurement of their cost) nothing but what keeps the products
- * that feed them. kid: bwg_tile_keys. */
+/* The warp's part of a 64-key x D tile into acc by line reductions (D 64 and 128: measured
+ * against pairs of lanes, PERF_LOG v30 and v33), or with NORED (a measurement of their cost)
+ * nothing but what keeps the products that feed them. kid: bwg_tile_keys. */
 template <int D, bool NORED>
 __device__ __forceinline__ void bwg_reduce_out(float* acc, const float (&a)[D / 8][4],
-                                               const int (&kid)[BwgLines<D>::value ? 4 : 1],
-                                               float* slab, int lane, float (&dq)[D / 8][4]) {
+                                               const int (&kid)[4], float* slab, int lane,
+                                               float (&dq)[D / 8][4]) {
   if constexpr (NORED) {
     if (a[0][0] == 1.2345e-30f) dq[0][0] += 1.f;
-  } else if constexpr (BwgLines<D>::value) {
-    bwg_reduce_lines<D>(acc, a, kid, slab, lane);
   } else {
-    bwg_reduce_part<D, 0, D / 8>(acc, a, kid[0], lane);
+    bwg_reduce_lines<D>(acc, a, kid, slab, lane);
   }
 }
 
-/* The keys of the rows that the lane reduces in the next tile: with line reductions the warp's
- * rows 4 i + lane / 8, else one (bwg_reduce_key). KM as bwg_reduce_key. */
-template <int D, int KM>
-__device__ __forceinline__ void bwg_tile_keys(int (&kid)[BwgLines<D>::value ? 4 : 1],
-                                              const int* ki, int warp, int lane) {
-  if constexpr (BwgLines<D>::value) {
+/* The keys of the warp's rows 4 i + lane / 8 of the next tile (bwg_reduce_lines); KM as
+ * bwg_reduce_key. */
+template <int KM>
+__device__ __forceinline__ void bwg_tile_keys(int (&kid)[4], const int* ki, int warp, int lane) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int e = ki[warp * 16 + 4 * i + (lane >> 3)];
-      kid[i] = KM && e >= 0 ? e & KM : e;
-    }
-  } else {
-    kid[0] = bwg_reduce_key<KM>(ki, warp, lane);
+  for (int i = 0; i < 4; ++i) {
+    const int e = ki[warp * 16 + 4 * i + (lane >> 3)];
+    kid[i] = KM && e >= 0 ? e & KM : e;
   }
 }
 
@@ -480,8 +464,8 @@ __device__ __forceinline__ void bwg_product(float (&acc)[D / 8][4], uint64_t ade
  * for its rows and writes P and dS to its half of two shared [128 query][64 key] tiles; over
  * all 128 rows warpgroup 0 forms dV_t = P^T dO and warpgroup 1 dK_t = dS^T Q (8 k16 steps: the
  * two halves are summed in the tensor cores) and adds its 64 x D tile to the fp32 accumulator
- * once: one reduction per key and 128 rows instead of two, at D = 128 each warp's 16 rows
- * through its own 2 KB slab of shared memory as whole 128-byte lines (BwgLines). The two
+ * once: one reduction per key and 128 rows instead of two, each warp's 16 rows through its
+ * own 2 KB slab of shared memory as whole 128-byte lines (bwg_reduce_lines). The two
  * warpgroups run out of step:
  * the 128-row products of tile t are formed during tile t + 1 (P / dS double-buffered by tile
  * parity, so no barrier inside a tile), warpgroup 0 after its dQ (t + 1), warpgroup 1 before
@@ -510,9 +494,8 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   T* Vs = Ks + NS * KE;               /* [NS][BN x D] */
   T* Ps = Vs + NS * KE;               /* [2 tile parity][2 warpgroups][64 x BN] */
   T* dSs = Ps + 4 * PE;               /* [2][2][64 x BN] */
-  constexpr bool LR = BwgLines<D>::value;
-  float* slabs = reinterpret_cast<float*>(dSs + 4 * PE); /* LR: [8 warps][16 x 32] */
-  float* lse2 = slabs + (LR ? 8 * 512 : 0);             /* [BM] */
+  float* slabs = reinterpret_cast<float*>(dSs + 4 * PE); /* [8 warps][16 x 32] */
+  float* lse2 = slabs + 8 * 512;                        /* [BM] */
   float* dlt = lse2 + BM;                               /* [BM] */
   int* kidx = reinterpret_cast<int*>(dlt + BM);         /* [NS][BN] */
   int* qidx = kidx + NS * BN;                           /* [BM] */
@@ -590,9 +573,9 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   const int ush = UN ? UKEY_BITS + (64 * wg + 16 * warp) / p.ug : 0;
 
   float* slab = slabs + (tid >> 5) * 512;
-  int kid[LR ? 4 : 1]; /* the keys of the lane's reduction rows in the previous tile */
+  int kid[4]; /* the keys of the lane's reduction rows in the previous tile */
 #pragma unroll
-  for (int i = 0; i < (LR ? 4 : 1); ++i) kid[i] = -1;
+  for (int i = 0; i < 4; ++i) kid[i] = -1;
   for (int t = 0; t < ntiles; ++t) {
     const int st = t % NS;
     cp_async_wait<0>(); /* tile t (this thread's part of it) */
@@ -642,7 +625,7 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
         bwg_reduce_out<D, NORED>(red, acc, kid, slab, lane, dq);
       }
     }
-    bwg_tile_keys<D, KM>(kid, ki, warp, lane);
+    bwg_tile_keys<KM>(kid, ki, warp, lane);
   }
   if (ntiles > 0) { /* the last tile's products (and warpgroup 1's last dQ) */
     __syncthreads();
@@ -667,7 +650,7 @@ static int bwd_wg128_launch(const dsv_attn_shape* sh, Prm& prm, cudaStream_t str
   constexpr int NS = 2, BM = 128, BN = 64;
   const size_t smem = 1024 + (size_t)(2 * BM + 2 * NS * BN) * D * sizeof(T) +
                       (size_t)4 * BM * BN * sizeof(T) /* P, dS: two tiles each */ +
-                      (BwgLines<D>::value ? (size_t)8 * 512 * sizeof(float) : 0) /* slabs */ +
+                      (size_t)8 * 512 * sizeof(float) /* slabs */ +
                       2 * BM * sizeof(float) + (size_t)(NS * BN + BM) * sizeof(int);
   auto kern = bwd_wg128_kernel<T, Prm, D, NS, UN, NORED>;
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
