@@ -109,14 +109,17 @@ def test_dense_head_split():
 
 
 def test_auto_choice():
-    """kv_block="auto" per head: the cheapest granularity (block_cost_ratio x density at G = 128:
-    tokens 1.0, b=16 1.07, b=64 0.92) among those within the density limit, else dense (0)."""
+    """kv_block="auto" per head: the cheapest granularity (block_cost_ratio x density; G = 128:
+    tokens 1.0, b=16 1.07, b=64 1.12; G = 64: b=64 0.63) among those within the density limit,
+    else dense (0)."""
     dens = {1: [0.30, 0.30, 0.45, 0.60, 0.40], 16: [0.35, 0.20, 0.50, 0.70, 0.45],
-            64: [0.40, 0.40, 0.48, 0.55, 0.43]}
-    # head 0: 0.30 / 0.375 / 0.368 -> tokens; head 1: b=16 0.214 < 0.30; head 2: b=64 0.4416 < 0.45;
-    # head 3: nothing within 0.5 -> dense; head 4: b=64 0.3956 < 0.40 (tokens)
-    assert ER.auto_choice(dens, 0.5, 128) == [1, 16, 64, 0, 64]
-    assert ER.auto_choice(dens, 1.0, 128)[3] == 64  # 0.506 < 0.60 once allowed
+            64: [0.40, 0.40, 0.38, 0.55, 0.37]}
+    # G = 128: head 0: 0.30 / 0.375 / 0.448 -> tokens; head 1: b=16 0.214 < 0.30; head 2: b=64
+    # 0.4256 < 0.45; head 3: nothing within 0.5 -> dense; head 4: tokens 0.40 < b=64 0.4144
+    assert ER.auto_choice(dens, 0.5, 128) == [1, 16, 64, 0, 1]
+    assert ER.auto_choice(dens, 1.0, 128)[3] == 1  # 0.60 < 0.616 (b=64) once allowed
+    # G = 64: b=64 at 0.63 of the token cost per key: heads 0 (0.252 < 0.30) and 4 (0.2331) too
+    assert ER.auto_choice(dens, 0.5, 64) == [64, 16, 64, 0, 64]
     with pytest.raises(ValueError, match="densities"):
         ER.auto_choice({1: [0.1], 64: [0.1, 0.2]}, 0.5, 128)
 

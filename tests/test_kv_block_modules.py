@@ -233,28 +233,29 @@ def test_choose_kv_block_without_table(monkeypatch):
 
 
 def test_choose_kv_block_with_the_measured_ratios():
-    """The shipped per-key cost ratios (H200; G = 128, PERF_LOG kernels v15, and G = 64, v14):
-    16-key lists cost more per key than token lists (run expanded on CUDA), 64-key lists 0.92 of
-    them at G = 128 and 0.65 at G = 64, chosen by the config's group size. (The assumed 0.75 /
-    0.5 gave head 0 to 16-key lists.)"""
-    assert BLOCK_COST_RATIO == {1: 1.0, 16: 1.07, 64: 0.92} == BLOCK_COST_RATIOS[128]
-    assert BLOCK_COST_RATIOS[64] == {1: 1.0, 16: 1.07, 64: 0.65}
+    """The shipped per-key cost ratios (H200, 64k, density 0.1; dispatch.BLOCK_COST_RATIOS):
+    16-key lists cost more per key than token lists (run expanded on CUDA), 64-key lists 1.12
+    of them at G = 128 (whose token lists run the 128-row backward) and 0.63 at G = 64, chosen
+    by the config's group size."""
+    assert BLOCK_COST_RATIO == {1: 1.0, 16: 1.07, 64: 1.12} == BLOCK_COST_RATIOS[128]
+    assert BLOCK_COST_RATIOS[64] == {1: 1.0, 16: 1.07, 64: 0.63}
     d = Dispatcher(DSVConfig(use_calibration=False, recall_max_density=0.9))
-    # head 0: the same density for tokens and 16 (0.3 < 0.321), 64 needs 0.5 (0.46) -> tokens
-    # head 1: 16 needs fewer keys (0.2 * 1.07 = 0.214 < 0.3 < 0.47 * 0.92 = 0.4324) -> 16
-    # head 2: 64 needs as many keys as tokens (0.3 * 0.92 = 0.276 < 0.3 < 0.321) -> 64
-    dens = [[0.3, 0.3, 0.3], [0.3, 0.2, 0.3], [0.5, 0.47, 0.3]]
+    # rows: the densities of token, 16-key and 64-key lists; columns: heads
+    # head 0: the same density for tokens and 16 (0.3 < 0.321), 64 needs 0.5 (0.56) -> tokens
+    # head 1: 16 needs fewer keys (0.2 * 1.07 = 0.214 < 0.3 < 0.47 * 1.12 = 0.526) -> 16
+    # head 2: 64 needs 3/4 of the keys (0.3 * 1.12 = 0.336 < 0.4 < 0.428) -> 64
+    dens = [[0.3, 0.3, 0.4], [0.3, 0.2, 0.4], [0.5, 0.47, 0.3]]
     assert d.choose_kv_block(dens, 4096, 3, 128, "cpu") == [1, 16, 64]
-    # at G = 64 token lists cost more per key: head 0's 64-key lists (0.5 * 0.65 = 0.325) still
-    # lose to its tokens (0.3), head 3's (0.4 * 0.65 = 0.26) win over tokens at 0.3 (at G = 128
-    # they would not: 0.368)
-    dens = [[0.3, 0.3, 0.3, 0.3], [0.3, 0.2, 0.3, 0.3], [0.5, 0.47, 0.3, 0.4]]
+    # at G = 64 token lists cost more per key: head 0's 64-key lists (0.5 * 0.63 = 0.315) still
+    # lose to its tokens (0.3), head 3's (0.4 * 0.63 = 0.252) win over tokens at 0.3 (at G = 128
+    # they would not: 0.448)
+    dens = [[0.3, 0.3, 0.4, 0.3], [0.3, 0.2, 0.4, 0.3], [0.5, 0.47, 0.3, 0.4]]
     d64 = Dispatcher(DSVConfig(use_calibration=False, recall_max_density=0.9, group_size=64))
     assert d64.choose_kv_block(dens, 4096, 4, 128, "cpu") == [1, 16, 64, 64]
     assert d.choose_kv_block(dens, 4096, 4, 128, "cpu") == [1, 16, 64, 1]
     # groups between and below the measured sizes take the table of the largest size below
-    assert block_cost_ratio(64, 100) == 0.65 and block_cost_ratio(64, 32) == 0.65
-    assert block_cost_ratio(64, 256) == 0.92
+    assert block_cost_ratio(64, 100) == 0.63 and block_cost_ratio(64, 32) == 0.63
+    assert block_cost_ratio(64, 256) == 1.12
 
 
 def test_choose_kv_block_uses_block_entries_of_the_table():
@@ -266,12 +267,13 @@ def test_choose_kv_block_uses_block_entries_of_the_table():
         return e
 
     dens = [[0.3], [0.3], [0.3]]
-    cfg = DSVConfig(recall_max_density=0.9)
-    # a table with token entries only: blocks are costed at BLOCK_COST_RATIO of the token time
+    cfg = DSVConfig(recall_max_density=0.9, group_size=64)
+    # a table with token entries only: blocks are costed at the group size's BLOCK_COST_RATIOS
+    # of the token time (G = 64: 64-key lists cheaper per key than token lists)
     d = Dispatcher(cfg, table={"version": 1, "entries": [entry(1, 8.0)]})
     assert d.choose_kv_block(dens, 1024, 1, 16, "cpu", torch.float32) == [64]
     c1 = d.head_cost(0.3, 1, 1024, 16, "cpu", torch.float32)
-    assert d.head_cost(0.3, 64, 1024, 16, "cpu", torch.float32) == pytest.approx(BLOCK_COST_RATIO[64] * c1)
+    assert d.head_cost(0.3, 64, 1024, 16, "cpu", torch.float32) == pytest.approx(BLOCK_COST_RATIOS[64][64] * c1)
     # measured block entries take over: here 64-blocks are slow and 16-blocks fast
     d = Dispatcher(cfg, table={"version": 1, "entries": [entry(1, 8.0), entry(16, 4.0), entry(64, 20.0)]})
     assert d.choose_kv_block(dens, 1024, 1, 16, "cpu", torch.float32) == [16]
@@ -301,9 +303,9 @@ def test_calibration_measures_block_entries(tmp_path, capsys):
 
 
 def test_decide_weighs_block_heads():
-    d = Dispatcher(DSVConfig(use_calibration=False, dispatch_threshold=0.8))
+    d = Dispatcher(DSVConfig(use_calibration=False, dispatch_threshold=0.8, group_size=64))
     # mean density 0.21: tokens stay dense (sparsity 0.79 < 0.8); as 64-blocks the cost is
-    # 0.21 x 0.92 = 0.193 (>= 0.8 saved), as 16-blocks and tokens (0.225 + 0.21) / 2 = 0.217
+    # 0.21 x 0.63 = 0.132 (>= 0.8 saved), as 16-blocks and tokens (0.225 + 0.21) / 2 = 0.217
     assert not d.decide([0.79, 0.79], 4096, 2, 128, "cpu", density=[0.21, 0.21])
     assert d.decide([0.79, 0.79], 4096, 2, 128, "cpu", density=[0.21, 0.21], kv_block=[64, 64])
     assert not d.decide([0.79, 0.79], 4096, 2, 128, "cpu", density=[0.21, 0.21], kv_block=[16, 1])

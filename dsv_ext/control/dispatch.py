@@ -52,11 +52,12 @@ __all__ = ["Dispatcher", "default_calibration_path", "calibrate", "BLOCK_COST_RA
 # entries for a block size (calibrate(kv_blocks=...) adds measured entries, which then take over).
 # Per group size G: the token lists' cost per key falls as G grows (one dK / dV reduction per key
 # and group), the 64-key lists' key-major backward does not depend on G. Measured on the H200 at
-# S = 64k, H = 24, D = 128, density 0.1, forward + backward (benchmarks/PERF_LOG.md): G = 64
-# (kernels v14) token lists 95.3 ms, 16-key lists 101.9 ms (run as token lists: faster than their
-# block kernels), 64-key lists 61.9 ms on the block kernels; G = 128 (v15) token lists 67.5 ms,
-# 64-key lists 62.4 ms (16-key lists taken as at G = 64).
-BLOCK_COST_RATIOS = {64: {1: 1.0, 16: 1.07, 64: 0.65}, 128: {1: 1.0, 16: 1.07, 64: 0.92}}
+# S = 64k, H = 24, D = 128, density 0.1, random lists, forward + backward (benchmarks/results:
+# kv_block/ for the 64-key lists, kernels_v32/ for the token lists): G = 64 token lists 97.6 ms,
+# 64-key lists 61.7 ms; G = 128 token lists 54.6 ms (the 128-row backward, PERF_LOG v32), 64-key
+# lists 60.9 ms. 16-key lists run as token lists on CUDA (faster there than their block
+# kernels): 1.07 (PERF_LOG kernels v14, 101.9 against 95.3 ms at G = 64), taken for both sizes.
+BLOCK_COST_RATIOS = {64: {1: 1.0, 16: 1.07, 64: 0.63}, 128: {1: 1.0, 16: 1.07, 64: 1.12}}
 BLOCK_COST_RATIO = BLOCK_COST_RATIOS[128]  # the default group size's
 
 
