@@ -28,8 +28,8 @@ typedef struct dsv_tuning {
   int g128;         /* where wgmma is on, token lists, D 64 / 128 and the group a multiple of 128
                        queries: 1 runs 128 rows per CTA on two warpgroups that share the key
                        tiles (the forward, and the backward's query-major pass with dK / dV
-                       reductions: one reduction per key and 128 rows, at D 128 as whole
-                       128-byte lines; the default), 0 two CTAs of 64 rows */
+                       reductions: one reduction per key and 128 rows, as whole 128-byte
+                       lines; the default), 0 two CTAs of 64 rows */
   float km_ratio;   /* backward: a head takes the key-major dK / dV pass when its lists' 64-key
                        block entries x 64 <= km_ratio x groups x K (0: never) */
   float merge;      /* groups of 16, 32 or 64 queries where the 128-row kernels run (wgmma and
