@@ -505,7 +505,8 @@ __global__ void __launch_bounds__(256, 1) bwd_wg128_kernel(const Prm p) {
   QmajorCta c;
   if (!qmajor_cta<BM>(p, RG, 0, true, c)) return;
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3;
-  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0); /* warp-uniform to the compiler: descriptors in uniform registers */
+  /* warp-uniform to the compiler (a shuffle): the descriptors stay in uniform registers */
+  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
   const int* list;
   int count;
   if constexpr (UN) { /* block c.g's union (union_build_kernel), if it was merged */
