@@ -95,24 +95,48 @@ def path():
     return os.environ.get("DSV_TEST_PATH", "auto")
 
 
-@pytest.mark.parametrize("name", sorted(PATHS))
-def test_backward_path(name):
-    """The tests that take `path` (PATH_TESTS), the CUDA cases of the device-parametrized
-    tests of test_sparse_attention.py (DEVICE_PATH_TESTS) and the row-count cases of the
-    128-row kernels (GROUP128_PATH_TESTS), in a child process whose DSV_KERNEL_TUNING forces
-    one backward path."""
-    need_backend()
-    if os.environ.get("DSV_TEST_PATH"):
-        pytest.skip("inside a path run")
+def _path_run(name: str, jobs: int) -> subprocess.CompletedProcess:
+    """The child process of test_backward_path for one path (see there); with `jobs` children at
+    a time each gets its share of the CPU threads (the float64 references run on the CPU)."""
     env = dict(os.environ, DSV_KERNEL_TUNING=PATHS[name], DSV_TEST_PATH=name)
+    if jobs > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
     sel = (f"(test_sparse_attention_cuda and ({PATH_TESTS}))"
            f" or (not test_group128_cuda and cuda and ({DEVICE_PATH_TESTS}))"
            f" or (test_group128_cuda and ({GROUP128_PATH_TESTS}))")
     files = [os.path.abspath(__file__)] + [os.path.join(HERE, f) for f in
                                            ("test_sparse_attention.py", "test_group128_cuda.py")]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        *files, "-k", sel], env=env, capture_output=True, text=True, timeout=3000,
-                       cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           *files, "-k", sel], env=env, capture_output=True, text=True,
+                          timeout=3000, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def path_runs(request):
+    """The child runs of the test_backward_path cases this session selected, started together
+    on the first one's request, DSV_TEST_PATH_JOBS (default 4) at a time: {path: Future}."""
+    if os.environ.get("DSV_TEST_PATH") or backend() is None:
+        yield {}
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = sorted({it.callspec.params["name"] for it in request.session.items
+                    if getattr(it, "originalname", None) == "test_backward_path"})
+    jobs = max(1, int(os.environ.get("DSV_TEST_PATH_JOBS", "4")))
+    with ThreadPoolExecutor(max_workers=jobs) as ex:
+        yield {n: ex.submit(_path_run, n, jobs) for n in names}
+
+
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_backward_path(name, path_runs):
+    """The tests that take `path` (PATH_TESTS), the CUDA cases of the device-parametrized
+    tests of test_sparse_attention.py (DEVICE_PATH_TESTS) and the row-count cases of the
+    128-row kernels (GROUP128_PATH_TESTS), in a child process whose DSV_KERNEL_TUNING forces
+    one backward path (the children of the selected paths run DSV_TEST_PATH_JOBS at a time)."""
+    need_backend()
+    if os.environ.get("DSV_TEST_PATH"):
+        pytest.skip("inside a path run")
+    r = path_runs[name].result() if name in path_runs else _path_run(name, 1)
     assert r.returncode == 0, f"path {name}:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
     assert " passed" in r.stdout, r.stdout[-2000:]
 
