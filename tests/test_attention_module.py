@@ -183,6 +183,40 @@ def test_side_tasks_train_predictor_without_touching_the_model_graph():
     assert m.take_stats().grads is None
 
 
+def test_profile_of_heads_at_every_key_needs_no_lists(monkeypatch):
+    """A block whose heads all take K = S measures recall 1 without estimating lists (the lists
+    would hold every key); its sparsity is the profiler's, and NaN in q gives NaN recall too."""
+    import dsv_ext.ops
+
+    cfg = DSVConfig(group_size=8, row_sample_stride=4)
+    m = SparseAttention(H, D, grid=GRID, config=cfg).double().train()
+    q, k, v = _qkv()
+    rows = torch.arange(3, S, 4)
+    perm, _ = cube_permutation(GRID, cfg.cube, S)
+    m.plan_step(replace(m.plan, profile=True, row_offset=3, density=(1.0,) * H, seq_len=S))
+
+    def no_lists(*a, **kw):
+        raise AssertionError("topk_estimate called for heads at K = S")
+
+    monkeypatch.setattr(dsv_ext.ops, "topk_estimate", no_lists)
+    m(q, k, v)
+    assert m.head_k == [S] * H
+    st = m.take_stats()
+    torch.testing.assert_close(st.recall.double(), torch.ones(H, dtype=torch.float64), rtol=0, atol=0)
+    want_sp = ref.profile_ref(q.detach()[:, perm], k, rows, 0.9).sparsity.mean(0)
+    torch.testing.assert_close(st.sparsity.double(), want_sp, rtol=1e-6, atol=1e-6)
+    # one head of K < S: the lists are estimated again
+    m.plan_step(replace(m.plan, density=(1.0,) * (H - 1) + (0.5,)))
+    with pytest.raises(AssertionError, match="topk_estimate called"):
+        m(q, k, v)
+    m.take_stats()
+    m.plan_step(replace(m.plan, density=(1.0,) * H))
+    qn = q.detach().clone()
+    qn[0, perm[3]] = float("nan")  # sampled row 3 of batch 0
+    m(qn, k, v)
+    assert torch.isnan(m.take_stats().recall).all()
+
+
 def test_dsv_attention_layer_matches_manual():
     torch.manual_seed(0)
     dim = 24

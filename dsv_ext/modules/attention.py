@@ -559,7 +559,10 @@ class SparseAttention(nn.Module):
             if cfg.measure_recall and self._plan.density is not None:
                 counts = self.kv_counts_for(S).view(1, H).expand(B, H).contiguous()
                 kb = self.head_kv_block
-                if all(b == 1 for b in kb):
+                if min(self.head_k) >= S:  # every head's list holds every key: recall 1, no lists
+                    prof = ops.profile_attention(q, k, rows, cfg.theta, scale=scale)
+                    recall = prof.sparsity * 0 + 1  # NaN where the sparsity is (a non-finite row)
+                elif all(b == 1 for b in kb):
                     q_lr, k_lr = self.predictor(q, k)
                     index = ops.topk_estimate(q_lr, k_lr, counts, cfg.group_size, self.kmax)
                     prof = ops.profile_attention(q, k, rows, cfg.theta, index, counts, cfg.group_size, scale)
