@@ -435,12 +435,9 @@ the merged-groups kernel). Lines at D = 64 with the conflict-free slab (v33): {f
 def _section_swizzle():
     """The line-reduction slab without bank conflicts (PERF_LOG v31, results/kernels_v31/ab.json:
     the last round of each shape, before / after)."""
-    recs = _load("kernels_v31/ab.json")
-    parts = []
-    for G, dist in ((128, "random"), (128, "smooth"), (64, "smooth")):
-        b, a = ([r for r in recs if (r["G"], r["dist"], r["build"]) == (G, dist, w)] for w in ("before", "after"))
-        if a and b:
-            parts.append(f"G = {G} {dist} {_ms(b[0]['bwd_ms'])} -> {_ms(a[0]['bwd_ms'])} ms")
+    recs, ms = _ab_means("kernels_v31/ab.json",
+                         [(128, 128, "random"), (128, 128, "smooth"), (128, 64, "smooth")])
+    parts = [f"G = {G} {dist} {_ms(b)} -> {_ms(a)} ms" for D, G, dist, b, a in ms]
     return f"""Nsight Compute on that kernel (G = 128, random lists) found the slab's fragment stores
 2-way bank-conflicted: a 64-bit shared store is served half a warp at a time, and v30's swizzle
 (chunk XOR row) put the half-warp's 8 chunks on 4. Swizzled by 2 row mod 8 they cover all 8
