@@ -6,7 +6,8 @@
 #              CUDA tensors (every public and raw op, both seeds of tests/test_fuzz.py), plus the
 #              deterministic backward; the driver also fails when a case fails its own check
 #   paths      memcheck over the sparse attention section once per DSV_KERNEL_TUNING setting that
-#              forces a backward path (query-major with 1 / 3 key ranges, the automatic ranges,
+#              forces a backward path (query-major with 1 / 3 key ranges (also under racecheck:
+#              the line reductions' slabs), the automatic ranges, its 64-row pass on mma.sync,
 #              key-major; mma.sync instead of wgmma; the key-major dK / dV pass on mma.sync, or
 #              on wgmma for 16-key block lists too; merged groups everywhere their lists allow,
 #              with 1 / 3 key ranges, with several builder windows, and under racecheck), the
@@ -38,6 +39,7 @@ for step in $STEPS; do
     fuzz) tool=memcheck; extra="--leak-check no"; only="fuzz"; skip="";;
     paths)
       for t in ${SAN_PATHS:-km_ratio=0,bwd_ranges=1 km_ratio=0,bwd_ranges=3 km_ratio=0,bwd_rmax=4 \
+               km_ratio=0,qm_wgmma=0 racecheck:km_ratio=0,bwd_ranges=3 \
                km_ratio=1e9,bwd_ranges=1 km_ratio=0,wgmma=0 km_ratio=1e9,wgmma=0 \
                km_ratio=1e9,bwd_ranges=1,km_wgmma=1 km_ratio=1e9,bwd_ranges=1,km_wgmma=2 \
                km_ratio=0,merge=1,bwd_ranges=1 km_ratio=0,merge=1,bwd_ranges=3 \

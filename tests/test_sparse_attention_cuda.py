@@ -60,7 +60,11 @@ def need_backend():
 # once per process, so test_backward_path runs the tests that take the `path` fixture in a child
 # process per setting; in this process they run with the automatic choices ("auto").
 PATHS = {
-    "qmajor": "km_ratio=0,bwd_ranges=1",      # query-major dK / dV (TMA bulk reductions)
+    "qmajor": "km_ratio=0,bwd_ranges=1",      # query-major dK / dV (G >= 64, D 64 / 128,
+                                              # H100 / H200: the wgmma kernels' line reductions,
+                                              # PERF_LOG v34)
+    "qmajor_qmma": "km_ratio=0,bwd_ranges=1,qm_wgmma=0",  # the same with the 64-row pass on
+                                              # mma.sync (dQ-only and 128-row passes on wgmma)
     "qmajor3": "km_ratio=0,bwd_ranges=3",     # the same split into 3 key ranges
     "qmajor_a4": "km_ratio=0,bwd_rmax=4",     # the automatic per-head ranges, at most 4 (scattered
                                               # lists 4, coherent 2: what long sequences get)

@@ -355,10 +355,10 @@ static int union_passes(const dsv_attn_shape* sh, BwdParams<T>& prm, cudaStream_
 
 /* dQ of the key-major heads (no dK / dV), then dQ and the dK / dV reductions of the others.
  * With wgmma (an sm_90a build on a 9.0 device, the tuning's wgmma), D 64 / 128 and G >= 64, the
- * dQ-only pass runs on wgmma (sparse_attention_bwd_wg.cuh); the pass with reductions stays on
- * mma.sync (per 64 rows both kernels are bound by the L2 reductions there), except for groups of
- * a multiple of 128 queries with the tuning's g128: bwd_wg128_kernel, one reduction per key and
- * 128 rows. */
+ * dQ-only pass runs on wgmma (sparse_attention_bwd_wg.cuh), and so does the pass with
+ * reductions: groups of a multiple of 128 queries with the tuning's g128 on bwd_wg128_kernel
+ * (one reduction per key and 128 rows), the others with the tuning's qm_wgmma on bwd_wg_kernel
+ * (64 rows, reductions as whole lines; PERF_LOG v34), else on mma.sync. */
 template <typename T, int D>
 static int qmajor_passes(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma, cudaStream_t stream) {
   int st = DSV_OK;
@@ -381,8 +381,10 @@ static int qmajor_passes(const dsv_attn_shape* sh, BwdParams<T>& prm, int wgmma,
     }
     if constexpr (D == 64 || D == 128)
       if (un && (st = union_passes<T, D>(sh, prm, stream)) != DSV_OK) return st;
-    if constexpr (D == 64 || D == 128)
+    if constexpr (D == 64 || D == 128) {
       if (wg && prm.g128 && prm.G % 128 == 0) return bwd_wg128_launch<T, D>(sh, prm, stream);
+      if (wg && prm.qm_wgmma) return bwd_wg_launch_one<T, D, true>(sh, prm, stream);
+    }
     if ((st = qmajor_cfg<T, D, 64, true>(sh, prm, stream)) != DSV_OK) return st;
   }
   return DSV_OK;

@@ -127,7 +127,7 @@ __device__ __forceinline__ void bwg_reduce_rows(float* acc, const float (&a)[D /
   bwg_reduce_part<D, 0, D / 8>(acc, a, bwg_reduce_key(ki, warp, lane), lane);
 }
 
-/* Line reductions (bwd_wg128_kernel, PERF_LOG v30): a 64-key x D tile added into
+/* Line reductions (bwd_wg128_kernel and bwd_wg_kernel, PERF_LOG v30, v34): a 64-key x D tile added into
  * acc[key][D] through a 16-row x 32-column fp32 slab of shared memory per warp (slab: 2 KB, its
  * 16-byte chunks XOR-swizzled by 2 row mod 8: a 64-bit store is served half a warp at a time,
  * and the half-warp's fragment (rows g..g + 3, two chunks each) then covers all 8 chunks, so
@@ -298,9 +298,11 @@ __device__ __forceinline__ void bwg_dq_out(const Prm& p, const float (&dq)[D / 8
   dq_store<T, D>(p, b, h, row0, lr0, lr0 + 8, nrows, lane, dq);
 }
 
-/* The kernel. ATOMIC: dQ and the dK / dV reductions of the query-major heads (path 0); else
- * dQ only, for the key-major heads (path 1). BLK > 1: block lists (kv_block), dQ only, key
- * tiles read through list_key. */
+/* The kernel. ATOMIC: dQ and the dK / dV reductions of the query-major heads (path 0; the
+ * tuning's qm_wgmma, groups not on bwd_wg128_kernel), each warp's 16 key rows added as whole
+ * 128-byte lines (bwg_reduce_lines) through a slab in the stage's V tile, and merged 128-query
+ * blocks left to bwd_wg128_kernel; else dQ only, for the key-major heads (path 1). BLK > 1:
+ * block lists (kv_block), dQ only, key tiles read through list_key. */
 template <typename T, typename Prm, int D, int NS, int MINB, bool ATOMIC, bool NORED = false,
           int BLK = 1>
 __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
@@ -323,6 +325,8 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
   const int RG = ATOMIC ? p.nranges : 1; /* ranges in the grid */
   QmajorCta c;
   if (!qmajor_cta<BM>(p, RG, ATOMIC ? 0 : 1, ATOMIC, c)) return;
+  if constexpr (ATOMIC) /* a merged 128-query block (the tuning's merge): bwd_wg128_kernel has its rows */
+    if (p.ucnt && __ldg(p.ucnt + c.bh * p.NSG + c.row0 / 128) >= 0 && !__ldg(p.knf + c.bh)) return;
   const int b = c.b, h = c.h, row0 = c.row0, nrows = c.nrows;
   const size_t bh = c.bh;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -418,10 +422,16 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
         WgmmaTT<T, D>::ss(&dkt[0][0], wg_desc_add(pdesc, kk * 2048),
                           wg_desc_add(qtdesc, kk * 2048), kk > 0);
       wg_commit();
-      if (!NORED) bwg_reduce_rows<D>(dva, dvt, ki, warp, lane);
+      /* line reductions, each warp's slab (2 KB) in this stage's V tile: its last reader, dP,
+       * is done (two barriers ago), and the gather of tile t + NS refills it only after the
+       * next tile's barrier */
+      float* slab = reinterpret_cast<float*>(Vs + (t % NS) * KE) + warp * 512;
+      int kid[4];
+      bwg_tile_keys<0>(kid, ki, warp, lane);
+      if (!NORED) bwg_reduce_lines<D>(dva, dvt, kid, slab, lane);
       wg_wait<0>();
       wg_fence_regs<D / 2>(&dkt[0][0]);
-      if (!NORED) bwg_reduce_rows<D>(dka, dkt, ki, warp, lane);
+      if (!NORED) bwg_reduce_lines<D>(dka, dkt, kid, slab, lane);
       if (NORED && dvt[0][0] + dkt[0][0] == 1.2345e-30f) dq[0][0] += 1.f; /* keeps the MMAs */
     } else {
       wg_wait<0>(); /* before the next barrier, after which stage buf may be refilled */

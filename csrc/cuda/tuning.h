@@ -30,6 +30,10 @@ typedef struct dsv_tuning {
                        tiles (the forward, and the backward's query-major pass with dK / dV
                        reductions: one reduction per key and 128 rows, as whole 128-byte
                        lines; the default), 0 two CTAs of 64 rows */
+  int qm_wgmma;     /* where wgmma is on, D 64 / 128 and G >= 64: 1 runs the backward's
+                       query-major pass with dK / dV reductions of the groups not on the 128-row
+                       kernel (G not a multiple of 128, or g128 0) on the 64-row wgmma kernel,
+                       its reductions as whole 128-byte lines (the default), 0 on mma.sync */
   float km_ratio;   /* backward: a head takes the key-major dK / dV pass when its lists' 64-key
                        block entries x 64 <= km_ratio x groups x K (0: never) */
   float merge;      /* groups of 16, 32 or 64 queries where the 128-row kernels run (wgmma and
