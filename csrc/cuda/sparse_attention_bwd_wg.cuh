@@ -127,13 +127,13 @@ __device__ __forceinline__ void bwg_reduce_rows(float* acc, const float (&a)[D /
   bwg_reduce_part<D, 0, D / 8>(acc, a, bwg_reduce_key(ki, warp, lane), lane);
 }
 
-/* Line reductions (bwd_wg128_kernel and bwd_wg_kernel, PERF_LOG v30, v34): a 64-key x D tile added into
- * acc[key][D] through a 16-row x 32-column fp32 slab of shared memory per warp (slab: 2 KB, its
- * 16-byte chunks XOR-swizzled by 2 row mod 8: a 64-bit store is served half a warp at a time,
- * and the half-warp's fragment (rows g..g + 3, two chunks each) then covers all 8 chunks, so
- * both the fragment stores and the row loads are conflict-free; PERF_LOG v31), so that every
- * red.global.add.v4.f32 covers 4 rows x 128 contiguous bytes: four whole L2 lines (4-sector
- * requests) instead of 16 rows x one 32-byte sector each (16 requests);
+/* Line reductions (bwd_wg128_kernel and bwd_wg_kernel, PERF_LOG v30, v34): a 64-key x D tile
+ * added into acc[key][D] through a 16-row x 32-column fp32 slab of shared memory per warp
+ * (slab: 2 KB, its 16-byte chunks XOR-swizzled by 2 row mod 8: a 64-bit store is served half a
+ * warp at a time, and the half-warp's fragment (rows g..g + 3, two chunks each) then covers all
+ * 8 chunks, so both the fragment stores and the row loads are conflict-free; PERF_LOG v31), so
+ * that every red.global.add.v4.f32 covers 4 rows x 128 contiguous bytes: four whole L2 lines
+ * (4-sector requests) instead of 16 rows x one 32-byte sector each (16 requests);
  * csrc/dev/atomic_microbench.cu measures both patterns (lines against frag). kid[i]: the key of
  * the warp's row 4 i + lane / 8 (bwg_tile_keys), nothing where it is < 0. */
 template <int D>
@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(128, MINB) bwd_wg_kernel(const Prm p) {
   const int RG = ATOMIC ? p.nranges : 1; /* ranges in the grid */
   QmajorCta c;
   if (!qmajor_cta<BM>(p, RG, ATOMIC ? 0 : 1, ATOMIC, c)) return;
-  if constexpr (ATOMIC) /* a merged 128-query block (the tuning's merge): bwd_wg128_kernel has its rows */
+  if constexpr (ATOMIC) /* a merged 128-query block (the tuning's merge): bwd_wg128_kernel's */
     if (p.ucnt && __ldg(p.ucnt + c.bh * p.NSG + c.row0 / 128) >= 0 && !__ldg(p.knf + c.bh)) return;
   const int b = c.b, h = c.h, row0 = c.row0, nrows = c.nrows;
   const size_t bh = c.bh;
