@@ -398,7 +398,8 @@ backward at D = 128. S = 64k, 24 heads, sparsity 0.9, interleaved rounds
 {t}
 
 {_section_swizzle()}
-{_section_uniform()}"""
+{_section_uniform()}
+{_section_lines64()}"""
 
 
 def _ab_means(rel, shapes):
@@ -429,6 +430,23 @@ D = 128 backward, means of two interleaved rounds: {fmt(m32)}
 ([results/kernels_v32/](../benchmarks/results/kernels_v32/ab.md), {r32[0]["run_date"]}, {r32[0]["run_card"]}; G = 64 smooth is
 the merged-groups kernel). Lines at D = 64 with the conflict-free slab (v33): {fmt(m33)}
 ([results/kernels_v33/](../benchmarks/results/kernels_v33/ab.md), {r33[0]["run_date"]}, {r33[0]["run_card"]}).
+"""
+
+
+def _section_lines64():
+    """The 64-row backward's reductions as whole lines on wgmma (PERF_LOG v34)."""
+    recs, ms = _ab_means("kernels_v34/ab.json", [(128, 64, "random"), (128, 64, "smooth"),
+                                                 (64, 64, "random"), (64, 64, "smooth")])
+    fmt = "; ".join(f"D = {D} {dist} {_ms(b)} -> {_ms(a)} ms ({100 * (a / b - 1):+.1f}%)"
+                    for D, G, dist, b, a in ms)
+    return f"""G = 64 with scattered lists runs the 64-row backward, whose dK / dV reductions were
+16-row fragments from the mma.sync kernel; since v34 the wgmma 64-row kernel reduces whole lines
+through the same kind of slab, kept in its current stage's V tile (no extra shared memory, two CTAs
+per SM). G = 64 backward, kernel tuning `qm_wgmma` 0 -> 1 in one build, means of two interleaved
+rounds: {fmt} ([results/kernels_v34/](../benchmarks/results/kernels_v34/ab.md), {recs[0]["run_date"]},
+{recs[0]["run_card"]}; smooth lists run merged groups on the 128-row kernel, the blocks left
+unmerged take the new kernel). The pass is now bound by the L2 bandwidth of its reductions (83% of
+the L2's peak under Nsight Compute): two fp32 adds per (query, key) pair at 64 rows.
 """
 
 

@@ -235,10 +235,10 @@ def test_choose_kv_block_without_table(monkeypatch):
 def test_choose_kv_block_with_the_measured_ratios():
     """The shipped per-key cost ratios (H200, 64k, density 0.1; dispatch.BLOCK_COST_RATIOS):
     16-key lists cost more per key than token lists (run expanded on CUDA), 64-key lists 1.12
-    of them at G = 128 (whose token lists run the 128-row backward) and 0.63 at G = 64, chosen
+    of them at G = 128 (whose token lists run the 128-row backward) and 0.85 at G = 64, chosen
     by the config's group size."""
     assert BLOCK_COST_RATIO == {1: 1.0, 16: 1.07, 64: 1.12} == BLOCK_COST_RATIOS[128]
-    assert BLOCK_COST_RATIOS[64] == {1: 1.0, 16: 1.07, 64: 0.63}
+    assert BLOCK_COST_RATIOS[64] == {1: 1.0, 16: 1.07, 64: 0.85}
     d = Dispatcher(DSVConfig(use_calibration=False, recall_max_density=0.9))
     # rows: the densities of token, 16-key and 64-key lists; columns: heads
     # head 0: the same density for tokens and 16 (0.3 < 0.321), 64 needs 0.5 (0.56) -> tokens
@@ -246,15 +246,15 @@ def test_choose_kv_block_with_the_measured_ratios():
     # head 2: 64 needs 3/4 of the keys (0.3 * 1.12 = 0.336 < 0.4 < 0.428) -> 64
     dens = [[0.3, 0.3, 0.4], [0.3, 0.2, 0.4], [0.5, 0.47, 0.3]]
     assert d.choose_kv_block(dens, 4096, 3, 128, "cpu") == [1, 16, 64]
-    # at G = 64 token lists cost more per key: head 0's 64-key lists (0.5 * 0.63 = 0.315) still
-    # lose to its tokens (0.3), head 3's (0.4 * 0.63 = 0.252) win over tokens at 0.3 (at G = 128
-    # they would not: 0.448)
-    dens = [[0.3, 0.3, 0.4, 0.3], [0.3, 0.2, 0.4, 0.3], [0.5, 0.47, 0.3, 0.4]]
+    # at G = 64 token lists cost more per key: head 0's 64-key lists (0.5 * 0.85 = 0.425) still
+    # lose to its tokens (0.3), head 3's (0.33 * 0.85 = 0.2805) win over tokens at 0.3 (at G = 128
+    # they would not: 0.3696)
+    dens = [[0.3, 0.3, 0.4, 0.3], [0.3, 0.2, 0.4, 0.3], [0.5, 0.47, 0.3, 0.33]]
     d64 = Dispatcher(DSVConfig(use_calibration=False, recall_max_density=0.9, group_size=64))
     assert d64.choose_kv_block(dens, 4096, 4, 128, "cpu") == [1, 16, 64, 64]
     assert d.choose_kv_block(dens, 4096, 4, 128, "cpu") == [1, 16, 64, 1]
     # groups between and below the measured sizes take the table of the largest size below
-    assert block_cost_ratio(64, 100) == 0.63 and block_cost_ratio(64, 32) == 0.63
+    assert block_cost_ratio(64, 100) == 0.85 and block_cost_ratio(64, 32) == 0.85
     assert block_cost_ratio(64, 256) == 1.12
 
 
