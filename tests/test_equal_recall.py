@@ -110,7 +110,7 @@ def test_dense_head_split():
 
 def test_auto_choice():
     """kv_block="auto" per head: the cheapest granularity (block_cost_ratio x density; G = 128:
-    tokens 1.0, b=16 1.07, b=64 1.12; G = 64: b=64 0.63) among those within the density limit,
+    tokens 1.0, b=16 1.07, b=64 1.12; G = 64: b=64 0.85) among those within the density limit,
     else dense (0)."""
     dens = {1: [0.30, 0.30, 0.45, 0.60, 0.40], 16: [0.35, 0.20, 0.50, 0.70, 0.45],
             64: [0.40, 0.40, 0.38, 0.55, 0.37]}
@@ -118,8 +118,9 @@ def test_auto_choice():
     # 0.4256 < 0.45; head 3: nothing within 0.5 -> dense; head 4: tokens 0.40 < b=64 0.4144
     assert ER.auto_choice(dens, 0.5, 128) == [1, 16, 64, 0, 1]
     assert ER.auto_choice(dens, 1.0, 128)[3] == 1  # 0.60 < 0.616 (b=64) once allowed
-    # G = 64: b=64 at 0.63 of the token cost per key: heads 0 (0.252 < 0.30) and 4 (0.2331) too
-    assert ER.auto_choice(dens, 0.5, 64) == [64, 16, 64, 0, 64]
+    # G = 64: b=64 at 0.85 of the token cost per key: head 4 too (0.3145 < 0.40), not head 0
+    # (0.34 > 0.30)
+    assert ER.auto_choice(dens, 0.5, 64) == [1, 16, 64, 0, 64]
     with pytest.raises(ValueError, match="densities"):
         ER.auto_choice({1: [0.1], 64: [0.1, 0.2]}, 0.5, 128)
 
