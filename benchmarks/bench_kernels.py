@@ -459,6 +459,24 @@ def block_estimate_ms(S, H, G, blk, K, reps, rank=16, gen=None):
     return bench(lambda: dsv_ext.topk_estimate(ql, kl, cnt, G, kv_block=blk), reps)
 
 
+def random_block_lists(B, S, H, G, sparsity, blk, gen):
+    """(kv_index, kv_count) on the GPU: each group its own sorted set of round((1 - sparsity)
+    ceil(S / blk)) distinct random key blocks."""
+    NG, nblk = -(-S // G), -(-S // blk)
+    K = max(1, round((1 - sparsity) * nblk))
+    idx = torch.rand(B, H, NG, nblk, generator=gen).argsort(dim=-1)[..., :K]
+    idx = idx.sort(dim=-1).values.to(torch.int32).cuda()
+    return idx, torch.full((B, H), K, dtype=torch.int32, device="cuda")
+
+
+def block_workspaces(lib, M, q, idx, G, scale, blk):
+    """The forward and backward workspaces of the C API for these lists."""
+    sh = M._shape(q, idx, G, scale, blk)
+    return tuple(torch.empty(max(1, n), dtype=torch.uint8, device="cuda")
+                 for n in (lib.dsv_sparse_attention_fwd_workspace_cuda(ctypes.byref(sh)),
+                           lib.dsv_sparse_attention_bwd_workspace_cuda(ctypes.byref(sh))))
+
+
 def block_case(lib, M, bufs, G, sparsity, blk, reps, gen, token=True):
     """One block-list case on preallocated [B, S, H, D] tensors bufs = (q, k, v, do, out, lse, dq,
     dk, dv): random block lists (each group its own sorted set of round((1 - sparsity) ceil(S /
@@ -466,11 +484,8 @@ def block_case(lib, M, bufs, G, sparsity, blk, reps, gen, token=True):
     the token kernels with the same lists expanded (token_fwd_ms, token_fwdbwd_ms)."""
     q, k, v, do, out, lse, dq, dk, dv = bufs
     B, S, H, D = q.shape
-    NG, nblk = -(-S // G), -(-S // blk)
-    K = max(1, round((1 - sparsity) * nblk))
-    idx = torch.rand(B, H, NG, nblk, generator=gen).argsort(dim=-1)[..., :K]
-    idx = idx.sort(dim=-1).values.to(torch.int32).cuda()
-    cnt = torch.full((B, H), K, dtype=torch.int32, device="cuda")
+    idx, cnt = random_block_lists(B, S, H, G, sparsity, blk, gen)
+    K = int(cnt[0, 0])
     scale = 1 / math.sqrt(D)
     r = dict(S=S, D=D, G=G, sparsity=sparsity, kv_block=blk, K_blocks=K)
     cases = [("", blk, idx, cnt)]
@@ -478,11 +493,7 @@ def block_case(lib, M, bufs, G, sparsity, blk, reps, gen, token=True):
         cases.append(("token_", 1) + tuple(M.expand_blocks(idx, cnt, S, blk)))
     for name, b, ix, cn in cases:
         ix, cn = ix.cuda(), cn.cuda()
-        sh = M._shape(q, ix, G, scale, b)
-        wf = torch.empty(max(1, lib.dsv_sparse_attention_fwd_workspace_cuda(ctypes.byref(sh))),
-                         dtype=torch.uint8, device="cuda")
-        wb = torch.empty(max(1, lib.dsv_sparse_attention_bwd_workspace_cuda(ctypes.byref(sh))),
-                         dtype=torch.uint8, device="cuda")
+        wf, wb = block_workspaces(lib, M, q, ix, G, scale, b)
         fwd = (out, lse, None, None, None, do, wf, wb)
         both = (out, lse, dq, dk, dv, do, wf, wb)
         r[name + "fwd_ms"] = bench(lambda: _blk_call(lib, M, q, k, v, ix, cn, G, scale, b, fwd), reps)
