@@ -213,7 +213,7 @@ extern "C" int dsv_cuda_kernel_tuning(int device, char* buf, int64_t len) {
                          "qm_wgmma=%d,km_ratio=%g,merge=%g,merge_window=%d,bwd_ranges=%d,"
                          "bwd_rmax=%d,tk_gpw=%d,tk_sample=%d,tk_split=%d",
                          t->sm_count, t->l2_bytes, t->cc, t->wgmma, t->km_wgmma, t->g128,
-                         t->qm_wgmma, (double)t->km_ratio, (double)t->merge, t->merge_window, t->bwd_ranges,
-                         t->bwd_rmax, t->tk_gpw, t->tk_sample, t->tk_split);
+                         t->qm_wgmma, (double)t->km_ratio, (double)t->merge, t->merge_window,
+                         t->bwd_ranges, t->bwd_rmax, t->tk_gpw, t->tk_sample, t->tk_split);
   return n >= 0 && n < len ? DSV_OK : DSV_ERR_NOMEM;
 }

@@ -55,8 +55,9 @@ __all__ = ["Dispatcher", "default_calibration_path", "calibrate", "BLOCK_COST_RA
 # S = 64k, H = 24, D = 128, density 0.1, random lists, forward + backward (benchmarks/results:
 # kv_block/ for the 64-key lists, kernels.json for the token lists, one build): G = 64 token lists
 # 72.6 ms (the 64-row backward's line reductions, PERF_LOG v34), 64-key lists 61.4 ms; G = 128
-# token lists 54.5 ms (the 128-row backward), 64-key lists 61.2 ms. 16-key lists run as token lists on CUDA (faster there than their block
-# kernels): 1.07 (PERF_LOG kernels v14, 101.9 against 95.3 ms at G = 64), taken for both sizes.
+# token lists 54.5 ms (the 128-row backward), 64-key lists 61.2 ms. 16-key lists run as token
+# lists on CUDA (faster there than their block kernels): 1.07 (PERF_LOG kernels v14, 101.9
+# against 95.3 ms at G = 64), taken for both sizes.
 BLOCK_COST_RATIOS = {64: {1: 1.0, 16: 1.07, 64: 0.85}, 128: {1: 1.0, 16: 1.07, 64: 1.12}}
 BLOCK_COST_RATIO = BLOCK_COST_RATIOS[128]  # the default group size's
 
