@@ -45,6 +45,7 @@ import statistics
 import sys
 
 import torch
+import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -291,10 +292,20 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
     ratio = km_stats(kv_index, cnt)
     scale = 1.0 / math.sqrt(D)
     q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=dtype) for _ in range(4))
-    out, lse = T.attn_fwd(q, k, v, kv_index, cnt, G, scale)
+    dim = run_head_dim(D)
+    if dim == D:
+        fwd = lambda: T.attn_fwd(q, k, v, kv_index, cnt, G, scale)  # noqa: E731
+        out, lse = fwd()
+        bwd = lambda: T.attn_bwd(do, q, k, v, out, lse, kv_index, cnt, G, scale)  # noqa: E731
+    else:  # what dsv_ext.sparse_attention does (ops._PaddedHeads), the copies timed too
+        pad = lambda t: F.pad(t, (0, dim - D))  # noqa: E731
+        fwd = lambda: (lambda o: (o[0][..., :D].contiguous(), o[1]))(  # noqa: E731
+            T.attn_fwd(pad(q), pad(k), pad(v), kv_index, cnt, G, scale))
+        out, lse = fwd()
+        bwd = lambda: [g[..., :D] for g in T.attn_bwd(  # noqa: E731
+            pad(do), pad(q), pad(k), pad(v), pad(out), lse, kv_index, cnt, G, scale)]
     torch.cuda.synchronize()
-    fwd_ms = bench(lambda: T.attn_fwd(q, k, v, kv_index, cnt, G, scale), reps)
-    bwd = lambda: T.attn_bwd(do, q, k, v, out, lse, kv_index, cnt, G, scale)  # noqa: E731
+    fwd_ms = bench(fwd, reps)
     torch.cuda.reset_peak_memory_stats()
     base_mem = torch.cuda.memory_allocated()
     bwd()
@@ -303,9 +314,10 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
     bwd_ms = bench(bwd, reps)
     if PROFILE and not PROFILED.get(dist):
         PROFILED[dist] = True
-        profile_bwd(fwd=lambda: T.attn_fwd(q, k, v, kv_index, cnt, G, scale), bwd=bwd,
+        profile_bwd(fwd=fwd, bwd=bwd,
                     title=f"S={S} D={D} G={G} sparsity={sparsity} {dist}")
-    rec = dict(S=S, H=H, D=D, G=G, B=B, sparsity=sparsity, dist=dist, dtype=str(dtype).split(".")[-1],
+    rec = dict(S=S, H=H, D=D, run_D=dim, G=G, B=B, sparsity=sparsity, dist=dist,
+               dtype=str(dtype).split(".")[-1],
                K=K, estimate=est_name, est_ms=est_ms, fwd_ms=fwd_ms, bwd_ms=bwd_ms,
                fwdbwd_ms=fwd_ms + bwd_ms, total_ms=est_ms + fwd_ms + bwd_ms,
                km_ratio_median=float(ratio.median()), km_heads=int((ratio <= KM_RATIO).sum()),
@@ -316,6 +328,22 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
     del q, k, v, do, out, lse, kv_index
     torch.cuda.empty_cache()
     return rec
+
+
+NATIVE_HEAD_DIMS = False  # --native-head-dims: every head dim on its own kernels, unpadded
+
+
+def run_head_dim(D):
+    """The head dim dsv_ext.sparse_attention runs a head of D at on this GPU (padded: 96 runs
+    as 128 where the wgmma kernels are on; ops._run_head_dim), or D itself with
+    --native-head-dims or without the built extension (kernels through DSV_ATTN_LIB)."""
+    if NATIVE_HEAD_DIMS:
+        return D
+    try:
+        from dsv_ext import ops
+    except Exception:  # noqa: BLE001
+        return D
+    return ops._run_head_dim(torch.device("cuda", torch.cuda.current_device()), D)
 
 
 PROFILE = False
@@ -579,6 +607,9 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dense", nargs="*", default=["cudnn", "flash"], help="dense baselines")
     ap.add_argument("--profile", action="store_true", help="per-kernel times (torch.profiler)")
+    ap.add_argument("--native-head-dims", action="store_true",
+                    help="run every head dim on its own kernels (default: as dsv_ext.sparse_attention "
+                         "does, e.g. 96 zero-padded to 128 where the wgmma kernels run)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="only merge kernels.json files of earlier runs into one table/plot in --out")
     ap.add_argument("--S", type=int, nargs="*")
@@ -627,8 +658,9 @@ def main():
     Gs = args.G or Gs
     sps = args.sparsity or sps
     dists = args.dist or dists
-    global PROFILE, KM_RATIO
+    global PROFILE, KM_RATIO, NATIVE_HEAD_DIMS
     PROFILE = args.profile
+    NATIVE_HEAD_DIMS = args.native_head_dims
     if T.backend() == "ops":
         from dsv_ext.ops import kernel_tuning
         KM_RATIO = float(kernel_tuning().get("km_ratio", KM_RATIO))

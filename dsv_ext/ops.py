@@ -10,6 +10,7 @@ See ``docs/API.md`` for the op contract and ``csrc/dsv.h`` for the exact semanti
 """
 from __future__ import annotations
 
+import functools
 import glob
 import math
 import numbers
@@ -539,6 +540,70 @@ def _deterministic_of(deterministic) -> bool:
     return bool(deterministic)
 
 
+# Head dims the CUDA attention kernels are compiled for. A head of another size up to 256 runs
+# zero-padded to the next of them: zero columns of q and k change no score, zero columns of v
+# give zero output columns, which are cut off (the same for dq, dk, dv). The Hopper wgmma kernels
+# take 64 and 128 only: where they run, heads between 64 and 128 go to 128 (96 included: at
+# S = 64k, G = 128, 0.9 the 96 kernels on mma.sync take 1.5x the time of the 128 ones on wgmma,
+# benchmarks/results/kernels.md; PERF_LOG v36).
+_CUDA_HEAD_DIMS = (64, 96, 128, 256)
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma_on(index: int) -> bool:
+    return kernel_tuning(index).get("wgmma", 0) == 1
+
+
+@torch.compiler.assume_constant_result
+def _cuda_head_dim(index: int, head_dim: int) -> int:
+    if head_dim in (64, 128):
+        return head_dim
+    if 64 < head_dim < 128 and _wgmma_on(index):
+        return 128
+    return next(d for d in _CUDA_HEAD_DIMS if head_dim <= d)
+
+
+def _run_head_dim(device: torch.device, head_dim: int) -> int:
+    """The head dim the attention kernels of ``device`` run a head of ``head_dim`` at (the CPU
+    kernels: any; CUDA: _CUDA_HEAD_DIMS, padded)."""
+    if device.type != "cuda" or head_dim in (64, 128):
+        return head_dim
+    if head_dim > _CUDA_HEAD_DIMS[-1]:
+        raise ValueError(f"q: the CUDA attention kernels take head_dim <= {_CUDA_HEAD_DIMS[-1]}, "
+                         f"got {head_dim}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_head_dim(index, head_dim)
+
+
+def _pad_head(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, dim - t.shape[-1]))
+
+
+class _PaddedHeads(torch.autograd.Function):
+    """sparse_attention with the heads zero-padded to ``dim`` for the kernels (_run_head_dim).
+    Saves the unpadded q, k, v and output and pads again in the backward, so the padded copies
+    live only while a kernel runs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kv_index, kv_count, group_size, scale, deterministic, kv_block, dim):
+        D = q.shape[-1]
+        out, lse = _ops.sparse_attention_fwd(_pad_head(q, dim), _pad_head(k, dim), _pad_head(v, dim), kv_index,
+                                             kv_count, group_size, scale, deterministic, kv_block)
+        out = out[..., :D].contiguous()
+        ctx.save_for_backward(q, k, v, out, lse, kv_index, kv_count)
+        ctx.params = (group_size, scale, deterministic, kv_block, dim)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, kv_index, kv_count = ctx.saved_tensors
+        group_size, scale, deterministic, kv_block, dim = ctx.params
+        D = q.shape[-1]
+        dq, dk, dv = _ops.sparse_attention_bwd(*(_pad_head(t, dim) for t in (dout, q, k, v, out)), lse, kv_index,
+                                               kv_count, group_size, scale, deterministic, kv_block)
+        return dq[..., :D], dk[..., :D], dv[..., :D], None, None, None, None, None, None, None
+
+
 def _sorted_lists(kv_index: torch.Tensor, kv_count: torch.Tensor, S: int) -> torch.Tensor:
     """The used entries of every list in ascending order, then -1 (entries outside [0, S), which
     the kernels skip anyway, are dropped): the form the deterministic CUDA backward needs."""
@@ -557,6 +622,10 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
 
     Args:
         q, k, v: ``[B, S, H, D]`` (last dim contiguous; other strides are used without copies).
+            The CUDA kernels take D up to 256: heads of another size than 64, 96, 128 or 256
+            run zero-padded to the next of them (on H100 / H200 heads between 64 and 128 to
+            128, whose kernels are faster there), with the padded copies made around each
+            kernel call only.
         kv_index: int32 ``[B, H, ceil(S/G), Kmax]``: for each group of ``group_size`` consecutive
             queries, the positions of the keys it attends to (distinct; duplicates would count
             twice). Only the first ``kv_count[b, h]`` entries of each list are used.
@@ -607,12 +676,14 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
     _check_index(kv_index, kv_count, B, S, H, group_size, check_index, kv_block)
     scale = _scale_of(scale, D)
     deterministic = _deterministic_of(deterministic)
-    if kv_block > 1 and not _native_kv_block(q.device, kv_block, D, kv_index.shape[3]):
+    dim = _run_head_dim(q.device, D)
+    if kv_block > 1 and not _native_kv_block(q.device, kv_block, dim, kv_index.shape[3]):
         kv_index, kv_count = expand_block_lists(kv_index, kv_count, kv_block, S)
         kv_block = 1
     if deterministic and q.is_cuda and kv_block == 1:  # the block backward sorts its lists itself
-        if D > 128:
-            raise ValueError(f"deterministic: the deterministic CUDA backward needs head_dim <= 128, got {D}")
+        if dim > 128:
+            raise ValueError(f"deterministic: the deterministic CUDA backward needs head_dim <= 128, got {D}"
+                             + ("" if dim == D else f" (run as {dim})"))
         # the deterministic backward needs ascending lists (topk_estimate's are); with
         # check_index (already a host sync) unsorted ones are sorted here, without it the caller
         # vouches for the order (an unsorted head falls back to the non-deterministic path)
@@ -620,6 +691,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index
             used = torch.arange(1, kv_index.shape[3], device=q.device) < kv_count[:, :, None, None]
             if bool((used & (kv_index[..., 1:] <= kv_index[..., :-1])).any()):
                 kv_index = _sorted_lists(kv_index, kv_count, S)
+    if dim != D:
+        return _PaddedHeads.apply(q, k, v, kv_index, kv_count, group_size, scale, deterministic, kv_block, dim)
     out, _ = _ops.sparse_attention_fwd(_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), kv_index, kv_count,
                                        group_size, scale, deterministic, kv_block)
     return out

@@ -943,6 +943,37 @@ def check_attention(q, k, v, kv_index, kv_count, G, scale=None, gen=None, grads=
             check_close(name, g, t, CUDA_GTOL[dtype], sl)
 
 
+def check_public_attention(q, k, v, kv_index, kv_count, G, gen, check_index=True):
+    """The public op alone (dsv_ext.sparse_attention, as the modules call it: e.g. heads run
+    zero-padded) against the float64 reference under the tolerance rule: out, dq, dk, dv, every
+    element, the allocator poisoned before each call."""
+    import dsv_ext
+    dtype, dev = q.dtype, q.device
+    B, S, H, D = q.shape
+    sc = 1.0 / math.sqrt(D)
+    kv_index, kv_count = kv_index.to(dev), kv_count.to(dev)
+    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+    poison_for(dev, B * S * H * D * q.element_size(), dtype)
+    out = dsv_ext.sparse_attention(qg, kg, vg, kv_index, kv_count, G, check_index=check_index)
+    assert out.dtype == dtype and out.shape == (B, S, H, D) and out.is_contiguous()
+    qr, kr, vr = (t.detach().double().cpu().requires_grad_(True) for t in (q, k, v))
+    out_ref, _ = sparse_attention_lse_ref(qr, kr, vr, kv_index.cpu(), kv_count.cpu(), G, sc)
+    qp, kp, vp = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    acc = acc_dtype(dtype) if dev.type == "cpu" else torch.float32
+    out_pt, _ = attention_pt(qp, kp, vp, kv_index, kv_count, G, sc, stats_dtype=acc)
+    assert_pt_bound("out", out, out_ref, out_pt, dtype)
+    dout = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(dtype)
+    out_ref.backward(dout.double())
+    out_pt.backward(dout.to(dev))
+    poison_for(dev, B * S * H * D * q.element_size(), dtype)
+    got = torch.autograd.grad(out, (qg, kg, vg), dout.to(dev))
+    for name, g, r, p in zip(("dq", "dk", "dv"), got, (qr.grad, kr.grad, vr.grad),
+                             (qp.grad, kp.grad, vp.grad)):
+        assert g.dtype == dtype and g.shape == q.shape, f"{name}: {g.dtype} {tuple(g.shape)}"
+        assert_pt_bound(name, g, r, p, dtype)
+    return out, got
+
+
 def run_and_check(q, k, v, kv_index, kv_count, G, scale, gen, grads=True):
     """check_attention with an explicit scale (the CUDA tests' spelling)."""
     check_attention(q, k, v, kv_index, kv_count, G, scale, gen, grads=grads)

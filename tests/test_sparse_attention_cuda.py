@@ -30,7 +30,8 @@ from helpers import CUDA_GTOL as GTOL
 from helpers import CUDA_TOL as TOL
 from helpers import DT, AttnShape, Bshd, KernelError, attn_bwd, attn_fwd, bshd, check_close
 from helpers import attn_backend as backend
-from helpers import check_lse, get_lib, grad_targets, have_ops, make_inputs, ref, run_and_check
+from helpers import (check_lse, check_public_attention, counts_for, get_lib, grad_targets, have_ops,
+                     index_lists, make_inputs, ref, run_and_check)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -208,6 +209,26 @@ def test_paths_agree(tmp_path):
     for other in ("q4", "k", "kmma", "kkm", "qmma"):
         for a, b, name in zip(res[other], res["q"], ("dq", "dk", "dv")):
             check_close(f"{name} ({other} vs q)", a, b.double(), GTOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("D,G", [(48, 64), (72, 64), (72, 128), (96, 64), (96, 128), (112, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_padded_head_dims(D, G, dtype, gen):
+    """Heads of sizes the kernels are not compiled for (48, 72, 112), and 96 where the wgmma
+    kernels run, go through the public op zero-padded to the kernels' size (64 or 128; 96 on
+    mma.sync without wgmma): out and dq, dk, dv against the float64 reference under the rule.
+    The size rule and the padded path on the CPU: tests/test_padded_heads.py."""
+    if not have_ops(cuda=True):
+        pytest.skip("needs the built extension with CUDA kernels (the public op)")
+    import dsv_ext.ops as ops
+    wg = ops.kernel_tuning()["wgmma"] == 1
+    want = 64 if D < 64 else (128 if wg or D > 96 else 96)
+    assert ops._run_head_dim(torch.device("cuda", torch.cuda.current_device()), D) == want
+    B, S, H = 2, 3 * G + 17, 3
+    q, k, v = make_inputs(B, S, H, D, dtype, gen)
+    KM = S // 3
+    idx, cnt = index_lists(B, H, S, G, KM, gen, counts=counts_for(B, H, KM, gen, zero=True, one=True))
+    check_public_attention(q, k, v, idx, cnt, G, gen)
 
 
 def test_float32_unsupported():

@@ -80,9 +80,6 @@ def autocast_inputs(q, k, v):
     return q, k, v
 
 
-_CUDA_SPARSE_HEAD_DIMS = (64, 96, 128, 256)
-
-
 def kernel_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype the dsv kernels run in for this input: the CUDA kernels take bf16/fp16 only
     (float32/float64 inputs run in bf16 there); the CPU kernels take any float dtype."""
@@ -101,10 +98,10 @@ def kernels_available(device: torch.device, head_dim: int, rank: int) -> bool:
 
 
 def sparse_supported(device: torch.device, head_dim: int, rank: int) -> bool:
-    """Whether the sparse path (estimation + sparse attention) exists for this device and shape."""
-    if not kernels_available(device, head_dim, rank):
-        return False
-    return torch.device(device).type != "cuda" or head_dim in _CUDA_SPARSE_HEAD_DIMS
+    """Whether the sparse path (estimation + sparse attention) exists for this device and shape:
+    where the kernels are (CUDA: head_dim <= 256, sizes other than 64 / 96 / 128 / 256 run
+    zero-padded, see dsv_ext.sparse_attention)."""
+    return kernels_available(device, head_dim, rank)
 
 
 def block_counts(kv_count: torch.Tensor, kv_block: int) -> torch.Tensor:
