@@ -48,7 +48,8 @@ def _forward_kernel(build: Dict[str, object], capability) -> str:
     if not build["cuda_kernels"]:
         return "none (CPU-only build: tensors on this GPU raise)"
     if build["wgmma"] and tuple(capability) == (9, 0):
-        return "wgmma (sm_90a) for head dim 64 / 128 and group size >= 64, mma.sync otherwise"
+        return ("wgmma (sm_90a) for head dim 64 / 128 and group size >= 64 (heads of 65-127 run "
+                "padded to 128), mma.sync otherwise")
     if build["wgmma"] is None:
         return "unknown (no build record)"
     return "mma.sync"
