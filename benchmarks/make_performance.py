@@ -862,7 +862,7 @@ to pay: at the recall target 0.95 only {sum(sum(k < S for k in b['head_k']) for 
 should below sparsity ~0.5 (see "Where sparse pays" above). Sparsity was still rising
 (mean {sum(sp_sw) / len(sp_sw):.2f} at the switch, {sum(sp_end) / len(sp_end):.2f} at step {hist[-1]['step']}; blocks {top[0]} and {top[1]}:
 {sp_sw[top[0]]:.2f} / {sp_sw[top[1]]:.2f} at the switch, {sp_end[top[0]]:.2f} / {sp_end[top[1]]:.2f} at step {hist[-1]['step']}).
-
+{_long_video_side_work(len(d['blocks']), need['step_ms'])}
 {blocks}
 
 What the speed target (1.8x full attention's tokens/s after the switch) needs at this shape,
@@ -881,6 +881,26 @@ Validation loss at equal steps (both runs dense throughout: the gaps are trainin
 
 {eq}
 {_long_video_repeats()}"""
+
+
+def _long_video_side_work(blocks, step_ms):
+    """What DSV's side work costs per block at the long run's shape (results/side_tasks/), and
+    per training step at its number of blocks and measured dense step."""
+    d = _load("side_tasks/side_tasks.json")
+    i = d["info"]
+    r = next(x for x in d["records"] if x["density"] == 1.0)  # the long run's heads: K = S
+    ms, dense = r["ms"], r["dense_fwdbwd_ms"]
+    part = lambda k: f"{ms[k]:.1f} ms"  # noqa: E731
+    train, prof = ms["train"], ms["profile"]
+    return f"""
+Where that side work goes, one block of this shape ({r['H']} heads of {r['D']}, {_tok(r['S'])}, every head at
+K = S) timed alone (`benchmarks/bench_side_tasks.py`, `results/side_tasks/`): predictor training {part('train')} per step ({train / dense:.3f} of the block's dense attention forward +
+backward, {dense:.1f} ms); a profile step {part('profile')}: the sparsity at theta
+({part('profile: sparsity (profile_attention)')}) and the recall-versus-K curve ({part('profile: recall curve (recall_curve)')}); the recall of
+the predicted lists costs nothing while every head takes K = S. At {blocks} blocks and the dense step
+above: training every step {100 * blocks * train / step_ms:.1f}% of a step, profiling every 25 steps
+{100 * blocks * prof / 25 / step_ms:.1f}%. {_prov(i['date'], f"{i['commit']} (csrc {i['csrc']})", i['card'], 'torch ' + i['torch'])}
+"""
 
 
 def _long_video_repeats():
