@@ -392,7 +392,7 @@ def test_cuda_stage1_equals_sdpa():
 
 
 @needs_cuda
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 72, 96, 128])  # 72 and 96: zero-padded (72 to 96 or 128)
 def test_cuda_stage2_full_k_equals_dense(D):
     cfg = DSVConfig()  # the defaults (G = 64, 4x4x4 cubes), K rounded to 64 and capped at S
     m = SparseAttention(4, D, grid=CGRID, config=cfg).cuda()
@@ -464,15 +464,18 @@ def test_cuda_default_groups_on_short_grids(grid):
 
 
 @needs_cuda
-def test_cuda_training_step_compiled_bf16():
+@pytest.mark.parametrize("width", [512, 288])  # heads of 128, and of 72 (run zero-padded)
+def test_cuda_training_step_compiled_bf16(width):
+    """A training step with the sparse path (and the side tasks) eager and under torch.compile:
+    the same output and gradients."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(DSVAttention(512, 4, grid=CGRID, qk_norm=True)).cuda()
+    model = torch.nn.Sequential(DSVAttention(width, 4, grid=CGRID, qk_norm=True)).cuda()
     core = model[0].attn_core
     core.stage, core.use_sparse = 2, True
     core.set_density([0.2, 0.3, 0.4, 0.5], CS)
     core.train()
-    x = torch.randn(2, CS, 512, device="cuda")
+    x = torch.randn(2, CS, width, device="cuda")
 
     def step(fn):
         model.zero_grad(set_to_none=True)
