@@ -116,7 +116,7 @@ class Env:
         self.gen = torch.Generator().manual_seed(seed)
         self.dtypes = [torch.bfloat16, torch.float16] if self.cuda else \
             [torch.float32, torch.float64, torch.float32, torch.bfloat16, torch.float16]
-        self.head_dims = [64, 128] if self.cuda else [1, 3, 8, 16]
+        self.head_dims = [64, 72, 128] if self.cuda else [1, 3, 8, 16]  # 72: run zero-padded
 
     def ri(self, lo, hi):
         return int(torch.randint(lo, hi + 1, (1,), generator=self.gen))
