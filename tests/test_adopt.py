@@ -1,7 +1,8 @@
-"""Adoption paths on the CPU: dsv_ext.convert on diffusers' LTX-Video, CogVideoX, HunyuanVideo and
-Mochi transformers (tiny random configs), nn.MultiheadAttention (batch_first True/False), modules
-calling F.scaled_dot_product_attention (route_sdpa), joint text+video attention against a float64
-reference, and save_pretrained -> from_pretrained with predictors and controller state.
+"""Adoption paths on the CPU: dsv_ext.convert on diffusers' LTX-Video, CogVideoX, HunyuanVideo,
+Mochi and Allegro transformers (tiny random configs), nn.MultiheadAttention (batch_first
+True/False), modules calling F.scaled_dot_product_attention (route_sdpa), joint text+video
+attention against a float64 reference, and save_pretrained -> from_pretrained with predictors
+and controller state.
 
 Stage 1 must be bitwise equal to the unconverted model (outputs and every parameter gradient):
 the converted processors hand SDPA the very tensors the model's own processor builds. Stage 2
@@ -126,6 +127,24 @@ def _wan(seed):
     return m, args
 
 
+def _allegro(seed):
+    from diffusers import AllegroTransformer3DModel
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed_allegro
+    torch.manual_seed(seed)
+    m = AllegroTransformer3DModel(patch_size=2, patch_size_t=1, num_attention_heads=2, attention_head_dim=24,
+                                  in_channels=4, out_channels=4, num_layers=2, cross_attention_dim=48,
+                                  sample_height=8, sample_width=12, sample_frames=2, caption_channels=16)
+    g = _g(seed + 1)
+    # the pipeline's rotary embedding (AllegroPipeline._prepare_rotary_positional_embeddings) at grid 2 x 4 x 6
+    ft, fh, fw, gt, gh, gw = get_3d_rotary_pos_embed_allegro(24, ((0, 0), (4, 6)), (4, 6), 2, (2.2, 2.0, 2.0))
+    pos = torch.cartesian_prod(gt.long(), gh.long(), gw.long()).reshape(-1, 3).transpose(0, 1).reshape(3, 1, -1)
+    args = dict(hidden_states=torch.randn(B, 4, 2, 8, 12, generator=g),
+                encoder_hidden_states=torch.randn(B, 5, 16, generator=g), timestep=torch.tensor([300, 700]),
+                encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]),
+                image_rotary_emb=((ft, fh, fw), tuple(pos.contiguous())))
+    return m, args
+
+
 # name: (builder, converted attention paths, sparse calls per forward, processor class name)
 MODELS = {
     "wan": (_wan, ["blocks.0.attn1", "blocks.1.attn1"], 2, "DSVWanAttnProcessor"),
@@ -135,6 +154,8 @@ MODELS = {
     "hunyuan": (_hunyuan, ["transformer_blocks.0.attn", "single_transformer_blocks.0.attn"], 2,
                 "DSVHunyuanVideoAttnProcessor"),
     "mochi": (_mochi, ["transformer_blocks.0.attn1", "transformer_blocks.1.attn1"], 2 * B, "DSVMochiAttnProcessor"),
+    "allegro": (_allegro, ["transformer_blocks.0.attn1", "transformer_blocks.1.attn1"], 2,
+                "DSVAllegroAttnProcessor"),
 }
 
 
@@ -683,5 +704,46 @@ def test_diffusers_joint_model_cuda_stage2(sparse_calls):
     with torch.autocast("cuda", torch.bfloat16):
         out = model(**args, return_dict=False)[0]
     assert len(sparse_calls) == 2 and torch.isfinite(out).all()
+    out.float().square().mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and dsv_ext.has_cuda_kernels()),
+                    reason="needs a GPU and the CUDA kernels")
+def test_diffusers_allegro_cuda_stage2(sparse_calls):
+    """Allegro with its heads of 96 (zero-padded for the kernels where the wgmma kernels run) on
+    the GPU in bf16: stage 2 runs the sparse kernels, with finite outputs and gradients (their
+    values against float64: test_sparse_attention_cuda.py, test_padded_head_dims)."""
+    pytest.importorskip("diffusers")
+    from diffusers import AllegroTransformer3DModel
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed_allegro
+    torch.manual_seed(0)
+    model = AllegroTransformer3DModel(patch_size=2, patch_size_t=1, num_attention_heads=2, attention_head_dim=96,
+                                      in_channels=4, out_channels=4, num_layers=2, cross_attention_dim=192,
+                                      sample_height=16, sample_width=16, sample_frames=4, caption_channels=16).cuda()
+    ft, fh, fw, gt, gh, gw = get_3d_rotary_pos_embed_allegro(96, ((0, 0), (8, 8)), (8, 8), 4, (2.2, 2.0, 2.0))
+    pos = torch.cartesian_prod(gt.long(), gh.long(), gw.long()).reshape(-1, 3).transpose(0, 1).reshape(3, 1, -1)
+    rope = (tuple((c.cuda(), s.cuda()) for c, s in (ft, fh, fw)), tuple(p.cuda() for p in pos.contiguous()))
+    args = dict(hidden_states=torch.randn(B, 4, 4, 16, 16, device="cuda"), timestep=torch.tensor([300, 700]).cuda(),
+                encoder_hidden_states=torch.randn(B, 6, 16, device="cuda"), image_rotary_emb=rope)
+    convert(model, config=DSVConfig(group_size=32, k_multiple=16, force_stage2_step=2, dispatch_threshold=0.0,
+                                    use_calibration=False, k_rule="theta"))
+    ctl = DSVController(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        with torch.autocast("cuda", torch.bfloat16):
+            out = model(**args, return_dict=False)[0]
+        out.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ctl.step()
+    assert ctl.stage == 2 and all(m.use_sparse for _, m in ctl.modules)
+    assert all(m.head_dim == 96 for _, m in ctl.modules)
+    sparse_calls.clear()
+    with torch.autocast("cuda", torch.bfloat16):
+        out = model(**args, return_dict=False)[0]
+    assert len(sparse_calls) == 2 and torch.isfinite(out).all()
+    assert all(shape[-1] == 96 for shape in sparse_calls)
     out.float().square().mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -7,6 +7,8 @@ Supported (diffusers >= 0.35; tested with 0.42):
   * HunyuanVideoTransformer3DModel  joint attention of the dual- and single-stream blocks:
                                  [video, text], text padding masked by the model's attention mask
   * MochiTransformer3DModel      joint attention `attn1`: [video, valid text] per sample
+  * AllegroTransformer3DModel    self-attention `attn1` of each block (heads of 96; the text
+                                 enters through the cross-attention `attn2`, which stays dense)
 
 Each converted attention module gets a SparseAttention as `attn.dsv_core` and a processor that
 does what the model's own processor does (projections, QK norms, rotary embeddings, masks,
@@ -30,7 +32,7 @@ from ..modules.attention import SparseAttention
 from ..config import DSVConfig
 
 __all__ = ["DSVLTXAttnProcessor", "DSVCogVideoXAttnProcessor", "DSVHunyuanVideoAttnProcessor",
-           "DSVMochiAttnProcessor", "convert_diffusers_video"]
+           "DSVMochiAttnProcessor", "DSVAllegroAttnProcessor", "convert_diffusers_video"]
 
 
 def _rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -219,6 +221,35 @@ class DSVMochiAttnProcessor(_DSVProcessor):
 
 
 # ------------------------------------------------------------------------------------------------
+# Allegro
+
+class DSVAllegroAttnProcessor(_DSVProcessor):
+    """Allegro self-attention (`attn1`): to_q/k/v, heads split as [B, H, S, D], Allegro's 3-axis
+    rotary on q and k, attention, to_out. Cross-attention (`attn2`), masked calls and the
+    Attention options Allegro does not use go to the fallback."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
+                 image_rotary_emb=None, **kwargs: Any):
+        core = getattr(attn, "dsv_core", None)
+        if (core is None or encoder_hidden_states is not None or attention_mask is not None or temb is not None
+                or kwargs or hidden_states.dim() != 3 or attn.spatial_norm is not None
+                or attn.group_norm is not None or attn.residual_connection or attn.rescale_output_factor != 1.0):
+            return self._fallback(attn, hidden_states, encoder_hidden_states, attention_mask, temb,
+                                  image_rotary_emb, **kwargs)
+        B = hidden_states.shape[0]
+        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        D = k.shape[-1] // attn.heads
+        q, k, v = (t.view(B, -1, attn.heads, D).transpose(1, 2) for t in (q, k, v))
+        if image_rotary_emb is not None:
+            from diffusers.models.embeddings import apply_rotary_emb_allegro
+            q = apply_rotary_emb_allegro(q, image_rotary_emb[0], image_rotary_emb[1])
+            k = apply_rotary_emb_allegro(k, image_rotary_emb[0], image_rotary_emb[1])
+        out = core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = out.reshape(B, -1, attn.heads * D).to(q.dtype)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+# ------------------------------------------------------------------------------------------------
 # conversion
 
 def _patch(cfg, name: str, default: int = 1) -> int:
@@ -252,7 +283,7 @@ def _grid_cogvideox(model, bound):
     return _grid_5d(bound.get("hidden_states"), 1, _patch(c, "patch_size_t"), _patch(c, "patch_size"))
 
 
-def _grid_hunyuan(model, bound):
+def _grid_cthw(model, bound):  # [B, C, T, H, W] inputs patched by patch_size_t x patch_size^2
     c = model.config
     return _grid_5d(bound.get("hidden_states"), 2, _patch(c, "patch_size_t"), _patch(c, "patch_size"))
 
@@ -269,9 +300,11 @@ _SPECS = [
      [("transformer_blocks", "attn1")], DSVCogVideoXAttnProcessor, _grid_cogvideox),
     ("diffusers.models.transformers.transformer_hunyuan_video", "HunyuanVideoTransformer3DModel",
      [("transformer_blocks", "attn"), ("single_transformer_blocks", "attn")], DSVHunyuanVideoAttnProcessor,
-     _grid_hunyuan),
+     _grid_cthw),
     ("diffusers.models.transformers.transformer_mochi", "MochiTransformer3DModel",
      [("transformer_blocks", "attn1")], DSVMochiAttnProcessor, _grid_mochi),
+    ("diffusers.models.transformers.transformer_allegro", "AllegroTransformer3DModel",
+     [("transformer_blocks", "attn1")], DSVAllegroAttnProcessor, _grid_cthw),
 ]
 
 
