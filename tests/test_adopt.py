@@ -670,24 +670,9 @@ def test_joint_core_cuda_bf16_matches_cpu_float64(text_first):
         assert (g.double().cpu() - rg).norm() <= 2e-2 * rg.norm()
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not (torch.cuda.is_available() and dsv_ext.has_cuda_kernels()),
-                    reason="needs a GPU and the CUDA kernels")
-def test_diffusers_joint_model_cuda_stage2(sparse_calls):
-    """HunyuanVideo (joint attention, text padding) with head dim 64 on the GPU in bf16: stage 2
-    runs the sparse kernels and trains with finite gradients."""
-    pytest.importorskip("diffusers")
-    from diffusers import HunyuanVideoTransformer3DModel
-    torch.manual_seed(0)
-    model = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2,
-                                           attention_head_dim=64, num_layers=1, num_single_layers=1,
-                                           num_refiner_layers=1, patch_size=2, text_embed_dim=16,
-                                           pooled_projection_dim=8, rope_axes_dim=(16, 24, 24),
-                                           guidance_embeds=False).cuda()
-    args = dict(hidden_states=torch.randn(B, 4, 4, 16, 16, device="cuda"), timestep=torch.tensor([300, 700]).cuda(),
-                encoder_hidden_states=torch.randn(B, 40, 16, device="cuda"),
-                encoder_attention_mask=(torch.arange(40) < torch.tensor([[40], [25]])).long().cuda(),
-                pooled_projections=torch.randn(B, 8, device="cuda"))
+def _cuda_stage2_step(model, args, sparse_calls):
+    """Convert a CUDA model, train it in bf16 to stage 2 (every block sparse), then one more step:
+    two sparse calls, finite output and gradients. Returns the controller."""
     convert(model, config=DSVConfig(group_size=32, k_multiple=16, force_stage2_step=2, dispatch_threshold=0.0,
                                     use_calibration=False, k_rule="theta"))
     ctl = DSVController(model)
@@ -706,6 +691,28 @@ def test_diffusers_joint_model_cuda_stage2(sparse_calls):
     assert len(sparse_calls) == 2 and torch.isfinite(out).all()
     out.float().square().mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    return ctl
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and dsv_ext.has_cuda_kernels()),
+                    reason="needs a GPU and the CUDA kernels")
+def test_diffusers_joint_model_cuda_stage2(sparse_calls):
+    """HunyuanVideo (joint attention, text padding) with head dim 64 on the GPU in bf16: stage 2
+    runs the sparse kernels and trains with finite gradients."""
+    pytest.importorskip("diffusers")
+    from diffusers import HunyuanVideoTransformer3DModel
+    torch.manual_seed(0)
+    model = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2,
+                                           attention_head_dim=64, num_layers=1, num_single_layers=1,
+                                           num_refiner_layers=1, patch_size=2, text_embed_dim=16,
+                                           pooled_projection_dim=8, rope_axes_dim=(16, 24, 24),
+                                           guidance_embeds=False).cuda()
+    args = dict(hidden_states=torch.randn(B, 4, 4, 16, 16, device="cuda"), timestep=torch.tensor([300, 700]).cuda(),
+                encoder_hidden_states=torch.randn(B, 40, 16, device="cuda"),
+                encoder_attention_mask=(torch.arange(40) < torch.tensor([[40], [25]])).long().cuda(),
+                pooled_projections=torch.randn(B, 8, device="cuda"))
+    _cuda_stage2_step(model, args, sparse_calls)
 
 
 @pytest.mark.cuda
@@ -727,23 +734,6 @@ def test_diffusers_allegro_cuda_stage2(sparse_calls):
     rope = (tuple((c.cuda(), s.cuda()) for c, s in (ft, fh, fw)), tuple(p.cuda() for p in pos.contiguous()))
     args = dict(hidden_states=torch.randn(B, 4, 4, 16, 16, device="cuda"), timestep=torch.tensor([300, 700]).cuda(),
                 encoder_hidden_states=torch.randn(B, 6, 16, device="cuda"), image_rotary_emb=rope)
-    convert(model, config=DSVConfig(group_size=32, k_multiple=16, force_stage2_step=2, dispatch_threshold=0.0,
-                                    use_calibration=False, k_rule="theta"))
-    ctl = DSVController(model)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    for _ in range(3):
-        with torch.autocast("cuda", torch.bfloat16):
-            out = model(**args, return_dict=False)[0]
-        out.float().square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        ctl.step()
-    assert ctl.stage == 2 and all(m.use_sparse for _, m in ctl.modules)
+    ctl = _cuda_stage2_step(model, args, sparse_calls)
     assert all(m.head_dim == 96 for _, m in ctl.modules)
-    sparse_calls.clear()
-    with torch.autocast("cuda", torch.bfloat16):
-        out = model(**args, return_dict=False)[0]
-    assert len(sparse_calls) == 2 and torch.isfinite(out).all()
     assert all(shape[-1] == 96 for shape in sparse_calls)
-    out.float().square().mean().backward()
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
