@@ -1,5 +1,5 @@
 """Adoption paths on the CPU: dsv_ext.convert on diffusers' LTX-Video, CogVideoX, HunyuanVideo,
-Mochi and Allegro transformers (tiny random configs), nn.MultiheadAttention (batch_first
+Mochi, Allegro and Cosmos transformers (tiny random configs), nn.MultiheadAttention (batch_first
 True/False), modules calling F.scaled_dot_product_attention (route_sdpa), joint text+video
 attention against a float64 reference, and save_pretrained -> from_pretrained with predictors
 and controller state.
@@ -145,6 +145,18 @@ def _allegro(seed):
     return m, args
 
 
+def _cosmos(seed):
+    from diffusers import CosmosTransformer3DModel
+    torch.manual_seed(seed)
+    m = CosmosTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
+                                 num_layers=2, text_embed_dim=16, adaln_lora_dim=8, max_size=(4, 16, 16),
+                                 patch_size=(1, 2, 2), concat_padding_mask=False)
+    g = _g(seed + 1)
+    args = dict(hidden_states=torch.randn(B, 4, 2, 8, 12, generator=g), timestep=torch.tensor([300, 700]),
+                encoder_hidden_states=torch.randn(B, 5, 16, generator=g))
+    return m, args
+
+
 # name: (builder, converted attention paths, sparse calls per forward, processor class name)
 MODELS = {
     "wan": (_wan, ["blocks.0.attn1", "blocks.1.attn1"], 2, "DSVWanAttnProcessor"),
@@ -156,6 +168,7 @@ MODELS = {
     "mochi": (_mochi, ["transformer_blocks.0.attn1", "transformer_blocks.1.attn1"], 2 * B, "DSVMochiAttnProcessor"),
     "allegro": (_allegro, ["transformer_blocks.0.attn1", "transformer_blocks.1.attn1"], 2,
                 "DSVAllegroAttnProcessor"),
+    "cosmos": (_cosmos, ["transformer_blocks.0.attn1", "transformer_blocks.1.attn1"], 2, "DSVCosmosAttnProcessor"),
 }
 
 

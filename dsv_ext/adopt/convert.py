@@ -19,7 +19,7 @@ Handled (self-attention only; cross-attention is left alone):
      (latent frames/height/width divided by the patch size) by a forward pre-hook on the
      transformer, so `grid` is optional there.
 
-  4. diffusers' LTX-Video, CogVideoX, HunyuanVideo, Mochi and Allegro transformers (see
+  4. diffusers' LTX-Video, CogVideoX, HunyuanVideo, Mochi, Allegro and Cosmos transformers (see
      dsv_ext.adopt.diffusers_models): their attention processors are replaced; joint text+video
      attention keeps the text tokens dense; the grid is read from each forward's input.
   5. torch.nn.MultiheadAttention (self-attention calls; see dsv_ext.adopt.generic).
@@ -279,7 +279,7 @@ def convert(model: nn.Module, grid: Optional[Sequence[int]] = None, config: Opti
         n += 1
     # 3. diffusers Wan
     n += _convert_wan(model, grid, config)
-    # 4. diffusers LTX-Video, CogVideoX, HunyuanVideo, Mochi, Allegro
+    # 4. diffusers LTX-Video, CogVideoX, HunyuanVideo, Mochi, Allegro, Cosmos
     from .diffusers_models import convert_diffusers_video
     n += convert_diffusers_video(model, grid, config)
     # 5. nn.MultiheadAttention, 6. modules calling SDPA
@@ -290,8 +290,8 @@ def convert(model: nn.Module, grid: Optional[Sequence[int]] = None, config: Opti
     if n == 0:
         raise ValueError(f"model: no convertible attention found in {type(model).__name__} "
                          "(expected `.attn_core` modules, the reference DiT, a diffusers Wan, LTX-Video, "
-                         "CogVideoX, HunyuanVideo, Mochi or Allegro transformer, nn.MultiheadAttention, or pass "
-                         "sdpa_modules=(YourAttentionClass,))")
+                         "CogVideoX, HunyuanVideo, Mochi, Allegro or Cosmos transformer, nn.MultiheadAttention, "
+                         "or pass sdpa_modules=(YourAttentionClass,))")
     for name, m in sparse_modules(model):
         m.name = name
         m.config = config

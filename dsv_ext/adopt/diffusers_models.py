@@ -9,6 +9,8 @@ Supported (diffusers >= 0.35; tested with 0.42):
   * MochiTransformer3DModel      joint attention `attn1`: [video, valid text] per sample
   * AllegroTransformer3DModel    self-attention `attn1` of each block (heads of 96; the text
                                  enters through the cross-attention `attn2`, which stays dense)
+  * CosmosTransformer3DModel     self-attention `attn1` of each block (QK RMSNorm, rotary; the
+                                 text enters through the cross-attention `attn2`, which stays dense)
 
 Each converted attention module gets a SparseAttention as `attn.dsv_core` and a processor that
 does what the model's own processor does (projections, QK norms, rotary embeddings, masks,
@@ -32,7 +34,7 @@ from ..modules.attention import SparseAttention
 from ..config import DSVConfig
 
 __all__ = ["DSVLTXAttnProcessor", "DSVCogVideoXAttnProcessor", "DSVHunyuanVideoAttnProcessor",
-           "DSVMochiAttnProcessor", "DSVAllegroAttnProcessor", "convert_diffusers_video"]
+           "DSVMochiAttnProcessor", "DSVAllegroAttnProcessor", "DSVCosmosAttnProcessor", "convert_diffusers_video"]
 
 
 def _rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -250,6 +252,31 @@ class DSVAllegroAttnProcessor(_DSVProcessor):
 
 
 # ------------------------------------------------------------------------------------------------
+# Cosmos
+
+class DSVCosmosAttnProcessor(_DSVProcessor):
+    """Cosmos self-attention (`attn1`): to_q/k/v, heads split as [B, H, S, D], RMSNorm of q and k,
+    rotary (real form), attention, to_out. Cross-attention (`attn2`) and masked calls go to the
+    fallback."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None, **kwargs: Any):
+        core = getattr(attn, "dsv_core", None)
+        if core is None or encoder_hidden_states is not None or attention_mask is not None or kwargs:
+            return self._fallback(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
+                                  **kwargs)
+        q, k, v = (p(hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+                   for p in (attn.to_q, attn.to_k, attn.to_v))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        if image_rotary_emb is not None:
+            from diffusers.models.embeddings import apply_rotary_emb
+            q = apply_rotary_emb(q, image_rotary_emb, use_real=True, use_real_unbind_dim=-2)
+            k = apply_rotary_emb(k, image_rotary_emb, use_real=True, use_real_unbind_dim=-2)
+        out = core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(q)))
+
+
+# ------------------------------------------------------------------------------------------------
 # conversion
 
 def _patch(cfg, name: str, default: int = 1) -> int:
@@ -292,6 +319,13 @@ def _grid_mochi(model, bound):
     return _grid_5d(bound.get("hidden_states"), 2, 1, _patch(model.config, "patch_size"))
 
 
+def _grid_cosmos(model, bound):  # [B, C, T, H, W], patch_size (t, h, w)
+    x, (pt, ph, pw) = bound.get("hidden_states"), model.config.patch_size
+    if not isinstance(x, torch.Tensor) or x.dim() != 5:
+        return None
+    return (x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw)
+
+
 # (module, transformer class, [block list attribute, attention attribute], processor, grid reader)
 _SPECS = [
     ("diffusers.models.transformers.transformer_ltx", "LTXVideoTransformer3DModel",
@@ -305,6 +339,8 @@ _SPECS = [
      [("transformer_blocks", "attn1")], DSVMochiAttnProcessor, _grid_mochi),
     ("diffusers.models.transformers.transformer_allegro", "AllegroTransformer3DModel",
      [("transformer_blocks", "attn1")], DSVAllegroAttnProcessor, _grid_cthw),
+    ("diffusers.models.transformers.transformer_cosmos", "CosmosTransformer3DModel",
+     [("transformer_blocks", "attn1")], DSVCosmosAttnProcessor, _grid_cosmos),
 ]
 
 
