@@ -728,25 +728,39 @@ def test_diffusers_joint_model_cuda_stage2(sparse_calls):
     _cuda_stage2_step(model, args, sparse_calls)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not (torch.cuda.is_available() and dsv_ext.has_cuda_kernels()),
-                    reason="needs a GPU and the CUDA kernels")
-def test_diffusers_allegro_cuda_stage2(sparse_calls):
-    """Allegro with its heads of 96 (zero-padded for the kernels where the wgmma kernels run) on
-    the GPU in bf16: stage 2 runs the sparse kernels, with finite outputs and gradients (their
-    values against float64: test_sparse_attention_cuda.py, test_padded_head_dims)."""
-    pytest.importorskip("diffusers")
+def _allegro_cuda():
     from diffusers import AllegroTransformer3DModel
     from diffusers.models.embeddings import get_3d_rotary_pos_embed_allegro
-    torch.manual_seed(0)
     model = AllegroTransformer3DModel(patch_size=2, patch_size_t=1, num_attention_heads=2, attention_head_dim=96,
                                       in_channels=4, out_channels=4, num_layers=2, cross_attention_dim=192,
-                                      sample_height=16, sample_width=16, sample_frames=4, caption_channels=16).cuda()
+                                      sample_height=16, sample_width=16, sample_frames=4, caption_channels=16)
     ft, fh, fw, gt, gh, gw = get_3d_rotary_pos_embed_allegro(96, ((0, 0), (8, 8)), (8, 8), 4, (2.2, 2.0, 2.0))
     pos = torch.cartesian_prod(gt.long(), gh.long(), gw.long()).reshape(-1, 3).transpose(0, 1).reshape(3, 1, -1)
     rope = (tuple((c.cuda(), s.cuda()) for c, s in (ft, fh, fw)), tuple(p.cuda() for p in pos.contiguous()))
-    args = dict(hidden_states=torch.randn(B, 4, 4, 16, 16, device="cuda"), timestep=torch.tensor([300, 700]).cuda(),
-                encoder_hidden_states=torch.randn(B, 6, 16, device="cuda"), image_rotary_emb=rope)
+    return model, dict(encoder_hidden_states=torch.randn(B, 6, 16, device="cuda"), image_rotary_emb=rope)
+
+
+def _cosmos_cuda():
+    from diffusers import CosmosTransformer3DModel
+    model = CosmosTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=128,
+                                     num_layers=2, text_embed_dim=16, adaln_lora_dim=8, max_size=(8, 32, 32),
+                                     patch_size=(1, 2, 2), concat_padding_mask=False)
+    return model, dict(encoder_hidden_states=torch.randn(B, 6, 16, device="cuda"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and dsv_ext.has_cuda_kernels()),
+                    reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("name,build,head_dim", [("allegro", _allegro_cuda, 96), ("cosmos", _cosmos_cuda, 128)])
+def test_diffusers_self_attention_models_cuda_stage2(name, build, head_dim, sparse_calls):
+    """Allegro (heads of 96, zero-padded for the kernels where the wgmma kernels run) and Cosmos
+    (heads of 128) on the GPU in bf16: stage 2 runs the sparse kernels, with finite outputs and
+    gradients (their values against float64: test_sparse_attention_cuda.py)."""
+    pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model, args = build()
+    model.cuda()
+    args.update(hidden_states=torch.randn(B, 4, 4, 16, 16, device="cuda"), timestep=torch.tensor([300, 700]).cuda())
     ctl = _cuda_stage2_step(model, args, sparse_calls)
-    assert all(m.head_dim == 96 for _, m in ctl.modules)
-    assert all(shape[-1] == 96 for shape in sparse_calls)
+    assert all(m.head_dim == head_dim for _, m in ctl.modules)
+    assert all(shape[-1] == head_dim for shape in sparse_calls)
