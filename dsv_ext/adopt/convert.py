@@ -13,9 +13,10 @@ Handled (self-attention only; cross-attention is left alone):
      (dsv_ext.app.models.dit.SelfAttention) registers itself this way: it becomes a DSVAttention
      that takes over its qkv / q_norm / k_norm / proj submodules, so the DiT's state_dict keys stay
      the same (plus `attn_core.predictor.*`).
-  3. diffusers' WanTransformer3DModel (any WanAttention with is_cross_attention False): its
-     processor becomes DSVWanAttnProcessor, which calls a SparseAttention registered on the
-     attention module as `attn.dsv_core`. The token grid is read from each forward's input
+  3. diffusers' WanTransformer3DModel and SkyReelsV2Transformer3DModel (any WanAttention /
+     SkyReelsV2Attention with is_cross_attention False): its processor becomes
+     DSVWanAttnProcessor, which calls a SparseAttention registered on the attention module as
+     `attn.dsv_core`. The token grid is read from each forward's input
      (latent frames/height/width divided by the patch size) by a forward pre-hook on the
      transformer, so `grid` is optional there.
 
@@ -136,16 +137,32 @@ def _wan_grid_hook(module, args, kwargs):
     return None
 
 
+# Wan and the models built on its attention (same processor arithmetic): (module, transformer,
+# attention class)
+_WAN_LIKE = [("diffusers.models.transformers.transformer_wan", "WanTransformer3DModel", "WanAttention"),
+             ("diffusers.models.transformers.transformer_skyreels_v2", "SkyReelsV2Transformer3DModel",
+              "SkyReelsV2Attention")]
+
+
 def _convert_wan(model: nn.Module, grid, config: DSVConfig) -> int:
-    try:
-        from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel
-    except Exception:  # diffusers not installed, or no Wan in this version
-        return 0
+    import importlib
     n = 0
-    for top in [m for m in model.modules() if isinstance(m, WanTransformer3DModel)]:
+    for mod_name, top_name, attn_name in _WAN_LIKE:
+        try:
+            mod = importlib.import_module(mod_name)
+            top_cls, attn_cls = getattr(mod, top_name), getattr(mod, attn_name)
+        except Exception:  # diffusers not installed, or no such model in this version
+            continue
+        n += _convert_wan_like(model, grid, config, top_cls, attn_cls)
+    return n
+
+
+def _convert_wan_like(model: nn.Module, grid, config: DSVConfig, top_cls: type, attn_cls: type) -> int:
+    n = 0
+    for top in [m for m in model.modules() if isinstance(m, top_cls)]:
         cores = []
         for name, attn in top.named_modules():
-            if not isinstance(attn, WanAttention) or attn.is_cross_attention:
+            if not isinstance(attn, attn_cls) or attn.is_cross_attention:
                 continue
             if getattr(attn, "added_kv_proj_dim", None) is not None:
                 continue
@@ -277,7 +294,7 @@ def convert(model: nn.Module, grid: Optional[Sequence[int]] = None, config: Opti
                                  "`num_heads` and `head_dim` attributes (on the core or its parent)")
             m.attn_core = _like(SparseAttention(H, D, grid=grid, config=config), m)
         n += 1
-    # 3. diffusers Wan
+    # 3. diffusers Wan, SkyReels-V2
     n += _convert_wan(model, grid, config)
     # 4. diffusers LTX-Video, CogVideoX, HunyuanVideo, Mochi, Allegro, Cosmos
     from .diffusers_models import convert_diffusers_video
@@ -289,9 +306,9 @@ def convert(model: nn.Module, grid: Optional[Sequence[int]] = None, config: Opti
         n += _route_sdpa_modules(model, sdpa_modules, grid, config)
     if n == 0:
         raise ValueError(f"model: no convertible attention found in {type(model).__name__} "
-                         "(expected `.attn_core` modules, the reference DiT, a diffusers Wan, LTX-Video, "
-                         "CogVideoX, HunyuanVideo, Mochi, Allegro or Cosmos transformer, nn.MultiheadAttention, "
-                         "or pass sdpa_modules=(YourAttentionClass,))")
+                         "(expected `.attn_core` modules, the reference DiT, a diffusers Wan, SkyReels-V2, "
+                         "LTX-Video, CogVideoX, HunyuanVideo, Mochi, Allegro or Cosmos transformer, "
+                         "nn.MultiheadAttention, or pass sdpa_modules=(YourAttentionClass,))")
     for name, m in sparse_modules(model):
         m.name = name
         m.config = config
