@@ -1,8 +1,8 @@
-"""Adoption paths on the CPU: dsv_ext.convert on diffusers' Wan, SkyReels-V2, LTX-Video, CogVideoX,
-HunyuanVideo, Mochi, Allegro and Cosmos transformers (tiny random configs), nn.MultiheadAttention
-(batch_first True/False), modules calling F.scaled_dot_product_attention (route_sdpa), joint
-text+video attention against a float64 reference, and save_pretrained -> from_pretrained with
-predictors and controller state.
+"""Adoption paths on the CPU: dsv_ext.convert on diffusers' Wan, Wan VACE, SkyReels-V2, LTX-Video,
+CogVideoX, HunyuanVideo, Mochi, Allegro and Cosmos transformers (tiny random configs),
+nn.MultiheadAttention (batch_first True/False), modules calling F.scaled_dot_product_attention
+(route_sdpa), joint text+video attention against a float64 reference, and save_pretrained ->
+from_pretrained with predictors and controller state.
 
 Stage 1 must be bitwise equal to the unconverted model (outputs and every parameter gradient):
 the converted processors hand SDPA the very tensors the model's own processor builds. Stage 2
@@ -132,6 +132,19 @@ def _skyreels(seed):  # SkyReels-V2: Wan's attention and arguments
     return _wan(seed, "SkyReelsV2Transformer3DModel")
 
 
+def _wan_vace(seed):  # Wan VACE: Wan's blocks plus VACE blocks over control latents
+    import diffusers
+    torch.manual_seed(seed)
+    m = diffusers.WanVACETransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+                                            in_channels=4, out_channels=4, text_dim=16, freq_dim=32, ffn_dim=64,
+                                            num_layers=2, rope_max_seq_len=64, vace_layers=[0], vace_in_channels=6)
+    g = _g(seed + 1)
+    args = dict(hidden_states=torch.randn(B, 4, 2, 8, 12, generator=g), timestep=torch.tensor([300, 700]),
+                encoder_hidden_states=torch.randn(B, 5, 16, generator=g),
+                control_hidden_states=torch.randn(B, 6, 2, 8, 12, generator=g))
+    return m, args
+
+
 def _allegro(seed):
     from diffusers import AllegroTransformer3DModel
     from diffusers.models.embeddings import get_3d_rotary_pos_embed_allegro
@@ -166,6 +179,7 @@ def _cosmos(seed):
 MODELS = {
     "wan": (_wan, ["blocks.0.attn1", "blocks.1.attn1"], 2, "DSVWanAttnProcessor"),
     "skyreels_v2": (_skyreels, ["blocks.0.attn1", "blocks.1.attn1"], 2, "DSVWanAttnProcessor"),
+    "wan_vace": (_wan_vace, ["blocks.0.attn1", "blocks.1.attn1", "vace_blocks.0.attn1"], 3, "DSVWanAttnProcessor"),
     "ltx": (_ltx, ["transformer_blocks.0.attn1", "transformer_blocks.1.attn1"], 2, "DSVLTXAttnProcessor"),
     "cogvideox": (_cogvideox, ["transformer_blocks.0.attn1", "transformer_blocks.1.attn1"], 2,
                   "DSVCogVideoXAttnProcessor"),

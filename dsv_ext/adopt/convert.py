@@ -13,8 +13,9 @@ Handled (self-attention only; cross-attention is left alone):
      (dsv_ext.app.models.dit.SelfAttention) registers itself this way: it becomes a DSVAttention
      that takes over its qkv / q_norm / k_norm / proj submodules, so the DiT's state_dict keys stay
      the same (plus `attn_core.predictor.*`).
-  3. diffusers' WanTransformer3DModel and SkyReelsV2Transformer3DModel (any WanAttention /
-     SkyReelsV2Attention with is_cross_attention False): its processor becomes
+  3. diffusers' WanTransformer3DModel, WanVACETransformer3DModel (its VACE blocks too) and
+     SkyReelsV2Transformer3DModel (any WanAttention / SkyReelsV2Attention with
+     is_cross_attention False): its processor becomes
      DSVWanAttnProcessor, which calls a SparseAttention registered on the attention module as
      `attn.dsv_core`. The token grid is read from each forward's input
      (latent frames/height/width divided by the patch size) by a forward pre-hook on the
@@ -140,6 +141,7 @@ def _wan_grid_hook(module, args, kwargs):
 # Wan and the models built on its attention (same processor arithmetic): (module, transformer,
 # attention class)
 _WAN_LIKE = [("diffusers.models.transformers.transformer_wan", "WanTransformer3DModel", "WanAttention"),
+             ("diffusers.models.transformers.transformer_wan_vace", "WanVACETransformer3DModel", "WanAttention"),
              ("diffusers.models.transformers.transformer_skyreels_v2", "SkyReelsV2Transformer3DModel",
               "SkyReelsV2Attention")]
 
@@ -294,7 +296,7 @@ def convert(model: nn.Module, grid: Optional[Sequence[int]] = None, config: Opti
                                  "`num_heads` and `head_dim` attributes (on the core or its parent)")
             m.attn_core = _like(SparseAttention(H, D, grid=grid, config=config), m)
         n += 1
-    # 3. diffusers Wan, SkyReels-V2
+    # 3. diffusers Wan, Wan VACE, SkyReels-V2
     n += _convert_wan(model, grid, config)
     # 4. diffusers LTX-Video, CogVideoX, HunyuanVideo, Mochi, Allegro, Cosmos
     from .diffusers_models import convert_diffusers_video
@@ -306,8 +308,8 @@ def convert(model: nn.Module, grid: Optional[Sequence[int]] = None, config: Opti
         n += _route_sdpa_modules(model, sdpa_modules, grid, config)
     if n == 0:
         raise ValueError(f"model: no convertible attention found in {type(model).__name__} "
-                         "(expected `.attn_core` modules, the reference DiT, a diffusers Wan, SkyReels-V2, "
-                         "LTX-Video, CogVideoX, HunyuanVideo, Mochi, Allegro or Cosmos transformer, "
+                         "(expected `.attn_core` modules, the reference DiT, a diffusers Wan, Wan VACE, "
+                         "SkyReels-V2, LTX-Video, CogVideoX, HunyuanVideo, Mochi, Allegro or Cosmos transformer, "
                          "nn.MultiheadAttention, or pass sdpa_modules=(YourAttentionClass,))")
     for name, m in sparse_modules(model):
         m.name = name
