@@ -556,8 +556,6 @@ def _wgmma_on(index: int) -> bool:
 
 @torch.compiler.assume_constant_result
 def _cuda_head_dim(index: int, head_dim: int) -> int:
-    if head_dim in (64, 128):
-        return head_dim
     if 64 < head_dim < 128 and _wgmma_on(index):
         return 128
     return next(d for d in _CUDA_HEAD_DIMS if head_dim <= d)
