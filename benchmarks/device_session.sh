@@ -107,7 +107,9 @@ case " $STEPS " in *" infer "*)
   echo "bench_inference rc=$?"; tail -15 "$OUT/infer.log";;
 esac
 case " $STEPS " in *" train "*)
-  timeout ${TRAIN_LIMIT:-330} python3 benchmarks/bench_train.py --out "$OUT/results" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
+  # dsv_prof at the per-block sparsity of the committed long run on real video (when present)
+  m=benchmarks/results/compare-long-video/dsv/metrics.jsonl; prof=""; [ -f $m ] && prof="--sparsity-from $m"
+  timeout ${TRAIN_LIMIT:-330} python3 benchmarks/bench_train.py --out "$OUT/results" $prof ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
   echo "bench_train rc=$?"; tail -15 "$OUT/train.log";;
 esac
 case " $STEPS " in *" er "*)  # equal-recall timings of the committed capture (no training; ~5 min)

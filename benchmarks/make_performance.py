@@ -274,7 +274,37 @@ block (below). {prov}
 ![kernel times](../benchmarks/results/kernels.png)
 
 {_section_merged()}
-{_section_kv_block()}"""
+{_section_kv_block()}
+{_section_padded()}"""
+
+
+def _section_padded():
+    """Heads of 96 padded to the D = 128 kernels against the native D = 96 ones (PERF_LOG v36,
+    results/padded_v36/ab.json): the mean of the two rounds per (mode, G, lists)."""
+    recs = _load("padded_v36/ab.json")
+    means = {}
+    for r in recs:
+        means.setdefault((r["run_D"], r["G"], r["dist"]), []).append(r)
+    def pair(G, dist):
+        n, p = means[(96, G, dist)], means[(128, G, dist)]
+        return (f"G = {G} {dist} {_ms(_mean(n, 'total_ms'))} -> {_ms(_mean(p, 'total_ms'))} ms "
+                f"({_mean(n, 'speedup_vs_cudnn_fwdbwd'):.2f}x -> {_mean(p, 'speedup_vs_cudnn_fwdbwd'):.2f}x cuDNN)")
+    mem = [(_mean(means[(96, G, "random")], "peak_extra_bwd_mib") / 1024,
+            _mean(means[(128, G, "random")], "peak_extra_bwd_mib") / 1024) for G in (128, 64)]
+    r0 = recs[0]
+    return f"""### Heads of other sizes
+
+The grid's D = 96 rows run the kernels compiled for 96 (mma.sync). `dsv_ext.sparse_attention`
+runs such heads zero-padded to 128 on H100 / H200, where the wgmma kernels are faster
+([API.md](API.md#public-python-api-dsv_extopspy-re-exported-from-dsv_ext)); heads the kernels are
+not compiled for (48, 72, 80, 112) run padded the same way. At 64k, 24 heads of 96, sparsity 0.9,
+estimate + forward + backward, native -> padded (the copies included), means of two interleaved
+rounds: {"; ".join(pair(G, d) for G in (128, 64) for d in ("random", "smooth"))}. The price is the
+backward's peak memory above its inputs: {mem[0][0]:.1f} -> {mem[0][1]:.1f} GiB at G = 128,
+{mem[1][0]:.1f} -> {mem[1][1]:.1f} GiB at G = 64
+([results/padded_v36/](../benchmarks/results/padded_v36/ab.md), {r0["run_date"]}, commit
+{r0["run_commit"]}, {r0["run_card"]}).
+"""
 
 
 def _merged():
