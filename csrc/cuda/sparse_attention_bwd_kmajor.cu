@@ -231,7 +231,8 @@ __global__ void __launch_bounds__(128) bwd_kmajor_kernel(const BwdParams<T> p) {
  * bwd_kmajor_kernel. K and V of the block are loaded once; Q and dO of the items go through 2
  * cp.async stages; every tile is a 64-row swizzled tile (wgmma.cuh). Per item:
  *   S^T = K Q^T, dP^T = V dO^T   m64n64k16 x D / 16 each, both operands K-major in shared memory
- *                                (two commit groups: P^T is formed while dP^T is in flight)
+ *                                (two commit groups: P^T is formed while dP^T is in flight, and
+ *                                dV's products are issued before dS^T is formed)
  *   P^T = exp2(S^T scale log2e - lse log2e) on the keys the entry's mask selects, else 0;
  *   dS^T = P^T (dP^T - delta)    in registers (warp w holds keys 16 w .. 16 w + 15, the layout
  *                                of the mma.sync kernel's fragments, so the same code)
@@ -352,7 +353,8 @@ __global__ void __launch_bounds__(128, 2) bwd_kmajor_wg_kernel(const BwdParams<T
       wg_commit();
       wg_wait<1>();
       wg_fence_regs<QC / 2>(&st[0][0]);
-      /* P^T (keys x queries) */
+      /* P^T (keys x queries), and as A fragments (m16n8k16: columns 16 kq .. 16 kq + 15) */
+      uint32_t pa[QC / 16][4], sa[QC / 16][4];
 #pragma unroll
       for (int nt = 0; nt < QC / 8; ++nt) {
         const int col = nt * 8 + (lane & 3) * 2;
@@ -361,11 +363,20 @@ __global__ void __launch_bounds__(128, 2) bwd_kmajor_wg_kernel(const BwdParams<T
         st[nt][1] = kv0 ? fast_exp2(st[nt][1] * p.scale_log2 - l1) : 0.f;
         st[nt][2] = kv1 ? fast_exp2(st[nt][2] * p.scale_log2 - l0) : 0.f;
         st[nt][3] = kv1 ? fast_exp2(st[nt][3] * p.scale_log2 - l1) : 0.f;
+        const int kq = nt >> 1, hf = (nt & 1) * 2;
+        pa[kq][hf] = Elem<T>::pack(st[nt][0], st[nt][1]);
+        pa[kq][hf + 1] = Elem<T>::pack(st[nt][2], st[nt][3]);
       }
-      wg_wait<0>();
+      /* dV += P^T dO, issued before dS^T is formed: it runs while dP^T completes and dS^T is
+       * computed */
+      wg_fence();
+#pragma unroll
+      for (int kq = 0; kq < QC / 16; ++kq)
+        Wgmma<T, D>::rs_bt(&dv[0][0], pa[kq], wg_desc_add(gtdesc0, toff + kq * 2048), 1);
+      wg_commit();
+      wg_wait<1>(); /* dP^T (the older group) */
       wg_fence_regs<QC / 2>(&dpt[0][0]);
-      /* dS^T, and both as A fragments (m16n8k16: columns 16 kq .. 16 kq + 15) */
-      uint32_t pa[QC / 16][4], sa[QC / 16][4];
+      /* dS^T as A fragments */
 #pragma unroll
       for (int nt = 0; nt < QC / 8; ++nt) {
         const int col = nt * 8 + (lane & 3) * 2;
@@ -378,16 +389,11 @@ __global__ void __launch_bounds__(128, 2) bwd_kmajor_wg_kernel(const BwdParams<T
         const float s2 = kv1 ? st[nt][2] * (dpt[nt][2] - d0) : 0.f;
         const float s3 = kv1 ? st[nt][3] * (dpt[nt][3] - d1) : 0.f;
         const int kq = nt >> 1, hf = (nt & 1) * 2;
-        pa[kq][hf] = Elem<T>::pack(st[nt][0], st[nt][1]);
-        pa[kq][hf + 1] = Elem<T>::pack(st[nt][2], st[nt][3]);
         sa[kq][hf] = Elem<T>::pack(s0, s1);
         sa[kq][hf + 1] = Elem<T>::pack(s2, s3);
       }
-      /* dV += P^T dO, dK += dS^T Q */
+      /* dK += dS^T Q */
       wg_fence();
-#pragma unroll
-      for (int kq = 0; kq < QC / 16; ++kq)
-        Wgmma<T, D>::rs_bt(&dv[0][0], pa[kq], wg_desc_add(gtdesc0, toff + kq * 2048), 1);
 #pragma unroll
       for (int kq = 0; kq < QC / 16; ++kq)
         Wgmma<T, D>::rs_bt(&dk[0][0], sa[kq], wg_desc_add(qtdesc0, toff + kq * 2048), 1);
