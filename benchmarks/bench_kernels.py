@@ -526,6 +526,9 @@ def block_case(lib, M, bufs, G, sparsity, blk, reps, gen, token=True):
         both = (out, lse, dq, dk, dv, do, wf, wb)
         r[name + "fwd_ms"] = bench(lambda: _blk_call(lib, M, q, k, v, ix, cn, G, scale, b, fwd), reps)
         r[name + "fwdbwd_ms"] = bench(lambda: _blk_call(lib, M, q, k, v, ix, cn, G, scale, b, both), reps)
+        if PROFILE and not name:
+            profile_bwd(fwd=lambda: None, bwd=lambda: _blk_call(lib, M, q, k, v, ix, cn, G, scale, b, both),
+                        title=f"S={S} D={D} G={G} sparsity={sparsity} kv_block={b}")
         del wf, wb
     return r
 
@@ -622,6 +625,8 @@ def main():
     ap.add_argument("--kv-block", type=int, nargs="+", metavar="B",
                     help="only time block lists of these kv_block sizes (kv_block.json)")
     args = ap.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     if args.kv_block:
         kv_block_times(args.kv_block, args.S or [65536], args.D or [128], args.G or [64],
                        args.sparsity or [0.9], args.reps, args.flex, args.out)
@@ -658,8 +663,7 @@ def main():
     Gs = args.G or Gs
     sps = args.sparsity or sps
     dists = args.dist or dists
-    global PROFILE, KM_RATIO, NATIVE_HEAD_DIMS
-    PROFILE = args.profile
+    global KM_RATIO, NATIVE_HEAD_DIMS
     NATIVE_HEAD_DIMS = args.native_head_dims
     if T.backend() == "ops":
         from dsv_ext.ops import kernel_tuning
