@@ -75,7 +75,7 @@ case " $STEPS " in *" nored "*)  # the 128-row backward with and without its dK 
 esac
 case " $STEPS " in *" topk "*)  # top-K estimation under kernel tunings (TOPK_TUNINGS), interleaved
   mkdir -p "$OUT/topk"
-  for r in 1 2; do for grp in 128 64; do for t in ${TOPK_TUNINGS:-tk_split=1 tk_split=2}; do
+  for r in 1 2; do for grp in ${TOPK_GROUPS:-128 64}; do for t in ${TOPK_TUNINGS:-tk_split=1 tk_split=2}; do
     DSV_KERNEL_TUNING=$t timeout ${TOPK_LIMIT:-60} python3 benchmarks/bench_topk.py --heads 24 --group $grp \
       --shapes ${TOPK_SHAPES:-65536:0.1,65536:0.46,16384:0.1,131072:0.1} --json "$OUT/topk/g${grp}_${t}_$r.json" \
       > "$OUT/topk_g${grp}_${t}_$r.log" 2>&1

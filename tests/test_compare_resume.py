@@ -112,6 +112,16 @@ def test_report_only_of_unfinished_runs(tmp_path, capsys):
     md = open(tmp_path / "compare.md").read()
     assert "Unfinished runs: full attention at step" in md and "validation loss at step 2" in md
     assert os.path.exists(tmp_path / "dense" / "ckpt_last.pt")  # kept: the run can still resume
+    # each run records the commit it trained at; runs of different commits are reported as such
+    from dsv_ext._buildcheck import source_commit
+    assert rep["commits"] == {"dense": source_commit(), "dsv": source_commit()}
+    assert f"trained at commit {source_commit()}." in md
+    summary = json.load(open(tmp_path / "dense" / "summary.json"))
+    summary["commit"] = "0000000"
+    json.dump(summary, open(tmp_path / "dense" / "summary.json", "w"))
+    assert main(["--config", str(cfg_path), "--out", str(tmp_path), "--device", "cpu", "--report-only"]) == 0
+    md = open(tmp_path / "compare.md").read()
+    assert f"trained at commit 0000000 (full attention) and {source_commit()} (DSV)" in md
 
 
 @needs_dsv

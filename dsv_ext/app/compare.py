@@ -249,6 +249,18 @@ def _summaries(out_dir: str) -> Dict[str, Dict[str, Any]]:
     return out
 
 
+def _provenance_line(res: Dict[str, Any]) -> str:
+    """'Reported <date> UTC; trained at commit X' (or the commit of each run when they differ:
+    runs trained in chunks at different times, see dsv_ext.app.train's summary)."""
+    c = res.get("commits") or {}
+    cd, cs = c.get("dense"), c.get("dsv")
+    if cd and cs and cd != cs:
+        code = f"trained at commit {cd} (full attention) and {cs} (DSV)"
+    else:
+        code = f"trained at commit {cd or cs}" if (cd or cs) else "commit not recorded"
+    return f"Reported {res.get('date_utc')} UTC; {code}."
+
+
 def write_report(res: Dict[str, Any], out_dir: str) -> None:
     """compare.md, compare.png (with matplotlib) and compare.json of a report into out_dir."""
     write_table(res, os.path.join(out_dir, "compare.md"))
@@ -383,6 +395,7 @@ def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[st
         "complete": complete,
         "last_steps": last,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "commits": {"dense": d.get("commit"), "dsv": s.get("commit")},
         "card": (torch.cuda.get_device_name() if str(d.get("device", "")).startswith("cuda")
                  and torch.cuda.is_available() else None),
         "torch": torch.__version__,
@@ -544,7 +557,7 @@ def write_table(res: Dict[str, Any], path: str) -> None:
          f"{steps_txt}, {res['tokens_per_sample']} tokens per video, "
          f"batch {d['batch_size']}, device `{res['device']}`"
          + (f" ({res['card']})" if res.get("card") else "") + "; same model init, data, noise "
-         f"and seed. DSV switched to stage 2 at step {fmt(res['switch_step'])}.", "",
+         f"and seed. DSV switched to stage 2 at step {fmt(res['switch_step'])}. {_provenance_line(res)}", "",
          "| | full attention | DSV |", "|---|---|---|"] + val_rows + [
          f"| final training loss (last log window) | {fmt(d['final_train_loss'])} | {fmt(s['final_train_loss'])} |",
          f"| throughput, whole run (tokens/s) | {fmt(d['tokens_per_s'], 0)} | {fmt(s['tokens_per_s'], 0)} |",

@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .._buildcheck import source_commit
 from .cli import check_numeric_args, run_command
 from .common import (BatchStream, TrainConfig, ValidationSet, autocast, build_model, flow_matching_loss,
                      inference_state_dict, init_context_parallel, load_config, resolve_device, validation_loss,
@@ -635,6 +636,9 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         "stage2_steps": round(stage2_tokens / (tcfg.batch_size * tokens_per_sample)),
         "parameters": sum(p.numel() for p in params),
         "context_parallel_ranks": cp_world if context_parallel else None,
+        # the code this run (its last chunk, when resumed) trained with: the provenance of a
+        # comparison whose runs were trained at different times
+        "commit": source_commit(), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         **{f"dsv_{k}": v for k, v in st.items()},
     }
     if writer:
