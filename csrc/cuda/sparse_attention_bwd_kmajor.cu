@@ -229,7 +229,8 @@ __global__ void __launch_bounds__(128) bwd_kmajor_kernel(const BwdParams<T> p) {
 /* Key-major kernel on wgmma (sm_90a): one warpgroup (4 warps) per 64-key block, the same
  * (group, mask) entries and work items (entry, chunk of 64 of the group's queries) as
  * bwd_kmajor_kernel. K and V of the block are loaded once; Q and dO of the items go through 2
- * cp.async stages; every tile is a 64-row swizzled tile (wgmma.cuh). Per item:
+ * cp.async stages, the next item's issued while the item's score products run (one barrier per
+ * item); every tile is a 64-row swizzled tile (wgmma.cuh). Per item:
  *   S^T = K Q^T, dP^T = V dO^T   m64n64k16 x D / 16 each, both operands K-major in shared memory
  *                                (two commit groups: P^T is formed while dP^T is in flight, and
  *                                dV's products are issued before dS^T is formed)
@@ -329,28 +330,33 @@ __global__ void __launch_bounds__(128, 2) bwd_kmajor_wg_kernel(const BwdParams<T
   const uint64_t qtdesc0 = wg_desc(smem_u32(Qs), QC * 128, 1024);
   const uint64_t gtdesc0 = wg_desc(smem_u32(dOs), QC * 128, 1024);
 
+  /* One barrier per item: it follows this thread's wait for the item's loads and its wait for the
+   * previous item's products, so after it the item's tiles are visible to the tensor cores and
+   * the other stage (the previous item's) is free for the next item's loads. */
   for (int it = 0; it < nitems; ++it) {
     const int bf = it & 1;
-    if (it + 1 < nitems) {
-      issue(it + 1, bf ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    cp_async_wait<0>();       /* item it's loads, issued during the previous item */
     fence_proxy_async_smem(); /* this thread's cp.async writes -> visible to the tensor cores */
     __syncthreads();
     const unsigned long long mask = __ldg(em + it / cpg);
-    if (mask != 0ull) { /* uniform over the CTA */
+    if (mask == 0ull) { /* uniform over the CTA: nothing to compute, the next item's loads */
+      if (it + 1 < nitems) issue(it + 1, bf ^ 1);
+      cp_async_commit();
+    } else {
+      /* (the products are waited for in the branch that issues them: ptxas serializes wgmma
+       * otherwise, C7514) */
       const uint32_t toff = bf * TE * 2;
-      const float* ls = lse2 + bf * QC;
-      const float* dl = dlt + bf * QC;
-      const bool kv0 = (mask >> kr0) & 1ull, kv1 = (mask >> kr1) & 1ull;
       wg_fence();
       bwg_scores<T, D, QC>(st, kdesc, wg_desc_add(qdesc0, toff));
       wg_commit();
       bwg_scores<T, D, QC>(dpt, vdesc, wg_desc_add(gdesc0, toff));
       wg_commit();
+      /* the next item's loads (their address work) while S^T and dP^T run */
+      if (it + 1 < nitems) issue(it + 1, bf ^ 1);
+      cp_async_commit();
+      const float* ls = lse2 + bf * QC;
+      const float* dl = dlt + bf * QC;
+      const bool kv0 = (mask >> kr0) & 1ull, kv1 = (mask >> kr1) & 1ull;
       wg_wait<1>();
       wg_fence_regs<QC / 2>(&st[0][0]);
       /* P^T (keys x queries), and as A fragments (m16n8k16: columns 16 kq .. 16 kq + 15) */
@@ -402,7 +408,6 @@ __global__ void __launch_bounds__(128, 2) bwd_kmajor_wg_kernel(const BwdParams<T
       wg_fence_regs<D / 2>(&dv[0][0]);
       wg_fence_regs<D / 2>(&dk[0][0]);
     }
-    __syncthreads();
   }
   cp_async_wait<0>();
 
