@@ -9,7 +9,8 @@
  *
  * One warpgroup (4 warps, 128 threads) per chunk of 64 queries of a group, the forward's recipe
  * (sparse_attn_fwd_wg_kernel): Q and dO tiles and the gathered K / V tiles (64 keys, 2 cp.async
- * stages, KeyGather's fixed per-thread plan) stored 128-byte swizzled (wgmma.cuh). Per key tile:
+ * stages, KeyGather's fixed per-thread plan; at D = 128 the next tile's gather is issued while S
+ * and dP run) stored 128-byte swizzled (wgmma.cuh). Per key tile:
  *   S = Q K^T, dP = dO V^T     m64n64k16 x D / 16 each, both operands K-major in shared memory
  *   P = exp2(S scale log2e - lse log2e), dS = P (dP - delta)    in registers, as mma.sync does
  *   dQ += dS K                 m64nDk16 x 4, dS from registers, K the transposed (MN-major) B
@@ -209,10 +210,12 @@ __device__ __forceinline__ void bwg_tile_scores(IX& ix, const int* list, int j0,
                                                 uint64_t dodesc, uint64_t kdesc0, uint64_t vdesc0,
                                                 float (&s)[BN / 8][4], float (&dp)[BN / 8][4]) {
   constexpr uint32_t KB = BN * D * 2; /* bytes of a K or V tile */
-  cp_async_wait<NS - 2>();
-  fence_proxy_async_smem(); /* this thread's cp.async writes -> visible to the tensor cores */
-  __syncthreads();
-  {
+  /* tile t + NS - 1 into the stage of tile t - 1 (its products finished before the barrier
+   * below); at D = 128 issued after S and dP, so that its address work runs under them (at
+   * D = 64 before them: there the registers it holds during the products would cost a CTA per
+   * SM) */
+  constexpr bool LATE = D == 128;
+  auto next_tile = [&]() {
     const int tn = t + NS - 1;
     if (tn < ntiles) {
       const int nb = tn % NS;
@@ -220,12 +223,17 @@ __device__ __forceinline__ void bwg_tile_scores(IX& ix, const int* list, int j0,
       ix.load(list, j0 + (tn + 1) * BN, j1);
     }
     cp_async_commit();
-  }
+  };
+  cp_async_wait<NS - 2>();
+  fence_proxy_async_smem(); /* this thread's cp.async writes -> visible to the tensor cores */
+  __syncthreads();
+  if constexpr (!LATE) next_tile();
   const uint32_t toff = (t % NS) * KB;
   wg_fence();
   bwg_scores<T, D, BN>(s, qdesc, wg_desc_add(kdesc0, toff));
   bwg_scores<T, D, BN>(dp, dodesc, wg_desc_add(vdesc0, toff));
   wg_commit();
+  if constexpr (LATE) next_tile();
   bwg_scores_wait<BN>(s, dp);
 }
 

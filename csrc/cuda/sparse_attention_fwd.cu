@@ -381,8 +381,8 @@ __device__ __forceinline__ void wg_pv(float (&o)[D / 8][4], const float (&s)[BN 
  * as with ldmatrix + mma.sync. The online softmax and the epilogue are those of the kernel
  * above (the accumulator fragments have the same layout). cp.async writes the tiles, so each
  * thread fences them to the async proxy before the barrier that precedes the MMAs. Per tile:
- * gather-wait, S, softmax, P V, one after the other; the other CTAs on the SM (4 with 32-key
- * tiles) fill the gaps. (Computing the scores of tile t + 1 during the softmax of tile t, with
+ * gather-wait, S (the next tile's gather issued while S runs), softmax, P V, one after the
+ * other; the other CTAs on the SM (4 with 32-key tiles) fill the gaps. (Computing the scores of tile t + 1 during the softmax of tile t, with
  * two score register sets and more stages, measured slower: fewer CTAs fit; PERF_LOG v6.)
  * WG = 2 (groups of a multiple of 128 queries, the tuning's g128): 256 threads, 128 rows per
  * CTA, warpgroup w owning rows 64 w .. 64 w + 63 (its own Q tile) and both on one K / V
@@ -460,6 +460,9 @@ __global__ void __launch_bounds__(128 * WG, MINB) sparse_attn_fwd_wg_kernel(cons
     fence_proxy_async_smem(); /* this thread's cp.async writes -> visible to the tensor cores */
     __syncthreads();          /* tile t landed; every warpgroup is done with the stage refilled
                                  below (each waited for its MMAs of tile t - 1) */
+    wg_fence();
+    wg_scores<T, D, BN>(s, qdesc, wg_desc_add(kdesc0, buf * KE * 2));
+    wg_commit();
     {
       const int tn = t + NS - 1;
       if (tn < ntiles) {
@@ -469,9 +472,6 @@ __global__ void __launch_bounds__(128 * WG, MINB) sparse_attn_fwd_wg_kernel(cons
       }
       cp_async_commit();
     }
-    wg_fence();
-    wg_scores<T, D, BN>(s, qdesc, wg_desc_add(kdesc0, buf * KE * 2));
-    wg_commit();
     wg_wait<0>();
     wg_fence_regs<BN / 2>(&s[0][0]);
     float a0, a1;
