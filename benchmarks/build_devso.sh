@@ -16,6 +16,7 @@ if [ $# -ge 1 ]; then
 else
   git ls-files -co --exclude-standard | grep -v '^\.devso' | tar cf - -T - | tar xf - -C "$tmp"
   dest=.devso
+  hash=$(cd "$tmp" && find csrc setup.py -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)
 fi
 (cd "$tmp" && MAX_JOBS=${MAX_JOBS:-2} DSV_BUILD_CUDA=1 python3 setup.py -q build_ext --inplace > build.log 2>&1) ||
   { tail -30 "$tmp/build.log"; exit 1; }
@@ -27,7 +28,7 @@ if [ $# -ge 1 ]; then
   git rev-parse --short "$1" > $dest/commit
   echo "built $dest/_C.abi3.so.xz from commit $(cat $dest/commit)"
 else
-  bash benchmarks/csrc_hash.sh > $dest/csrc.sha256
+  echo "$hash" > $dest/csrc.sha256  # of the copy built (the tree may have changed since)
   echo "built $dest/_C.abi3.so.xz for csrc $(cat $dest/csrc.sha256)"
 fi
 rm -rf "$tmp"
