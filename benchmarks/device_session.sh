@@ -59,7 +59,7 @@ case " $STEPS " in *" tun "*)  # the attention kernels under kernel tunings (TUN
   for r in 1 2; do for t in ${TUNINGS:-g128=0 g128=1}; do
     n=$(echo "$t" | tr '=,' '__')
     DSV_KERNEL_TUNING=$t timeout ${AB_LIMIT:-100} $AB --out "$OUT/tun/${n}_$r" > "$OUT/tun_${n}_$r.log" 2>&1
-    echo "tun $t run $r rc=$?"; grep -E "^\| [0-9]" "$OUT/tun/${n}_$r/kernels.md" 2>/dev/null | cut -c1-160
+    echo "tun $t run $r rc=$?"; cat "$OUT/tun/${n}_$r/"*.md 2>/dev/null | grep -E "^\| [0-9]" | cut -c1-160
   done; done;;
 esac
 case " $STEPS " in *" nored "*)  # the 128-row backward with and without its dK / dV reductions
