@@ -30,13 +30,15 @@ case " $STEPS " in *" bench "*)
   echo "bench rc=$?"; grep -v '^{' "$OUT/bench.log" | tail -12;;
 esac
 case " $STEPS " in *" ab "*)  # the attention kernels before (.devso-before) and after, interleaved, same call
-  # (AB_ARGS with --kv-block: the block-list table, kv_block.md)
+  # (AB_ARGS with --kv-block: the block-list table, kv_block.md; AB_TUNING: a third arm, the
+  # after build under DSV_KERNEL_TUNING=$AB_TUNING)
   devso_unpack .devso-before
   if [ -f .devso-before/_C.abi3.so ]; then
     AB="python3 benchmarks/bench_kernels.py ${AB_ARGS:---S 65536 --D 128 --G 64 --sparsity 0.9 --dist random smooth --dense cudnn} --reps 5"
-    for r in 1 2; do for w in before after; do
+    for r in 1 2; do for w in before after ${AB_TUNING:+tuned}; do
       lib=$PWD/dsv_ext/_C.abi3.so; [ $w = before ] && lib=$PWD/.devso-before/_C.abi3.so
-      DSV_ATTN_LIB=$lib timeout ${AB_LIMIT:-100} $AB --out "$OUT/ab/$w$r" > "$OUT/ab_$w$r.log" 2>&1
+      tun=""; [ $w = tuned ] && tun=$AB_TUNING
+      DSV_KERNEL_TUNING=$tun DSV_ATTN_LIB=$lib timeout ${AB_LIMIT:-100} $AB --out "$OUT/ab/$w$r" > "$OUT/ab_$w$r.log" 2>&1
       echo "ab $w$r rc=$?"; cat "$OUT/ab/$w$r/"*.md 2>/dev/null | grep -E "^\| [0-9]" | cut -c1-160
     done; done
   else echo "ab: no .devso-before (bash benchmarks/build_devso.sh REV)"; fi;;
