@@ -285,6 +285,7 @@ def _section_padded():
     means = {}
     for r in recs:
         means.setdefault((r["run_D"], r["G"], r["dist"]), []).append(r)
+
     def pair(G, dist):
         n, p = means[(96, G, dist)], means[(128, G, dist)]
         return (f"G = {G} {dist} {_ms(_mean(n, 'total_ms'))} -> {_ms(_mean(p, 'total_ms'))} ms "

@@ -210,8 +210,8 @@ __device__ __forceinline__ void bwg_tile_scores(IX& ix, const int* list, int j0,
                                                 uint64_t dodesc, uint64_t kdesc0, uint64_t vdesc0,
                                                 float (&s)[BN / 8][4], float (&dp)[BN / 8][4]) {
   constexpr uint32_t KB = BN * D * 2; /* bytes of a K or V tile */
-  /* tile t + NS - 1 into the stage of tile t - 1 (its products finished before the barrier
-   * below); at D = 128 issued after S and dP, so that its address work runs under them (at
+  /* tile t + NS - 1 into the stage of tile t - 1 (its products finished before this tile's
+   * barrier); at D = 128 issued after S and dP, so that its address work runs under them (at
    * D = 64 before them: there the registers it holds during the products would cost a CTA per
    * SM) */
   constexpr bool LATE = D == 128;

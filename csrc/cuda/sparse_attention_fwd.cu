@@ -382,8 +382,9 @@ __device__ __forceinline__ void wg_pv(float (&o)[D / 8][4], const float (&s)[BN 
  * above (the accumulator fragments have the same layout). cp.async writes the tiles, so each
  * thread fences them to the async proxy before the barrier that precedes the MMAs. Per tile:
  * gather-wait, S (the next tile's gather issued while S runs), softmax, P V, one after the
- * other; the other CTAs on the SM (4 with 32-key tiles) fill the gaps. (Computing the scores of tile t + 1 during the softmax of tile t, with
- * two score register sets and more stages, measured slower: fewer CTAs fit; PERF_LOG v6.)
+ * other; the other CTAs on the SM (4 with 32-key tiles) fill the gaps. (Computing the scores
+ * of tile t + 1 during the softmax of tile t, with two score register sets and more stages,
+ * measured slower: fewer CTAs fit; PERF_LOG v6.)
  * WG = 2 (groups of a multiple of 128 queries, the tuning's g128): 256 threads, 128 rows per
  * CTA, warpgroup w owning rows 64 w .. 64 w + 63 (its own Q tile) and both on one K / V
  * pipeline gathered by all 256 threads, so each key tile is copied once for 128 rows instead of
