@@ -69,6 +69,9 @@ PATHS = {
     "qmajor3": "km_ratio=0,bwd_ranges=3",     # the same split into 3 key ranges
     "qmajor_a4": "km_ratio=0,bwd_rmax=4",     # the automatic per-head ranges, at most 4 (scattered
                                               # lists 4, coherent 2: what long sequences get)
+    "qmajor_l2": "km_ratio=0,l2_bytes=65536",  # the automatic rule from a small L2: its most
+                                              # ranges (8; G = 64 at D = 128 reaches it a size
+                                              # earlier, PERF_LOG v37) at the tests' lengths
     "kmajor": "km_ratio=1e9,bwd_ranges=1",    # key-major wherever allowed (dQ and dK / dV passes
                                               # on wgmma where they apply: D 64 / 128, G >= 64,
                                               # H100 / H200; km_wgmma=1, the default, PERF_LOG v14)
