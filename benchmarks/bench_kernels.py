@@ -298,12 +298,18 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
         out, lse = fwd()
         bwd = lambda: T.attn_bwd(do, q, k, v, out, lse, kv_index, cnt, G, scale)  # noqa: E731
     else:  # what dsv_ext.sparse_attention does (ops._PaddedHeads), the copies timed too
-        pad = lambda t: F.pad(t, (0, dim - D))  # noqa: E731
-        fwd = lambda: (lambda o: (o[0][..., :D].contiguous(), o[1]))(  # noqa: E731
-            T.attn_fwd(pad(q), pad(k), pad(v), kv_index, cnt, G, scale))
+        def pad(t):
+            return F.pad(t, (0, dim - D))
+
+        def fwd():
+            o, l = T.attn_fwd(pad(q), pad(k), pad(v), kv_index, cnt, G, scale)
+            return o[..., :D].contiguous(), l
+
         out, lse = fwd()
-        bwd = lambda: [g[..., :D] for g in T.attn_bwd(  # noqa: E731
-            pad(do), pad(q), pad(k), pad(v), pad(out), lse, kv_index, cnt, G, scale)]
+
+        def bwd():
+            return [g[..., :D] for g in T.attn_bwd(pad(do), pad(q), pad(k), pad(v), pad(out), lse,
+                                                    kv_index, cnt, G, scale)]
     torch.cuda.synchronize()
     fwd_ms = bench(fwd, reps)
     torch.cuda.reset_peak_memory_stats()
