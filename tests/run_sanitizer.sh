@@ -9,7 +9,7 @@
 #              forces a backward path (query-major with 1 / 3 key ranges (also under racecheck:
 #              the line reductions' slabs), the automatic ranges, its 64-row pass on mma.sync,
 #              key-major; mma.sync instead of wgmma; the key-major dK / dV pass on mma.sync, or
-#              on wgmma for 16-key block lists too, or with its L2 prefetch (km_prefetch);
+#              on wgmma for 16-key block lists too;
 #              merged groups everywhere their lists allow,
 #              with 1 / 3 key ranges, with several builder windows, and under racecheck), the
 #              tuning being read once per process; the
@@ -43,7 +43,6 @@ for step in $STEPS; do
                km_ratio=0,qm_wgmma=0 racecheck:km_ratio=0,bwd_ranges=3 \
                km_ratio=1e9,bwd_ranges=1 km_ratio=0,wgmma=0 km_ratio=1e9,wgmma=0 \
                km_ratio=1e9,bwd_ranges=1,km_wgmma=1 km_ratio=1e9,bwd_ranges=1,km_wgmma=2 \
-               km_ratio=1e9,bwd_ranges=1,km_wgmma=1,km_prefetch=1 \
                km_ratio=0,merge=1,bwd_ranges=1 km_ratio=0,merge=1,bwd_ranges=3 \
                km_ratio=0,merge=1,merge_window=64 racecheck:km_ratio=0,merge=1 \
                tk_gpw=16 racecheck:tk_gpw=16 tk_sample=0 tk_split=2 racecheck:tk_split=2}; do

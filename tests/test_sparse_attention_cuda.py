@@ -75,8 +75,6 @@ PATHS = {
     "kmajor": "km_ratio=1e9,bwd_ranges=1",    # key-major wherever allowed (dQ and dK / dV passes
                                               # on wgmma where they apply: D 64 / 128, G >= 64,
                                               # H100 / H200; km_wgmma=1, the default, PERF_LOG v14)
-    "kmajor_pf": "km_ratio=1e9,bwd_ranges=1,km_prefetch=1",  # the same, the wgmma key-major
-                                              # pass prefetching a later item's rows (v38)
     "kmajor_kmma": "km_ratio=1e9,bwd_ranges=1,km_wgmma=0",  # the same with the key-major dK / dV
                                               # pass on mma.sync (dQ still on wgmma)
     "kmajor_mma": "km_ratio=1e9,wgmma=0",     # the same on mma.sync only (forward included)

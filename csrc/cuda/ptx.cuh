@@ -113,11 +113,6 @@ static __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-/* A hint: fetch the 128-byte line of global address p into L2 (no register, no completion). */
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-}
-
 /* ---------------------------------------------------------------------------------------- */
 /* Bulk asynchronous reductions (sm_90): the TMA unit adds `bytes` (a multiple of 16) of fp32
  * from shared memory into global memory (both 16-byte aligned); the issuing thread goes on at

@@ -359,7 +359,6 @@ static int bwd_run(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k, dsv_bshd v,
   prm.km_enabled = L.km_enabled && ratio > 0.f;
   prm.g128 = tun->g128;
   prm.qm_wgmma = tun->qm_wgmma;
-  prm.km_prefetch = tun->km_prefetch;
   prm.uidx = L.ucap > 0 ? (int*)(ws + L.uidx) : nullptr;
   prm.ucnt = L.ucap > 0 ? (int*)(ws + L.ucnt) : nullptr;
   prm.knf = L.ucap > 0 ? (int*)(ws + L.knf) : nullptr;

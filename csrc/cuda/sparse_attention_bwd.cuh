@@ -57,7 +57,6 @@ struct BwdParams {
   int* bnsorted;  /* [B, H, NG] how many */
   int g128;       /* the tuning's g128: groups of a multiple of 128 rows on bwd_wg128_kernel */
   int qm_wgmma;   /* the tuning's qm_wgmma: the other groups' dK / dV pass on bwd_wg_kernel */
-  int km_prefetch; /* the tuning's km_prefetch: bwd_kmajor_wg_kernel prefetches a later item */
   /* merged groups (the tuning's merge, merged_groups.cuh; built by union_build_kernel, run by
    * bwd_wg128_kernel): the groups of G = 16, 32 or 64 queries of each 128-query block u run as
    * one 128-row CTA over the union of their lists where it is short enough */

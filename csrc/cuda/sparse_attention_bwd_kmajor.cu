@@ -308,22 +308,8 @@ __global__ void __launch_bounds__(128, 2) bwd_kmajor_wg_kernel(const BwdParams<T
     }
   };
 
-  /* with the tuning's km_prefetch: the L2 lines of the Q and dO rows of item `it` (loaded into
-   * shared memory an item later), D / 64 lines per row */
-  auto prefetch = [&](int it) {
-    constexpr int LPR = D / 64;
-    const int e = it / cpg, c = it - e * cpg;
-    const int g = __ldg(eg + e);
-    const int row = g * p.G + c * QC + tid / LPR;
-    if (tid / LPR < QC && row < min(g * p.G + p.G, p.S)) {
-      prefetch_l2(qbase + (int64_t)row * p.qs + (tid % LPR) * 64);
-      prefetch_l2(gbase + (int64_t)row * p.gs + (tid % LPR) * 64);
-    }
-  };
-
   if (nitems > 0) issue(0, 0);
   cp_async_commit();
-  if (p.km_prefetch && nitems > 1) prefetch(1);
 
   float dk[D / 8][4], dv[D / 8][4];
   float st[QC / 8][4], dpt[QC / 8][4];
@@ -356,7 +342,6 @@ __global__ void __launch_bounds__(128, 2) bwd_kmajor_wg_kernel(const BwdParams<T
     if (mask == 0ull) { /* uniform over the CTA: nothing to compute, the next item's loads */
       if (it + 1 < nitems) issue(it + 1, bf ^ 1);
       cp_async_commit();
-      if (p.km_prefetch && it + 2 < nitems) prefetch(it + 2);
     } else {
       /* (the products are waited for in the branch that issues them: ptxas serializes wgmma
        * otherwise, C7514) */
@@ -369,7 +354,6 @@ __global__ void __launch_bounds__(128, 2) bwd_kmajor_wg_kernel(const BwdParams<T
       /* the next item's loads (their address work) while S^T and dP^T run */
       if (it + 1 < nitems) issue(it + 1, bf ^ 1);
       cp_async_commit();
-      if (p.km_prefetch && it + 2 < nitems) prefetch(it + 2);
       const float* ls = lse2 + bf * QC;
       const float* dl = dlt + bf * QC;
       const bool kv0 = (mask >> kr0) & 1ull, kv1 = (mask >> kr1) & 1ull;

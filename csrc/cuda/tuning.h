@@ -34,9 +34,6 @@ typedef struct dsv_tuning {
                        query-major pass with dK / dV reductions of the groups not on the 128-row
                        kernel (G not a multiple of 128, or g128 0) on the 64-row wgmma kernel,
                        its reductions as whole 128-byte lines (the default), 0 on mma.sync */
-  int km_prefetch;  /* the wgmma key-major pass: 1 prefetches into L2 the Q and dO rows of the
-                       work item after the next (the next one is loaded into shared memory
-                       meanwhile), 0 not (the default) */
   float km_ratio;   /* backward: a head takes the key-major dK / dV pass when its lists' 64-key
                        block entries x 64 <= km_ratio x groups x K (0: never) */
   float merge;      /* groups of 16, 32 or 64 queries where the 128-row kernels run (wgmma and
