@@ -27,8 +27,11 @@ BUILD_LIMIT=${BUILD_LIMIT:-240} ensure_ext || exit 1
 python3 -c "import dsv_ext, torch; print('torch', torch.__version__, 'CUDA kernels:', dsv_ext.has_cuda_kernels())"
 case " $STEPS " in *" tests "*)
   eval "targs=(${TEST_ARGS:-})"  # shell words: TEST_ARGS='-k "a and b"' keeps "a and b" one argument
-  DSV_TEST_FAST=1 timeout ${TEST_LIMIT:-420} python3 -m pytest -q -p no:cacheprovider -rf --durations=30 "${targs[@]}" ${TESTS:-tests} > "$OUT/tests.log" 2>&1
-  echo "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20; grep -E "^[0-9.]+s (call|setup)" "$OUT/tests.log" | head -8; tail -1 "$OUT/tests.log";;
+  # -v: each test's line as it ends, so that a run cut by the limit still tells what passed
+  DSV_TEST_FAST=1 timeout ${TEST_LIMIT:-420} python3 -m pytest -v -p no:cacheprovider -rf --durations=30 "${targs[@]}" ${TESTS:-tests} > "$OUT/tests.log" 2>&1
+  rc=$?; echo "tests rc=$rc"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20; grep -E "^[0-9.]+s (call|setup)" "$OUT/tests.log" | head -8
+  [ $rc = 124 ] && echo "cut by TEST_LIMIT after $(grep -c ' PASSED' "$OUT/tests.log") passed; the last: $(grep -E ' (PASSED|FAILED|SKIPPED|ERROR)' "$OUT/tests.log" | tail -1 | cut -c1-150)"
+  tail -1 "$OUT/tests.log";;
 esac
 case " $STEPS " in *" bench "*)
   timeout ${BENCH_LIMIT:-90} python3 benchmarks/bench_kernels.py ${BENCH_ARGS:---quick} --out "$OUT/results" > "$OUT/bench.log" 2>&1

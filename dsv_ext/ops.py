@@ -63,7 +63,7 @@ def has_cuda_kernels() -> bool:
 # the keys that DSV_KERNEL_TUNING may set (csrc/cuda/tuning.cu)
 KERNEL_TUNING_KEYS = ("sm_count", "l2_bytes", "wgmma", "km_wgmma", "g128", "qm_wgmma",
                       "km_ratio", "merge", "merge_window", "bwd_ranges", "bwd_rmax", "tk_gpw", "tk_sample",
-                      "tk_split")
+                      "tk_band", "tk_split")
 
 
 def _check_tuning_env() -> None:
@@ -106,7 +106,10 @@ def kernel_tuning(device=None) -> dict:
     ``bwd_ranges`` / ``bwd_rmax`` (the backward's key ranges: forced count / the automatic
     rule's most; 0 = automatic), ``tk_gpw`` (the top-K estimation's query groups per warp: 16,
     8, or 0, the default: automatic), ``tk_sample`` (1, the default: the estimation locates each
-    group's threshold from a 1/16 sample of the keys first; 0: radix passes only), ``tk_split``
+    group's threshold from a 1/16 sample of the keys first; 0: radix passes only), ``tk_band``
+    (1, the default: the band pass stores its keys without a histogram, built from the stored
+    keys afterwards, where they fit the buffer with room; 2: wherever they are stored; 0: the
+    band pass always counts), ``tk_split``
     (1: one CTA per set of query groups; 2: clusters of two CTAs, each scoring half of the keys;
     0, the default: automatic).
     It is chosen once per device; the environment variable

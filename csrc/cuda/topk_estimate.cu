@@ -82,6 +82,10 @@
 #define TK_HIST 1    /* 256-bin histogram of [lo, hi] */
 #define TK_BAND 2    /* band histogram: bins 1..254 from lo = T_lo, bin 255 above top */
 #define TK_COLLECT 3 /* append every key of [lo, hi] to the slab */
+/* a pass kind, not a group's mode: the band pass of TK_BAND groups without its histogram (the
+ * keys of the band stored, those above counted); the histogram then comes from the band buffer
+ * (dsv_tk_band_hist) */
+#define TK_BANDS 4
 
 struct dsv_topk_args {
   const void* q;
@@ -93,6 +97,7 @@ struct dsv_topk_args {
   int tiles_per_bh;
   int kvec;
   int sample; /* tuning tk_sample */
+  int band;   /* tuning tk_band */
 };
 
 /* per-group selection state of a CTA of GPC groups (shared memory) */
@@ -246,12 +251,13 @@ static __device__ __forceinline__ dsv_tk_prm dsv_tk_load(dsv_tk_groups<GPC>& gs,
                                                          int g, bool valid, uint32_t* brow,
                                                          int64_t kmax, uint32_t seg) {
   dsv_tk_prm p;
-  const bool on = valid && gs.mode[g] == MODE;
+  constexpr int GM = MODE == TK_BANDS ? TK_BAND : MODE; /* the groups' mode */
+  const bool on = valid && gs.mode[g] == GM;
   const uint32_t lo = on ? gs.lo[g] : 0u;
-  const uint32_t last = on ? (MODE == TK_BAND ? gs.top[g] : gs.hi[g]) : 0u;
+  const uint32_t last = on ? (GM == TK_BAND ? gs.top[g] : gs.hi[g]) : 0u;
   p.lo = lo;
   p.span = last - lo;
-  p.on = on && (MODE == TK_BAND || lo <= last) ? 1u : 0u;
+  p.on = on && (GM == TK_BAND || lo <= last) ? 1u : 0u;
   p.top = on ? gs.top[g] : 0xFFFFFFFFu;
   p.s = on ? gs.s[g] : 0;
   p.cslab = hist + (valid ? g : 0) * TK_BINS;
@@ -271,7 +277,8 @@ static __device__ __forceinline__ dsv_tk_prm dsv_tk_load(dsv_tk_groups<GPC>& gs,
  * HIST: bin d >> s of [lo, hi]; BAND: bin 1 + (d >> s) of [lo, top] and the register count of
  * u > top (bin 255); both add 1 to the bin or, unconditionally (no branch per score), to this
  * thread's sink slot. BAND also stores u in [lo, top] at position bc of the lane's buffer
- * segment while it has room, and counts it in bc. COLLECT: append u in [lo, hi] to the slab. */
+ * segment while it has room, and counts it in bc; BANDS does only that and the count above (no
+ * bin). COLLECT: append u in [lo, hi] to the slab. */
 template <int MODE>
 static __device__ __forceinline__ void dsv_tk_score(const dsv_tk_prm& p, uint32_t u, uint32_t ok,
                                                     uint32_t& above, uint32_t& bc,
@@ -286,9 +293,11 @@ static __device__ __forceinline__ void dsv_tk_score(const dsv_tk_prm& p, uint32_
   } else {
     constexpr uint32_t off = MODE == TK_BAND ? 1u : 0u;
     const bool in = on && d <= p.span;
-    const uint32_t addr = in ? p.slab + ((off + (d >> p.s)) << 2) : sink;
-    asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(addr) : "memory");
-    if constexpr (MODE == TK_BAND) {
+    if constexpr (MODE != TK_BANDS) {
+      const uint32_t addr = in ? p.slab + ((off + (d >> p.s)) << 2) : sink;
+      asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(addr) : "memory");
+    }
+    if constexpr (MODE == TK_BAND || MODE == TK_BANDS) {
       above += (uint32_t)(on && u > p.top);
       if (in && bc < p.seg) __stcg(p.buf + bc, u);
       bc += (uint32_t)in;
@@ -416,7 +425,7 @@ static __device__ __forceinline__ void dsv_tk_pass(const dsv_topk_args& a, const
       dsv_tk_tile<T, KS, SW, TWO, MODE, HASB, false>(kt, A, lane, j4, it * TK_TILE, nv, pA, pB,
                                                      cA, cB, sink);
   }
-  if constexpr (MODE == TK_BAND) {
+  if constexpr (MODE == TK_BAND || MODE == TK_BANDS) {
     if (warp_active) {
       if (vA) gs.bcnt[gA * 4 + j4] = (int)cA[1];
       if (HASB && vB) gs.bcnt[gB * 4 + j4] = (int)cB[1];
@@ -491,6 +500,55 @@ static __device__ __forceinline__ void dsv_tk_fill(dsv_tk_groups<GPC>& gs, uint3
 #pragma unroll
       for (int f = 1; f < FG; ++f) nl = lane == f ? n[f] : nl;
       if (gl < ngl && !gs.done[gl] && gs.mode[gl] == TK_COLLECT) gs.ccnt[gl] = nl;
+    }
+  }
+  __syncwarp();
+}
+
+/* The band pass's histogram from the band buffers, after a BANDS pass: bins 1 + ((u - lo) >> s)
+ * of the keys u each band group's 4 lane segments (in this CTA) hold, which are all the keys of
+ * its band when no segment overflowed (the caller's condition); bin 255 (above the band) the
+ * pass wrote. The same counts as a BAND pass: the same decisions follow. Whole warp; 4 groups
+ * at a time (16 coalesced loads in flight per lane), as dsv_tk_fill. */
+template <int GPW, int GPC>
+static __device__ __forceinline__ void dsv_tk_band_hist(dsv_tk_groups<GPC>& gs, uint32_t* hist,
+                                                        const uint32_t* rows, int64_t kmax,
+                                                        uint32_t seg, int warp, int lane,
+                                                        int ngl) {
+  constexpr int FG = 4;
+  static_assert(GPW % FG == 0, "groups per warp: a multiple of the groups per step");
+  for (int gi0 = 0; gi0 < GPW; gi0 += FG) {
+    int c[FG][4], cmax = 0;
+    uint32_t lo[FG], sh[FG];
+#pragma unroll
+    for (int f = 0; f < FG; ++f) {
+      const int gl = warp * GPW + gi0 + f;
+      const bool on = gl < ngl && !gs.done[gl] && gs.mode[gl] == TK_BAND;
+      lo[f] = on ? gs.lo[gl] : 0u;
+      sh[f] = on ? (uint32_t)gs.s[gl] : 0u;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const int n = on ? gs.bcnt[gl * 4 + t] : 0;
+        c[f][t] = n < (int)seg ? n : (int)seg;
+        cmax = c[f][t] > cmax ? c[f][t] : cmax;
+      }
+    }
+    for (int i0 = 0; i0 < cmax; i0 += 32) {
+      const int i = i0 + lane;
+      uint32_t v[FG][4];
+#pragma unroll
+      for (int f = 0; f < FG; ++f) {
+        const uint32_t* row = rows + (int64_t)(warp * GPW + gi0 + f) * kmax;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) v[f][t] = i < c[f][t] ? __ldcg(row + (int64_t)t * seg + i) : 0u;
+      }
+#pragma unroll
+      for (int f = 0; f < FG; ++f) {
+        uint32_t* slab = hist + (warp * GPW + gi0 + f) * TK_BINS;
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+          if (i < c[f][t]) atomicAdd(slab + 1 + ((v[f][t] - lo[f]) >> sh[f]), 1u);
+      }
     }
   }
   __syncwarp();
@@ -897,6 +955,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   uint32_t* brows = reinterpret_cast<uint32_t*>(outg0) + (int64_t)crank * (kmax / CL);
   uint32_t* brow = brows + (int64_t)j4 * seg;
   uint32_t bseg = 0;
+  bool bonly = false; /* the band pass stores its keys without a histogram (tuning tk_band) */
 
   /* ---- selection: T and q per group (skipped when every key is selected) ---- */
   if (Keff < S) {
@@ -923,6 +982,12 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       /* the band buffer pays where the band holds at most 1/20 of the keys (PERF_LOG v23: 0.80x
        * of the time with 4.1% of the keys in the band, 1.06x-1.14x with 8.4%-8.6%) */
       if ((int64_t)(m_lo - m_hi) * TK_STRIDE * 20 <= S) bseg = seg;
+      /* ... and without a histogram where the band's expected keys per lane segment (its ~(m_lo
+       * - m_hi) x 16 keys over CL CTAs and 4 segments) fill at most 3/4 of a segment: an
+       * overflow, which costs the pass again, is then rare (tk_band 2: wherever the buffer is
+       * used, for the tests of that path) */
+      bonly = bseg != 0 && (a.band == 2 || (a.band == 1 && (int64_t)(m_lo - m_hi) * TK_STRIDE <=
+                                                                3 * (int64_t)seg * CL));
       for (int i = tid; i < GPC; i += TK_THREADS) {
         gs.mode[i] = TK_HIST;
         gs.lo[i] = 0u;
@@ -1044,7 +1109,25 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       const bool fill = __syncthreads_and(tid >= ngl || gs.mode[tid] != TK_COLLECT ||
                                           gs.bufok[tid] != 0);
       const int kind = band ? TK_BAND : (hst ? TK_HIST : TK_COLLECT);
-      if (kind == TK_BAND)
+      if (kind == TK_BAND && bonly) {
+        /* the keys of the band into the buffers, then their histogram from there; where a
+         * segment of this CTA overflowed, the histogram takes a band pass over all keys (it
+         * stores the same keys again) */
+        dsv_tk_pass<T, KS, SW, kTwoPhase, TK_BANDS, false, GPC, HASB>(
+            a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB, brow,
+            bseg);
+        __syncthreads();
+        const bool ovf = __syncthreads_or(
+            tid < ngl && gs.mode[tid] == TK_BAND &&
+            (gs.bcnt[4 * tid] > (int)bseg || gs.bcnt[4 * tid + 1] > (int)bseg ||
+             gs.bcnt[4 * tid + 2] > (int)bseg || gs.bcnt[4 * tid + 3] > (int)bseg));
+        if (ovf)
+          dsv_tk_pass<T, KS, SW, kTwoPhase, TK_BAND, false, GPC, HASB>(
+              a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB,
+              brow, bseg);
+        else if (warp_active)
+          dsv_tk_band_hist<GPW, GPC>(gs, hist, brows, kmax, bseg, warp, lane, ngl);
+      } else if (kind == TK_BAND)
         dsv_tk_pass<T, KS, SW, kTwoPhase, TK_BAND, false, GPC, HASB>(
             a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB, brow,
             bseg);
@@ -1298,6 +1381,7 @@ static int dsv_topk_entry(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_
   a.tiles_per_bh = (int)dsv_cdiv64(p->num_groups, (int64_t)TK_WARPS * gpw);
   a.kvec = dsv_bshd_rows_aligned16(k_lr, 2);
   a.sample = tun->tk_sample;
+  a.band = tun->tk_band;
   const int64_t grid = BH * a.tiles_per_bh * split;
   if (grid > 0x7fffffffLL) return DSV_ERR_UNSUPPORTED;
   const int RP = (int)((p->rank + 15) / 16 * 16);

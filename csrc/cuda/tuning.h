@@ -57,6 +57,11 @@ typedef struct dsv_tuning {
   int tk_sample;    /* top-K estimation: 1 (the default) = a 1/16 sample of the keys locates each
                        group's threshold to a band first, 0 = radix passes from the full key
                        range (same lists) */
+  int tk_band;      /* top-K estimation: 1 (the default) = the band pass stores the keys of the
+                       band without a histogram (one shared atomic less per score), which then
+                       comes from the stored keys, where they are expected to fill at most 3/4
+                       of the band buffer; 2 = wherever the band buffer is used; 0 = the band
+                       pass always histograms (same lists) */
   int tk_split;     /* top-K estimation: CTAs per set of groups, 1 or 2 (a thread-block cluster,
                        each CTA scoring half of the keys: twice the CTAs and half the chain of
                        passes per warp; same lists); 0: automatic (the default), 2 where 16
