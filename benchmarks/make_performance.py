@@ -826,25 +826,66 @@ def _interp(pts, x, inverse=False):
     return None
 
 
-def _long_video_need(d, target=1.8):
-    """The sparsity every block needs for `target` x full attention's tokens/s on the long config:
-    the measured dense and DSV stage-2 steps, attention time from the shipped H200 table."""
+def _long_video_need(d, target=1.8, S=None):
+    """The sparsity every block needs for `target` x full attention's tokens/s on the long config
+    at S tokens (default: the run's): the measured dense and DSV stage-2 steps, attention time
+    from the shipped H200 table; at another S the step's other work and DSV's own scale with S
+    (per token) and attention with the table's dense time at S. `at_learned`: the step's speed-up
+    with every block at the run's mean learned sparsity."""
     import yaml
-    S = d["tokens_per_sample"]
+    S0 = d["tokens_per_sample"]
+    S = S or S0
     e, pts = _calib_entry(S)
+    e0, _ = _calib_entry(S0)
     with open(os.path.join(RESULTS, "compare-long-video", "dsv", "config.yaml")) as f:
         mc = yaml.safe_load(f)["model"]
     heads, blocks = mc["heads"], mc["depth"]
-    step_ms = S / d["dense_tokens_per_s_after_switch"] * 1e3
-    dsv_ms = S / d["dsv_tokens_per_s_after_switch"] * 1e3 - step_ms  # every block dense: DSV's own work
+    step0 = S0 / d["dense_tokens_per_s_after_switch"] * 1e3
+    dsv0 = max(0.0, S0 / d["dsv_tokens_per_s_after_switch"] * 1e3 - step0)  # DSV's own stage-2 work
+    rest0 = step0 - blocks * e0["dense_ms"] * heads / e0["heads"]
     layer_ms = e["dense_ms"] * heads / e["heads"]
     attn_ms = blocks * layer_ms
-    rest_ms = step_ms - attn_ms
+    rest_ms, dsv_ms = rest0 * S / S0, dsv0 * S / S0
+    step_ms = attn_ms + rest_ms
     budget = step_ms / target - rest_ms - dsv_ms
-    speedup = attn_ms / budget
+    speedup = attn_ms / budget if budget > 0 else float("inf")
+    k_learned = _interp(pts, d["dsv"]["dsv_sparsity"])
+    at_learned = step_ms / (rest_ms + dsv_ms + attn_ms / k_learned) if k_learned else None
     return dict(S=S, step_ms=step_ms, dsv_ms=dsv_ms, layer_ms=layer_ms, attn_ms=attn_ms, rest_ms=rest_ms,
                 budget_ms=budget, speedup=speedup, sparsity=_interp(pts, speedup, inverse=True), heads=heads,
-                blocks=blocks, table_heads=e["heads"])
+                blocks=blocks, table_heads=e["heads"], k_learned=k_learned, at_learned=at_learned)
+
+
+def _long_video_lengths(d):
+    """The 1.8x target at the sequence lengths of the calibration table (the long config's shape)."""
+    from dsv_ext.control.dispatch import builtin_table
+    Ss = sorted({e["seq_len"] for e in builtin_table()["entries"] if e["seq_len"] >= 16384
+                 and e["group_size"] == 128 and e["head_dim"] == 128 and e.get("kv_block", 1) == 1})
+    rows = []
+    for S in Ss:
+        n = _long_video_need(d, S=S)
+        rows.append((_tok(S), f"{n['step_ms']:.0f}" + (" (measured)" if S == d["tokens_per_sample"] else ""),
+                     f"{100 * n['attn_ms'] / n['step_ms']:.0f}%", _x(n["speedup"]),
+                     "-" if n["sparsity"] is None else f"{n['sparsity']:.2f}", _x(n["k_learned"]),
+                     _x(n["at_learned"])))
+    sp = d["dsv"]["dsv_sparsity"]
+    need = [_long_video_need(d, S=S) for S in Ss]
+    reach = [(n["S"], n["sparsity"]) for n in need if n["sparsity"] is not None]
+    t = _table(["tokens", "dense step (ms)", "attention share", "attention speed-up 1.8x needs",
+                "sparsity that gives it", f"kernels at K = {1 - sp:.2f} S",
+                f"step with every block at K = {1 - sp:.2f} S"], rows)
+    return f"""
+The same at other sequence lengths of this model (the step's other work and DSV's own scaled per
+token from the measured 64k step, attention from the calibration table at each length; 128k is
+not in the table):
+
+{t}
+
+At the sparsity this model learned in {d['dsv']['steps']} steps ({sp:.2f}) the target is met at no length: the
+kernels' own speed-up there is {_x(need[0]['k_learned'])} at {_tok(Ss[0])} and {_x(need[-1]['k_learned'])} at {_tok(Ss[-1])}, rising slowly with length, against the
+{_x(need[-1]['speedup'])} and more the target needs; it takes sparsity {', '.join(f"{v:.2f} at {_tok(S)}" for S, v in reach)} in every
+block (less the longer the sequence, as attention's share of the step grows).
+"""
 
 
 def _long_video_now():
@@ -935,7 +976,7 @@ attention, an attention speed-up of {_x(need['speedup'])}, which the kernels rea
 {need['sparsity']:.2f} (interpolated between the table's sparsities) in every block, at the K the recall
 rule runs with: about {1 - need['sparsity']:.2f} of the keys per head at the recall target, where this model
 needs more than half of them in {sum(sum(k >= S for k in b['head_k']) for b in d['blocks'])} of {sum(len(b['head_k']) for b in d['blocks'])} heads after {hist[-1]['step']} steps.
-{_long_video_now()}
+{_long_video_lengths(d)}{_long_video_now()}
 
 Validation loss at equal steps ({"both runs dense throughout" if not ever else "both runs dense but for the sparse block above"}: the gaps are training
 noise, see "Three seeds on real video" below):
