@@ -90,6 +90,7 @@ def test_defaults_from_the_device():
     # automatic (v18)
     assert t["tk_gpw"] == 0 and t["tk_sample"] == 1 and t["tk_split"] == 0
     assert t["tk_band"] == 1  # the band pass without its histogram where it fits (v40)
+    assert t["tk_compact"] == 0  # the compaction from masks: an experiment (v41)
 
 
 @gpu
@@ -109,7 +110,8 @@ def test_override_is_reported_and_read_once():
 
 @gpu
 @pytest.mark.parametrize("spec", ["bwd_ranges=99", "km_wgmma=3", "g128=2", "qm_wgmma=2",
-                                  "merge=1.5", "merge_window=33", "tk_band=3"])
+                                  "merge=1.5", "merge_window=33", "tk_band=3",
+                                  "tk_compact=2"])
 def test_malformed_override_fails_the_kernels(spec):
     code = ("import torch, dsv_ext\n"
             "q = torch.randn(1, 64, 1, 64, device='cuda', dtype=torch.bfloat16)\n"

@@ -1,10 +1,11 @@
 """The top-K estimation's paths on the GPU give the same lists, entry for entry: the sampled
 threshold band (kernel tuning tk_sample = 1, the default) and the radix passes from the full key
 range (tk_sample = 0), each with 16 and 8 query groups per warp (tk_gpw 16 / 8), clusters of two
-CTAs that split the keys (tk_split = 2), the band pass with and without its histogram (tk_band 0 /
-2: the histogram from the stored band keys, or a counting pass where a buffer overflowed) and the
-default tuning (tk_gpw = 0: automatic). All compute bit-identical fp32 scores and select exactly, so no
-tolerance applies between them; every list is also checked against float64 scores
+CTAs that split the keys (tk_split = 2), the band pass with and without its histogram (tk_band
+0 / 2: the histogram from the stored band keys, or a counting pass where a buffer overflowed),
+the compaction from the band pass's key masks (tk_compact = 1) and the default tuning (tk_gpw =
+0: automatic). All compute bit-identical fp32 scores and select exactly, so no tolerance applies
+between them; every list is also checked against float64 scores
 (helpers.check_topk), outputs poisoned before each call.
 
 Cases: every rank padding (r 8 / 16 / 32 / 40 / 48 / 64), both dtypes, strided and unaligned
@@ -76,6 +77,10 @@ SETTINGS = [
     ("tk_band=0", {"tk_sample": 1, "tk_band": 0}),
     ("tk_band=2,tk_gpw=16", {"tk_sample": 1, "tk_band": 2, "tk_gpw": 16}),
     ("tk_band=2,tk_split=2,tk_gpw=8", {"tk_band": 2, "tk_gpw": 8, "tk_split": 2}),
+    # the compaction from the band pass's key masks (where its condition holds), also with
+    # buffers that overflow (those CTAs rescore) and 8 groups per warp
+    ("tk_compact=1,tk_split=1", {"tk_compact": 1, "tk_band": 1, "tk_split": 1}),
+    ("tk_compact=1,tk_band=2,tk_split=1,tk_gpw=8", {"tk_compact": 1, "tk_band": 2, "tk_gpw": 8}),
     ("", {"tk_sample": 1, "tk_gpw": 0, "tk_split": 0, "tk_band": 1}),  # the defaults
 ]
 
@@ -173,7 +178,7 @@ def test_paths_give_equal_lists(tmp_path):
 
 def test_bad_topk_tuning_is_refused(tmp_path):
     """tk_gpw other than 0 / 8 / 16, tk_sample other than 0 / 1, tk_split or tk_band other than
-    0 / 1 / 2: the
+    0 / 1 / 2, tk_compact other than 0 / 1: the
     kernels refuse the tuning (a clear error, no launch)."""
     import dsv_ext
     if not dsv_ext.has_cuda_kernels():
@@ -182,7 +187,7 @@ def test_bad_topk_tuning_is_refused(tmp_path):
             "q = torch.randn(1, 64, 1, 16, device='cuda', dtype=torch.bfloat16)\n"
             "c = torch.tensor([[8]], dtype=torch.int32, device='cuda')\n"
             "torch.ops.dsv.topk_estimate(q, q, c, 16, 8)\n")
-    for bad in ("tk_gpw=12", "tk_sample=2", "tk_split=3", "tk_band=3"):
+    for bad in ("tk_gpw=12", "tk_sample=2", "tk_split=3", "tk_band=3", "tk_compact=2"):
         env = dict(os.environ, DSV_KERNEL_TUNING=bad, DSV_ROOT=ROOT)
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                            timeout=300, cwd=ROOT)

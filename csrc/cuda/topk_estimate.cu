@@ -98,6 +98,9 @@ struct dsv_topk_args {
   int kvec;
   int sample; /* tuning tk_sample */
   int band;   /* tuning tk_band */
+  /* tuning tk_compact: the band pass's key masks, [CTA][tile][group][lane of the quad] (one CTA
+   * per set of groups only; null: the compaction rescores the keys) */
+  uint32_t* masks;
 };
 
 /* per-group selection state of a CTA of GPC groups (shared memory) */
@@ -277,12 +280,13 @@ static __device__ __forceinline__ dsv_tk_prm dsv_tk_load(dsv_tk_groups<GPC>& gs,
  * HIST: bin d >> s of [lo, hi]; BAND: bin 1 + (d >> s) of [lo, top] and the register count of
  * u > top (bin 255); both add 1 to the bin or, unconditionally (no branch per score), to this
  * thread's sink slot. BAND also stores u in [lo, top] at position bc of the lane's buffer
- * segment while it has room, and counts it in bc; BANDS does only that and the count above (no
- * bin). COLLECT: append u in [lo, hi] to the slab. */
+ * segment while it has room, and counts it in bc; BANDS does only that and sets the key's bits
+ * in `mask` (above the band: bit `bit`, counted from the mask per tile; in it: bit + 16), no
+ * bin. COLLECT: append u in [lo, hi] to the slab. */
 template <int MODE>
 static __device__ __forceinline__ void dsv_tk_score(const dsv_tk_prm& p, uint32_t u, uint32_t ok,
                                                     uint32_t& above, uint32_t& bc,
-                                                    uint32_t sink) {
+                                                    uint32_t sink, uint32_t& mask, int bit) {
   const uint32_t d = u - p.lo;
   const bool on = (ok & p.on) != 0u;
   if constexpr (MODE == TK_COLLECT) {
@@ -298,24 +302,30 @@ static __device__ __forceinline__ void dsv_tk_score(const dsv_tk_prm& p, uint32_
       asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(addr) : "memory");
     }
     if constexpr (MODE == TK_BAND || MODE == TK_BANDS) {
-      above += (uint32_t)(on && u > p.top);
+      const bool up = on && u > p.top;
       if (in && bc < p.seg) __stcg(p.buf + bc, u);
       bc += (uint32_t)in;
+      /* BANDS: the key's bit (2 blk + e) in the tile's masks: above the band (low half: counted
+       * per tile from it), in it (high half), for the compaction from masks (tk_compact) */
+      if constexpr (MODE == TK_BAND) above += (uint32_t)up;
+      if constexpr (MODE == TK_BANDS)
+        mask |= ((uint32_t)up << bit) | ((uint32_t)in << (bit + 16));
     }
   }
 }
 
 /* the scores of one 8-key block of a lane: c0 / c1 of group A, c2 / c3 of group B (HASB) */
 template <int MODE, bool HASB>
-static __device__ __forceinline__ void dsv_tk_block(const float (&d)[4], uint32_t k0, uint32_t k1,
-                                                    const dsv_tk_prm& pA, const dsv_tk_prm& pB,
-                                                    uint32_t (&cA)[2], uint32_t (&cB)[2],
-                                                    uint32_t sink) {
-  dsv_tk_score<MODE>(pA, dsv_float_key(d[0]), k0, cA[0], cA[1], sink);
-  dsv_tk_score<MODE>(pA, dsv_float_key(d[1]), k1, cA[0], cA[1], sink);
+static __device__ __forceinline__ void dsv_tk_block(const float (&d)[4], int blk, uint32_t k0,
+                                                    uint32_t k1, const dsv_tk_prm& pA,
+                                                    const dsv_tk_prm& pB, uint32_t (&cA)[2],
+                                                    uint32_t (&cB)[2], uint32_t sink,
+                                                    uint32_t& mA, uint32_t& mB) {
+  dsv_tk_score<MODE>(pA, dsv_float_key(d[0]), k0, cA[0], cA[1], sink, mA, 2 * blk);
+  dsv_tk_score<MODE>(pA, dsv_float_key(d[1]), k1, cA[0], cA[1], sink, mA, 2 * blk + 1);
   if constexpr (HASB) {
-    dsv_tk_score<MODE>(pB, dsv_float_key(d[2]), k0, cB[0], cB[1], sink);
-    dsv_tk_score<MODE>(pB, dsv_float_key(d[3]), k1, cB[0], cB[1], sink);
+    dsv_tk_score<MODE>(pB, dsv_float_key(d[2]), k0, cB[0], cB[1], sink, mB, 2 * blk);
+    dsv_tk_score<MODE>(pB, dsv_float_key(d[3]), k1, cB[0], cB[1], sink, mB, 2 * blk + 1);
   }
 }
 
@@ -325,10 +335,10 @@ static __device__ __forceinline__ void dsv_tk_tile(const uint32_t* kt, const uin
                                                    int lane, int j4, int t0, int nvalid,
                                                    const dsv_tk_prm& pA, const dsv_tk_prm& pB,
                                                    uint32_t (&cA)[2], uint32_t (&cB)[2],
-                                                   uint32_t sink) {
+                                                   uint32_t sink, uint32_t& mA, uint32_t& mB) {
   dsv_tk_tile_blocks<T, KS, SW, TWO, FULL>(
-      kt, A, lane, j4, t0, nvalid, [&](const float (&d)[4], int, uint32_t k0, uint32_t k1) {
-        dsv_tk_block<MODE, HASB>(d, k0, k1, pA, pB, cA, cB, sink);
+      kt, A, lane, j4, t0, nvalid, [&](const float (&d)[4], int blk, uint32_t k0, uint32_t k1) {
+        dsv_tk_block<MODE, HASB>(d, blk, k0, k1, pA, pB, cA, cB, sink, mA, mB);
       });
 }
 
@@ -398,7 +408,7 @@ static __device__ __forceinline__ void dsv_tk_pass(const dsv_topk_args& a, const
                                                    dsv_tk_groups<GPC>& gs, uint32_t* hist,
                                                    bool warp_active, int tid, int lane, int gA,
                                                    int gB, bool vA, bool vB, uint32_t* brow,
-                                                   uint32_t seg) {
+                                                   uint32_t seg, uint32_t* masks = nullptr) {
   const int j4 = lane & 3;
   const dsv_tk_prm pA = dsv_tk_load<MODE>(gs, hist, gA, vA, brow, a.kmax, seg);
   const dsv_tk_prm pB = dsv_tk_load<MODE>(gs, hist, gB, HASB && vB, brow, a.kmax, seg);
@@ -418,12 +428,21 @@ static __device__ __forceinline__ void dsv_tk_pass(const dsv_topk_args& a, const
     cp_async_commit();
     if (!warp_active) continue;
     const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
+    uint32_t mA = 0u, mB = 0u;
     if ((it + 1) * TK_TILE <= nv) /* all but a partial last tile */
       dsv_tk_tile<T, KS, SW, TWO, MODE, HASB, true>(kt, A, lane, j4, it * TK_TILE, nv, pA, pB,
-                                                    cA, cB, sink);
+                                                    cA, cB, sink, mA, mB);
     else
       dsv_tk_tile<T, KS, SW, TWO, MODE, HASB, false>(kt, A, lane, j4, it * TK_TILE, nv, pA, pB,
-                                                     cA, cB, sink);
+                                                     cA, cB, sink, mA, mB);
+    if constexpr (MODE == TK_BANDS) { /* the tile's masks: [tile][group][lane of the quad] */
+      cA[0] += __popc(mA & 0xFFFFu);
+      cB[0] += __popc(mB & 0xFFFFu);
+      if (masks) {
+        masks[((int64_t)it * GPC + gA) * 4 + j4] = mA;
+        if constexpr (HASB) masks[((int64_t)it * GPC + gB) * 4 + j4] = mB;
+      }
+    }
   }
   if constexpr (MODE == TK_BAND || MODE == TK_BANDS) {
     if (warp_active) {
@@ -548,6 +567,58 @@ static __device__ __forceinline__ void dsv_tk_band_hist(dsv_tk_groups<GPC>& gs, 
 #pragma unroll
         for (int t = 0; t < 4; ++t)
           if (i < c[f][t]) atomicAdd(slab + 1 + ((v[f][t] - lo[f]) >> sh[f]), 1u);
+      }
+    }
+  }
+  __syncwarp();
+}
+
+/* For the compaction from masks (tuning tk_compact), after the selection: for each group of the
+ * warp and lane segment t of its band buffer, in the segment's order, bit i % 32 of word
+ * [t][i / 32][0] of the group's slab: key i of the segment > T, of word [..][1]: == T (T =
+ * gs.lo, every count <= 1024: the caller's condition). Whole warp; 4 groups at a time (16
+ * coalesced loads in flight per lane), as dsv_tk_fill. */
+template <int GPW, int GPC>
+static __device__ __forceinline__ void dsv_tk_codes(dsv_tk_groups<GPC>& gs, uint32_t* hist,
+                                                    const uint32_t* rows, int64_t kmax,
+                                                    uint32_t seg, int warp, int lane, int ngl) {
+  constexpr int FG = 4;
+  static_assert(GPW % FG == 0, "groups per warp: a multiple of the groups per step");
+  for (int gi0 = 0; gi0 < GPW; gi0 += FG) {
+    int c[FG][4], cmax = 0;
+    uint32_t T[FG];
+#pragma unroll
+    for (int f = 0; f < FG; ++f) {
+      const int gl = warp * GPW + gi0 + f;
+      const bool on = gl < ngl;
+      T[f] = on ? gs.lo[gl] : 0u;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        c[f][t] = on ? gs.bcnt[gl * 4 + t] : 0;
+        cmax = c[f][t] > cmax ? c[f][t] : cmax;
+      }
+    }
+    for (int i0 = 0; i0 < cmax; i0 += 32) {
+      const int i = i0 + lane;
+      uint32_t v[FG][4];
+#pragma unroll
+      for (int f = 0; f < FG; ++f) {
+        const uint32_t* row = rows + (int64_t)(warp * GPW + gi0 + f) * kmax;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) v[f][t] = i < c[f][t] ? __ldcg(row + (int64_t)t * seg + i) : 0u;
+      }
+#pragma unroll
+      for (int f = 0; f < FG; ++f) {
+        uint32_t* slab = hist + (warp * GPW + gi0 + f) * TK_BINS;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const uint32_t gt = __ballot_sync(DSV_FULL_MASK, i < c[f][t] && v[f][t] > T[f]);
+          const uint32_t eq = __ballot_sync(DSV_FULL_MASK, i < c[f][t] && v[f][t] == T[f]);
+          if (lane == 0 && i0 < c[f][t]) {
+            slab[t * 64 + 2 * (i0 >> 5)] = gt;
+            slab[t * 64 + 2 * (i0 >> 5) + 1] = eq;
+          }
+        }
       }
     }
   }
@@ -956,6 +1027,10 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   uint32_t* brow = brows + (int64_t)j4 * seg;
   uint32_t bseg = 0;
   bool bonly = false; /* the band pass stores its keys without a histogram (tuning tk_band) */
+  /* this CTA's key masks (tuning tk_compact; one CTA per set of groups) */
+  uint32_t* cmasks = CL == 1 && a.masks
+                         ? a.masks + (int64_t)blockIdx.x * ((S + TK_TILE - 1) / TK_TILE) * GPC * 4
+                         : nullptr;
 
   /* ---- selection: T and q per group (skipped when every key is selected) ---- */
   if (Keff < S) {
@@ -1115,7 +1190,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
          * stores the same keys again) */
         dsv_tk_pass<T, KS, SW, kTwoPhase, TK_BANDS, false, GPC, HASB>(
             a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB, brow,
-            bseg);
+            bseg, cmasks);
         __syncthreads();
         const bool ovf = __syncthreads_or(
             tid < ngl && gs.mode[tid] == TK_BAND &&
@@ -1188,6 +1263,29 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
     dsv_cluster_sync(); /* no CTA reads another's shared memory after this */
   }
 
+  /* ---- 3a. the compaction from masks (tuning tk_compact): where the band pass wrote its key
+   * masks and every group's T lies in its band, all of whose keys its buffer holds (bufok), at
+   * most 1024 per lane segment, the compaction needs no scores: a key is selected when its mask
+   * says above the band, or when it is in the band and its buffered value is > T (or == T, a
+   * tie). Each lane segment's keys are in position order, so per segment two bits per key, > T
+   * and == T, in the order of the segment (ballots over 32 keys at a time) are all the
+   * compaction needs of the buffer: written to the group's slab, [segment][32-key word][gt, eq],
+   * before the list (which overwrites the buffer) is written. ---- */
+  bool mc = false;
+  if constexpr (CL == 1) {
+    if (cmasks && bonly && Keff < S) {
+      __syncthreads();
+      mc = __syncthreads_and(
+          tid >= ngl || (gs.bufok[tid] && gs.done[tid] != 0 && gs.bcnt[4 * tid] <= 1024 &&
+                         gs.bcnt[4 * tid + 1] <= 1024 && gs.bcnt[4 * tid + 2] <= 1024 &&
+                         gs.bcnt[4 * tid + 3] <= 1024));
+    }
+  }
+  if (mc) {
+    if (warp_active) dsv_tk_codes<GPW, GPC>(gs, hist, brows, kmax, bseg, warp, lane, ngl);
+    __syncthreads();
+  }
+
   /* ---- 3. compaction pass: {u > T} and the first q of {u == T}, ascending positions ---- */
   {
     const uint32_t TA = (Keff < S && vA) ? gs.lo[gA] : 0u; /* K >= S: every key, T = 0 */
@@ -1207,29 +1305,9 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
     const int nkeys32 = (int)(kend - kbeg); /* this CTA's keys (S without a cluster) */
     const int ntiles = (int)((kend - kbeg + TK_TILE - 1) / TK_TILE);
 
-    dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, kbeg, TK_TILE, kend, (int)a.r, RP, a.kvec, tid,
-                        TK_THREADS);
-    cp_async_commit();
-    for (int it = 0; it < ntiles; ++it) {
-      cp_async_wait_all();
-      __syncthreads();
-      if (it + 1 < ntiles) {
-        dsv_stage_rows16<T>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, a.k_ss,
-                            kbeg + (int64_t)(it + 1) * TK_TILE, TK_TILE, kend, (int)a.r, RP,
-                            a.kvec, tid, TK_THREADS);
-      }
-      cp_async_commit();
-      if (!warp_active) continue;
-      const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
-      const int t0 = it * TK_TILE;
-      uint32_t mgA = 0, mgB = 0, meA = 0, meB = 0;
-      auto flags = [&](const float (&d)[4], int blk, uint32_t k0, uint32_t k1) {
-        dsv_tk_flags<HASB>(d, blk, k0, k1, TA, TB, mgA, mgB, meA, meB);
-      };
-      if (t0 + TK_TILE <= nkeys32) /* all but a partial last tile */
-        dsv_tk_tile_blocks<T, KS, SW, kTwoPhase, true>(kt, A, lane, j4, t0, nkeys32, flags);
-      else
-        dsv_tk_tile_blocks<T, KS, SW, kTwoPhase, false>(kt, A, lane, j4, t0, nkeys32, flags);
+    /* one tile's selection from each lane's flags of its groups' keys (bit 2 blk + e: key 8 blk
+     * + 2 j4 + e of the tile; u > T: mg, u == T: me), in position order */
+    auto emit = [&](uint32_t mgA, uint32_t mgB, uint32_t meA, uint32_t meB, int t0) {
       const uint32_t mg = mgA | (mgB << 16), me = meA | (meB << 16);
       uint32_t Wg = 0, We = 0;
 #pragma unroll
@@ -1261,6 +1339,67 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       }
       baseC += sel_cnt + sel_other;
       eqbaseC += eq_cnt + eq_other;
+    };
+
+    if (mc) {
+      /* the flags from the masks and the slab's bits (3a): the masks of tile it + 1 load while
+       * tile it is placed */
+      const uint32_t* codeA = hist + gA * TK_BINS + j4 * 64;
+      const uint32_t* codeB = hist + (HASB ? gB : gA) * TK_BINS + j4 * 64;
+      int nA = 0, nB = 0; /* band keys of the lane's segments placed so far */
+      uint32_t wA = 0u, wB = 0u;
+      if (warp_active && ntiles > 0) {
+        wA = cmasks[gA * 4 + j4];
+        if constexpr (HASB) wB = cmasks[gB * 4 + j4];
+      }
+      for (int it = 0; it < ntiles && warp_active; ++it) {
+        const uint32_t xA = wA, xB = wB;
+        if (it + 1 < ntiles) {
+          wA = cmasks[((int64_t)(it + 1) * GPC + gA) * 4 + j4];
+          if constexpr (HASB) wB = cmasks[((int64_t)(it + 1) * GPC + gB) * 4 + j4];
+        }
+        uint32_t mgA = xA & 0xFFFFu, meA = 0u, mgB = xB & 0xFFFFu, meB = 0u;
+        for (uint32_t b = xA >> 16; b; b &= b - 1, ++nA) {
+          const int bit = __ffs((int)b) - 1;
+          mgA |= ((codeA[2 * (nA >> 5)] >> (nA & 31)) & 1u) << bit;
+          meA |= ((codeA[2 * (nA >> 5) + 1] >> (nA & 31)) & 1u) << bit;
+        }
+        if constexpr (HASB) {
+          for (uint32_t b = xB >> 16; b; b &= b - 1, ++nB) {
+            const int bit = __ffs((int)b) - 1;
+            mgB |= ((codeB[2 * (nB >> 5)] >> (nB & 31)) & 1u) << bit;
+            meB |= ((codeB[2 * (nB >> 5) + 1] >> (nB & 31)) & 1u) << bit;
+          }
+        }
+        emit(mgA, mgB, meA, meB, it * TK_TILE);
+      }
+    } else {
+      /* the flags from the scores, recomputed */
+      dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, kbeg, TK_TILE, kend, (int)a.r, RP, a.kvec, tid,
+                          TK_THREADS);
+      cp_async_commit();
+      for (int it = 0; it < ntiles; ++it) {
+        cp_async_wait_all();
+        __syncthreads();
+        if (it + 1 < ntiles) {
+          dsv_stage_rows16<T>(ktile + ((it + 1) & 1) * TK_TILE * SW, SW, kb, a.k_ss,
+                              kbeg + (int64_t)(it + 1) * TK_TILE, TK_TILE, kend, (int)a.r, RP,
+                              a.kvec, tid, TK_THREADS);
+        }
+        cp_async_commit();
+        if (!warp_active) continue;
+        const uint32_t* kt = ktile + (it & 1) * TK_TILE * SW;
+        const int t0 = it * TK_TILE;
+        uint32_t mgA = 0, mgB = 0, meA = 0, meB = 0;
+        auto flags = [&](const float (&d)[4], int blk, uint32_t k0, uint32_t k1) {
+          dsv_tk_flags<HASB>(d, blk, k0, k1, TA, TB, mgA, mgB, meA, meB);
+        };
+        if (t0 + TK_TILE <= nkeys32) /* all but a partial last tile */
+          dsv_tk_tile_blocks<T, KS, SW, kTwoPhase, true>(kt, A, lane, j4, t0, nkeys32, flags);
+        else
+          dsv_tk_tile_blocks<T, KS, SW, kTwoPhase, false>(kt, A, lane, j4, t0, nkeys32, flags);
+        emit(mgA, mgB, meA, meB, t0);
+      }
     }
     if (warp_active && vC && w == 0) gs.base[gC] = (int)(baseC < Keff ? baseC : Keff);
   }
@@ -1328,16 +1467,46 @@ static int dsv_topk_dispatch(const dsv_topk_args& a, int RP, int gpw, int split,
   return DSV_ERR_UNSUPPORTED;
 }
 
+/* Groups per warp and CTAs per set of groups: the tuning's, or automatic: where 16 groups per
+ * warp would leave the grid under two CTAs per SM, the estimation is bound by each warp's chain
+ * of passes, not by issue: 8 groups per warp, and clusters of two CTAs that each score half of
+ * the keys (compute capability 9.0 and up; kernels v16 and v18 in PERF_LOG.md). */
+static void dsv_topk_layout(const dsv_lowrank_shape* p, const dsv_tuning* tun, int* gpw,
+                            int* split) {
+  const int64_t BH = p->batch * p->heads;
+  const bool small = BH * dsv_cdiv64(p->num_groups, (int64_t)TK_GPC) < 2LL * tun->sm_count;
+  *gpw = tun->tk_gpw;
+  if (*gpw != 8 && *gpw != 16) *gpw = small ? 8 : 16;
+  *split = tun->tk_split;
+  if (*split != 1 && *split != 2) *split = small ? 2 : 1;
+  if (tun->cc < 90) *split = 1;
+}
+
+/* The key masks of the compaction from masks (tuning tk_compact, one CTA per set of groups):
+ * 16 bytes per group and 64-key tile, S / 4 bytes per group; none above 1 GiB (the compaction
+ * then rescores the keys). */
+static size_t dsv_topk_mask_bytes(const dsv_lowrank_shape* p, const dsv_tuning* tun) {
+  int gpw, split;
+  dsv_topk_layout(p, tun, &gpw, &split);
+  if (!tun->tk_compact || split != 1 || p->seqlen <= 0 || p->num_groups <= 0) return 0;
+  const int64_t gpc = (int64_t)TK_WARPS * gpw;
+  const int64_t ctas = p->batch * p->heads * dsv_cdiv64(p->num_groups, gpc);
+  const double bytes = (double)ctas * (double)dsv_cdiv64(p->seqlen, TK_TILE) * (double)gpc * 16.0;
+  return bytes <= (double)(1LL << 30) ? (size_t)bytes : 0;
+}
+
 extern "C" size_t dsv_topk_estimate_workspace_cuda(const dsv_lowrank_shape* p) {
-  (void)p;
-  return 0;
+  const dsv_tuning* tun = nullptr;
+  if (!p || dsv_tuning_current(&tun) != DSV_OK) return 0;
+  return dsv_topk_mask_bytes(p, tun);
 }
 
 /* The argument checks and the run, with the two-phase tile loops (TWO, shipped) or the
  * block-at-a-time ones (csrc/dev/topk_block_at_a_time.cu). */
 template <bool TWO>
 static int dsv_topk_entry(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_lr,
-                          const int32_t* kv_count, int32_t* kv_index, void* stream) {
+                          const int32_t* kv_count, int32_t* kv_index, void* workspace,
+                          size_t workspace_bytes, void* stream) {
   if (!p) return DSV_ERR_INVALID;
   if (p->batch < 0 || p->seqlen < 0 || p->heads < 0 || p->rank <= 0 || p->group_size <= 0 ||
       p->kmax < 0 || p->seqlen > 0x7fffffffLL)
@@ -1351,16 +1520,8 @@ static int dsv_topk_entry(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_
   const dsv_tuning* tun = nullptr;
   const int tst = dsv_tuning_current(&tun);
   if (tst != DSV_OK) return tst;
-  /* groups per warp and CTAs per set of groups: the tuning's, or automatic: where 16 groups per
-   * warp would leave the grid under two CTAs per SM, the estimation is bound by each warp's
-   * chain of passes, not by issue: 8 groups per warp, and clusters of two CTAs that each score
-   * half of the keys (compute capability 9.0 and up; kernels v16 and v18 in PERF_LOG.md) */
-  const bool small = BH * dsv_cdiv64(p->num_groups, (int64_t)TK_GPC) < 2LL * tun->sm_count;
-  int gpw = tun->tk_gpw;
-  if (gpw != 8 && gpw != 16) gpw = small ? 8 : 16;
-  int split = tun->tk_split;
-  if (split != 1 && split != 2) split = small ? 2 : 1;
-  if (tun->cc < 90) split = 1;
+  int gpw, split;
+  dsv_topk_layout(p, tun, &gpw, &split);
   dsv_topk_args a;
   a.q = q_lr.data;
   a.k = k_lr.data;
@@ -1382,6 +1543,8 @@ static int dsv_topk_entry(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_
   a.kvec = dsv_bshd_rows_aligned16(k_lr, 2);
   a.sample = tun->tk_sample;
   a.band = tun->tk_band;
+  const size_t mbytes = dsv_topk_mask_bytes(p, tun);
+  a.masks = mbytes > 0 && workspace && workspace_bytes >= mbytes ? (uint32_t*)workspace : nullptr;
   const int64_t grid = BH * a.tiles_per_bh * split;
   if (grid > 0x7fffffffLL) return DSV_ERR_UNSUPPORTED;
   const int RP = (int)((p->rank + 15) / 16 * 16);
@@ -1394,7 +1557,6 @@ static int dsv_topk_entry(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_
 extern "C" int dsv_topk_estimate_cuda(const dsv_lowrank_shape* p, dsv_bshd q_lr, dsv_bshd k_lr,
                                       const int32_t* kv_count, int32_t* kv_index,
                                       void* workspace, size_t workspace_bytes, void* stream) {
-  (void)workspace;
-  (void)workspace_bytes;
-  return dsv_topk_entry<true>(p, q_lr, k_lr, kv_count, kv_index, stream);
+  return dsv_topk_entry<true>(p, q_lr, k_lr, kv_count, kv_index, workspace, workspace_bytes,
+                              stream);
 }

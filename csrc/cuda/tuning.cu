@@ -32,6 +32,11 @@
  *                           histogram, which then comes from the stored keys, where they fill at
  *                           most 3/4 of the buffer (the default); 2 wherever the band buffer is
  *                           used (tests); 0 the band pass always histograms
+ *   tk_compact              top-K estimation: 1 the compaction places the selected keys from the
+ *                           band pass's key masks and the band's stored keys (no scores; a
+ *                           workspace of S / 4 bytes per query group, up to 1 GiB), where every
+ *                           group's threshold lies in its band; 0 it rescores the keys (the
+ *                           default)
  *   tk_split                top-K estimation: 1 CTA per set of groups, or 2: a cluster of two,
  *                           each scoring half of the keys; 0: automatic (2 where 16 groups per
  *                           warp gives fewer than two CTAs per SM, from compute capability 9.0;
@@ -119,6 +124,9 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
   } else if (DSV_KEY("tk_band")) {
     if (n != 0 && n != 1 && n != 2) return DSV_ERR_TUNING;
     t->tk_band = (int)n;
+  } else if (DSV_KEY("tk_compact")) {
+    if (n != 0 && n != 1) return DSV_ERR_TUNING;
+    t->tk_compact = (int)n;
   } else if (DSV_KEY("tk_split")) {
     if (n != 0 && n != 1 && n != 2) return DSV_ERR_TUNING;
     t->tk_split = (int)n; /* 2 takes effect from compute capability 9.0 (clusters) */
@@ -176,6 +184,7 @@ int fill(int device, dsv_tuning* t) {
   t->tk_gpw = 0; /* automatic: measured on the H200, benchmarks/PERF_LOG.md, kernels v16 */
   t->tk_sample = 1; /* benchmarks/PERF_LOG.md, kernels v12 / v17 */
   t->tk_band = 1;   /* not yet measured: benchmarks/PERF_LOG.md, kernels v40 */
+  t->tk_compact = 0; /* not yet measured: benchmarks/PERF_LOG.md, kernels v41 */
   t->tk_split = 0;  /* automatic: measured on the H200, benchmarks/PERF_LOG.md, kernels v18 */
   const char* spec = getenv("DSV_KERNEL_TUNING");
   return spec ? apply_override(t, spec) : DSV_OK;
@@ -219,10 +228,11 @@ extern "C" int dsv_cuda_kernel_tuning(int device, char* buf, int64_t len) {
   const int n = snprintf(buf, (size_t)len,
                          "sm_count=%d,l2_bytes=%d,cc=%d,wgmma=%d,km_wgmma=%d,g128=%d,"
                          "qm_wgmma=%d,km_ratio=%g,merge=%g,merge_window=%d,"
-                         "bwd_ranges=%d,bwd_rmax=%d,tk_gpw=%d,tk_sample=%d,tk_band=%d,tk_split=%d",
+                         "bwd_ranges=%d,bwd_rmax=%d,tk_gpw=%d,tk_sample=%d,tk_band=%d,"
+                         "tk_compact=%d,tk_split=%d",
                          t->sm_count, t->l2_bytes, t->cc, t->wgmma, t->km_wgmma, t->g128,
-                         t->qm_wgmma, (double)t->km_ratio, (double)t->merge,
-                         t->merge_window, t->bwd_ranges, t->bwd_rmax, t->tk_gpw, t->tk_sample, t->tk_band,
-                         t->tk_split);
+                         t->qm_wgmma, (double)t->km_ratio, (double)t->merge, t->merge_window,
+                         t->bwd_ranges, t->bwd_rmax, t->tk_gpw, t->tk_sample, t->tk_band,
+                         t->tk_compact, t->tk_split);
   return n >= 0 && n < len ? DSV_OK : DSV_ERR_NOMEM;
 }

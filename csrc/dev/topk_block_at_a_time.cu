@@ -17,7 +17,6 @@ extern "C" int dsv_dev_topk_estimate_block_cuda(const dsv_lowrank_shape* p, dsv_
                                                 dsv_bshd k_lr, const int32_t* kv_count,
                                                 int32_t* kv_index, void* workspace,
                                                 size_t workspace_bytes, void* stream) {
-  (void)workspace;
-  (void)workspace_bytes;
-  return dsv_topk_entry<false>(p, q_lr, k_lr, kv_count, kv_index, stream);
+  return dsv_topk_entry<false>(p, q_lr, k_lr, kv_count, kv_index, workspace, workspace_bytes,
+                               stream);
 }
