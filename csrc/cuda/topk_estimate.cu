@@ -463,12 +463,45 @@ static __device__ __forceinline__ void dsv_tk_pass(const dsv_topk_args& a, const
   __syncwarp();
 }
 
+/* Every entry of the band buffers of FG groups from group gi0 of the warp where on[f] (rows: local
+ * group 0's buffer, segments seg words apart, groups kmax words apart; at most seg entries per
+ * segment), 32 at a time per segment: visit(f, t, i0, ok, v), v the lane's entry i0 + lane of
+ * segment t of group f, ok where it exists. The whole warp calls visit (ballots in it are fine);
+ * 4 x FG coalesced loads in flight per lane. */
+template <int FG, int GPW, int GPC, typename V>
+static __device__ __forceinline__ void dsv_tk_buf_each(const dsv_tk_groups<GPC>& gs,
+                                                       const uint32_t* rows, int64_t kmax,
+                                                       uint32_t seg, int warp, int gi0, int lane,
+                                                       const bool (&on)[FG], V&& visit) {
+  int c[FG][4], cmax = 0;
+#pragma unroll
+  for (int f = 0; f < FG; ++f)
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int n = on[f] ? gs.bcnt[(warp * GPW + gi0 + f) * 4 + t] : 0;
+      c[f][t] = n < (int)seg ? n : (int)seg;
+      cmax = c[f][t] > cmax ? c[f][t] : cmax;
+    }
+  for (int i0 = 0; i0 < cmax; i0 += 32) {
+    const int i = i0 + lane;
+    uint32_t v[FG][4];
+#pragma unroll
+    for (int f = 0; f < FG; ++f) {
+      const uint32_t* row = rows + (int64_t)(warp * GPW + gi0 + f) * kmax;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) v[f][t] = i < c[f][t] ? __ldcg(row + (int64_t)t * seg + i) : 0u;
+    }
+#pragma unroll
+    for (int f = 0; f < FG; ++f)
+#pragma unroll
+      for (int t = 0; t < 4; ++t) visit(f, t, i0, i < c[f][t], v[f][t]);
+  }
+}
+
 /* The collect step from the band buffers, without a pass over the keys: each collecting group of
  * this warp appends to its slab the keys of its window [lo, hi] that this CTA's 4 lane segments
- * of its band buffer hold (rows: local group 0's buffer, segments seg words apart, groups kmax
- * words apart; every count <= seg: gs.bufok), as the collect pass would, in another order on
- * which no decision depends. Whole warp; 4 groups at a time, so 16 coalesced loads in flight
- * per lane (one per group and segment). */
+ * of its band buffer hold (every count <= seg: gs.bufok), as the collect pass would, in another
+ * order on which no decision depends. Whole warp; 4 groups at a time. */
 template <int GPW, int GPC>
 static __device__ __forceinline__ void dsv_tk_fill(dsv_tk_groups<GPC>& gs, uint32_t* hist,
                                                    const uint32_t* rows, int64_t kmax,
@@ -476,43 +509,26 @@ static __device__ __forceinline__ void dsv_tk_fill(dsv_tk_groups<GPC>& gs, uint3
   constexpr int FG = 4;
   static_assert(GPW % FG == 0, "groups per warp: a multiple of the groups per step");
   for (int gi0 = 0; gi0 < GPW; gi0 += FG) {
-    int c[FG][4], n[FG], cmax = 0;
+    int n[FG];
     uint32_t lo[FG], span[FG];
+    bool on[FG];
 #pragma unroll
     for (int f = 0; f < FG; ++f) {
       const int gl = warp * GPW + gi0 + f;
-      const bool on = gl < ngl && !gs.done[gl] && gs.mode[gl] == TK_COLLECT;
-      lo[f] = on ? gs.lo[gl] : 0u;
-      span[f] = on ? gs.hi[gl] - lo[f] : 0u;
+      on[f] = gl < ngl && !gs.done[gl] && gs.mode[gl] == TK_COLLECT;
+      lo[f] = on[f] ? gs.lo[gl] : 0u;
+      span[f] = on[f] ? gs.hi[gl] - lo[f] : 0u;
       n[f] = 0;
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        c[f][t] = on ? gs.bcnt[gl * 4 + t] : 0;
-        cmax = c[f][t] > cmax ? c[f][t] : cmax;
-      }
     }
-    for (int i0 = 0; i0 < cmax; i0 += 32) {
-      const int i = i0 + lane;
-      uint32_t v[FG][4];
-#pragma unroll
-      for (int f = 0; f < FG; ++f) {
-        const uint32_t* row = rows + (int64_t)(warp * GPW + gi0 + f) * kmax;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) v[f][t] = i < c[f][t] ? __ldcg(row + (int64_t)t * seg + i) : 0u;
-      }
-#pragma unroll
-      for (int f = 0; f < FG; ++f) {
-        uint32_t* slab = hist + (warp * GPW + gi0 + f) * TK_BINS;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const bool hit = i < c[f][t] && v[f][t] - lo[f] <= span[f];
-          const uint32_t bal = __ballot_sync(DSV_FULL_MASK, hit);
-          const int pos = n[f] + __popc(bal & ((1u << lane) - 1u));
-          if (hit && pos < TK_CAP) slab[pos] = v[f][t];
-          n[f] += __popc(bal);
-        }
-      }
-    }
+    dsv_tk_buf_each<FG, GPW>(gs, rows, kmax, seg, warp, gi0, lane, on,
+                             [&](int f, int, int, bool ok, uint32_t v) {
+                               const bool hit = ok && v - lo[f] <= span[f];
+                               const uint32_t bal = __ballot_sync(DSV_FULL_MASK, hit);
+                               const int pos = n[f] + __popc(bal & ((1u << lane) - 1u));
+                               uint32_t* slab = hist + (warp * GPW + gi0 + f) * TK_BINS;
+                               if (hit && pos < TK_CAP) slab[pos] = v;
+                               n[f] += __popc(bal);
+                             });
     if (lane < FG) {
       const int gl = warp * GPW + gi0 + lane;
       int nl = n[0];
@@ -528,7 +544,7 @@ static __device__ __forceinline__ void dsv_tk_fill(dsv_tk_groups<GPC>& gs, uint3
  * of the keys u each band group's 4 lane segments (in this CTA) hold, which are all the keys of
  * its band when no segment overflowed (the caller's condition); bin 255 (above the band) the
  * pass wrote. The same counts as a BAND pass: the same decisions follow. Whole warp; 4 groups
- * at a time (16 coalesced loads in flight per lane), as dsv_tk_fill. */
+ * at a time. */
 template <int GPW, int GPC>
 static __device__ __forceinline__ void dsv_tk_band_hist(dsv_tk_groups<GPC>& gs, uint32_t* hist,
                                                         const uint32_t* rows, int64_t kmax,
@@ -537,38 +553,20 @@ static __device__ __forceinline__ void dsv_tk_band_hist(dsv_tk_groups<GPC>& gs, 
   constexpr int FG = 4;
   static_assert(GPW % FG == 0, "groups per warp: a multiple of the groups per step");
   for (int gi0 = 0; gi0 < GPW; gi0 += FG) {
-    int c[FG][4], cmax = 0;
     uint32_t lo[FG], sh[FG];
+    bool on[FG];
 #pragma unroll
     for (int f = 0; f < FG; ++f) {
       const int gl = warp * GPW + gi0 + f;
-      const bool on = gl < ngl && !gs.done[gl] && gs.mode[gl] == TK_BAND;
-      lo[f] = on ? gs.lo[gl] : 0u;
-      sh[f] = on ? (uint32_t)gs.s[gl] : 0u;
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const int n = on ? gs.bcnt[gl * 4 + t] : 0;
-        c[f][t] = n < (int)seg ? n : (int)seg;
-        cmax = c[f][t] > cmax ? c[f][t] : cmax;
-      }
+      on[f] = gl < ngl && !gs.done[gl] && gs.mode[gl] == TK_BAND;
+      lo[f] = on[f] ? gs.lo[gl] : 0u;
+      sh[f] = on[f] ? (uint32_t)gs.s[gl] : 0u;
     }
-    for (int i0 = 0; i0 < cmax; i0 += 32) {
-      const int i = i0 + lane;
-      uint32_t v[FG][4];
-#pragma unroll
-      for (int f = 0; f < FG; ++f) {
-        const uint32_t* row = rows + (int64_t)(warp * GPW + gi0 + f) * kmax;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) v[f][t] = i < c[f][t] ? __ldcg(row + (int64_t)t * seg + i) : 0u;
-      }
-#pragma unroll
-      for (int f = 0; f < FG; ++f) {
-        uint32_t* slab = hist + (warp * GPW + gi0 + f) * TK_BINS;
-#pragma unroll
-        for (int t = 0; t < 4; ++t)
-          if (i < c[f][t]) atomicAdd(slab + 1 + ((v[f][t] - lo[f]) >> sh[f]), 1u);
-      }
-    }
+    dsv_tk_buf_each<FG, GPW>(gs, rows, kmax, seg, warp, gi0, lane, on,
+                             [&](int f, int, int, bool ok, uint32_t v) {
+                               uint32_t* slab = hist + (warp * GPW + gi0 + f) * TK_BINS;
+                               if (ok) atomicAdd(slab + 1 + ((v - lo[f]) >> sh[f]), 1u);
+                             });
   }
   __syncwarp();
 }
@@ -576,8 +574,7 @@ static __device__ __forceinline__ void dsv_tk_band_hist(dsv_tk_groups<GPC>& gs, 
 /* For the compaction from masks (tuning tk_compact), after the selection: for each group of the
  * warp and lane segment t of its band buffer, in the segment's order, bit i % 32 of word
  * [t][i / 32][0] of the group's slab: key i of the segment > T, of word [..][1]: == T (T =
- * gs.lo, every count <= 1024: the caller's condition). Whole warp; 4 groups at a time (16
- * coalesced loads in flight per lane), as dsv_tk_fill. */
+ * gs.lo, every count <= 1024: the caller's condition). Whole warp; 4 groups at a time. */
 template <int GPW, int GPC>
 static __device__ __forceinline__ void dsv_tk_codes(dsv_tk_groups<GPC>& gs, uint32_t* hist,
                                                     const uint32_t* rows, int64_t kmax,
@@ -585,42 +582,24 @@ static __device__ __forceinline__ void dsv_tk_codes(dsv_tk_groups<GPC>& gs, uint
   constexpr int FG = 4;
   static_assert(GPW % FG == 0, "groups per warp: a multiple of the groups per step");
   for (int gi0 = 0; gi0 < GPW; gi0 += FG) {
-    int c[FG][4], cmax = 0;
     uint32_t T[FG];
+    bool on[FG];
 #pragma unroll
     for (int f = 0; f < FG; ++f) {
       const int gl = warp * GPW + gi0 + f;
-      const bool on = gl < ngl;
-      T[f] = on ? gs.lo[gl] : 0u;
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        c[f][t] = on ? gs.bcnt[gl * 4 + t] : 0;
-        cmax = c[f][t] > cmax ? c[f][t] : cmax;
-      }
+      on[f] = gl < ngl;
+      T[f] = on[f] ? gs.lo[gl] : 0u;
     }
-    for (int i0 = 0; i0 < cmax; i0 += 32) {
-      const int i = i0 + lane;
-      uint32_t v[FG][4];
-#pragma unroll
-      for (int f = 0; f < FG; ++f) {
-        const uint32_t* row = rows + (int64_t)(warp * GPW + gi0 + f) * kmax;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) v[f][t] = i < c[f][t] ? __ldcg(row + (int64_t)t * seg + i) : 0u;
-      }
-#pragma unroll
-      for (int f = 0; f < FG; ++f) {
-        uint32_t* slab = hist + (warp * GPW + gi0 + f) * TK_BINS;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          const uint32_t gt = __ballot_sync(DSV_FULL_MASK, i < c[f][t] && v[f][t] > T[f]);
-          const uint32_t eq = __ballot_sync(DSV_FULL_MASK, i < c[f][t] && v[f][t] == T[f]);
-          if (lane == 0 && i0 < c[f][t]) {
-            slab[t * 64 + 2 * (i0 >> 5)] = gt;
-            slab[t * 64 + 2 * (i0 >> 5) + 1] = eq;
-          }
-        }
-      }
-    }
+    dsv_tk_buf_each<FG, GPW>(gs, rows, kmax, seg, warp, gi0, lane, on,
+                             [&](int f, int t, int i0, bool ok, uint32_t v) {
+                               const uint32_t gt = __ballot_sync(DSV_FULL_MASK, ok && v > T[f]);
+                               const uint32_t eq = __ballot_sync(DSV_FULL_MASK, ok && v == T[f]);
+                               uint32_t* w = hist + (warp * GPW + gi0 + f) * TK_BINS + t * 64;
+                               if (lane == 0 && ok) { /* lane 0's entry i0 exists */
+                                 w[2 * (i0 >> 5)] = gt;
+                                 w[2 * (i0 >> 5) + 1] = eq;
+                               }
+                             });
   }
   __syncwarp();
 }
