@@ -82,10 +82,11 @@
 #define TK_HIST 1    /* 256-bin histogram of [lo, hi] */
 #define TK_BAND 2    /* band histogram: bins 1..254 from lo = T_lo, bin 255 above top */
 #define TK_COLLECT 3 /* append every key of [lo, hi] to the slab */
-/* a pass kind, not a group's mode: the band pass of TK_BAND groups without its histogram (the
+/* pass kinds, not a group's mode: the band pass of TK_BAND groups without its histogram (the
  * keys of the band stored, those above counted); the histogram then comes from the band buffer
- * (dsv_tk_band_hist) */
+ * (dsv_tk_band_hist). TK_BANDM also writes the keys' masks (tuning tk_compact). */
 #define TK_BANDS 4
+#define TK_BANDM 5
 
 struct dsv_topk_args {
   const void* q;
@@ -254,7 +255,7 @@ static __device__ __forceinline__ dsv_tk_prm dsv_tk_load(dsv_tk_groups<GPC>& gs,
                                                          int g, bool valid, uint32_t* brow,
                                                          int64_t kmax, uint32_t seg) {
   dsv_tk_prm p;
-  constexpr int GM = MODE == TK_BANDS ? TK_BAND : MODE; /* the groups' mode */
+  constexpr int GM = MODE == TK_BANDS || MODE == TK_BANDM ? TK_BAND : MODE; /* the groups' mode */
   const bool on = valid && gs.mode[g] == GM;
   const uint32_t lo = on ? gs.lo[g] : 0u;
   const uint32_t last = on ? (GM == TK_BAND ? gs.top[g] : gs.hi[g]) : 0u;
@@ -280,9 +281,9 @@ static __device__ __forceinline__ dsv_tk_prm dsv_tk_load(dsv_tk_groups<GPC>& gs,
  * HIST: bin d >> s of [lo, hi]; BAND: bin 1 + (d >> s) of [lo, top] and the register count of
  * u > top (bin 255); both add 1 to the bin or, unconditionally (no branch per score), to this
  * thread's sink slot. BAND also stores u in [lo, top] at position bc of the lane's buffer
- * segment while it has room, and counts it in bc; BANDS does only that and sets the key's bits
- * in `mask` (above the band: bit `bit`, counted from the mask per tile; in it: bit + 16), no
- * bin. COLLECT: append u in [lo, hi] to the slab. */
+ * segment while it has room, and counts it in bc; BANDS does only that and the count above, no
+ * bin; BANDM instead of the count sets the key's bits in `mask` (above the band: bit `bit`,
+ * counted from the mask per tile; in it: bit + 16). COLLECT: append u in [lo, hi] to the slab. */
 template <int MODE>
 static __device__ __forceinline__ void dsv_tk_score(const dsv_tk_prm& p, uint32_t u, uint32_t ok,
                                                     uint32_t& above, uint32_t& bc,
@@ -295,21 +296,23 @@ static __device__ __forceinline__ void dsv_tk_score(const dsv_tk_prm& p, uint32_
       if (i < TK_CAP) p.cslab[i] = u;
     }
   } else {
-    constexpr uint32_t off = MODE == TK_BAND ? 1u : 0u;
     const bool in = on && d <= p.span;
-    if constexpr (MODE != TK_BANDS) {
+    constexpr bool BANDLIKE = MODE == TK_BAND || MODE == TK_BANDS || MODE == TK_BANDM;
+    if constexpr (MODE == TK_HIST || MODE == TK_BAND) {
+      constexpr uint32_t off = MODE == TK_BAND ? 1u : 0u;
       const uint32_t addr = in ? p.slab + ((off + (d >> p.s)) << 2) : sink;
       asm volatile("red.shared.add.u32 [%0], 1;\n" ::"r"(addr) : "memory");
     }
-    if constexpr (MODE == TK_BAND || MODE == TK_BANDS) {
+    if constexpr (BANDLIKE) {
       const bool up = on && u > p.top;
       if (in && bc < p.seg) __stcg(p.buf + bc, u);
       bc += (uint32_t)in;
-      /* BANDS: the key's bit (2 blk + e) in the tile's masks: above the band (low half: counted
+      /* BANDM: the key's bit (2 blk + e) in the tile's masks: above the band (low half: counted
        * per tile from it), in it (high half), for the compaction from masks (tk_compact) */
-      if constexpr (MODE == TK_BAND) above += (uint32_t)up;
-      if constexpr (MODE == TK_BANDS)
+      if constexpr (MODE == TK_BANDM)
         mask |= ((uint32_t)up << bit) | ((uint32_t)in << (bit + 16));
+      else
+        above += (uint32_t)up;
     }
   }
 }
@@ -435,16 +438,14 @@ static __device__ __forceinline__ void dsv_tk_pass(const dsv_topk_args& a, const
     else
       dsv_tk_tile<T, KS, SW, TWO, MODE, HASB, false>(kt, A, lane, j4, it * TK_TILE, nv, pA, pB,
                                                      cA, cB, sink, mA, mB);
-    if constexpr (MODE == TK_BANDS) { /* the tile's masks: [tile][group][lane of the quad] */
+    if constexpr (MODE == TK_BANDM) { /* the tile's masks: [tile][group][lane of the quad] */
       cA[0] += __popc(mA & 0xFFFFu);
       cB[0] += __popc(mB & 0xFFFFu);
-      if (masks) {
-        masks[((int64_t)it * GPC + gA) * 4 + j4] = mA;
-        if constexpr (HASB) masks[((int64_t)it * GPC + gB) * 4 + j4] = mB;
-      }
+      masks[((int64_t)it * GPC + gA) * 4 + j4] = mA;
+      if constexpr (HASB) masks[((int64_t)it * GPC + gB) * 4 + j4] = mB;
     }
   }
-  if constexpr (MODE == TK_BAND || MODE == TK_BANDS) {
+  if constexpr (MODE == TK_BAND || MODE == TK_BANDS || MODE == TK_BANDM) {
     if (warp_active) {
       if (vA) gs.bcnt[gA * 4 + j4] = (int)cA[1];
       if (HASB && vB) gs.bcnt[gB * 4 + j4] = (int)cB[1];
@@ -1167,9 +1168,14 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         /* the keys of the band into the buffers, then their histogram from there; where a
          * segment of this CTA overflowed, the histogram takes a band pass over all keys (it
          * stores the same keys again) */
-        dsv_tk_pass<T, KS, SW, kTwoPhase, TK_BANDS, false, GPC, HASB>(
-            a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB, brow,
-            bseg, cmasks);
+        if (cmasks) /* and the keys' masks (tk_compact) */
+          dsv_tk_pass<T, KS, SW, kTwoPhase, TK_BANDM, false, GPC, HASB>(
+              a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB,
+              brow, bseg, cmasks);
+        else
+          dsv_tk_pass<T, KS, SW, kTwoPhase, TK_BANDS, false, GPC, HASB>(
+              a, kb, kbeg, kend, ktile, A, gs, hist, warp_active, tid, lane, gA, gB, vA, vB,
+              brow, bseg);
         __syncthreads();
         const bool ovf = __syncthreads_or(
             tid < ngl && gs.mode[tid] == TK_BAND &&
@@ -1252,13 +1258,11 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
    * before the list (which overwrites the buffer) is written. ---- */
   bool mc = false;
   if constexpr (CL == 1) {
-    if (cmasks && bonly && Keff < S) {
-      __syncthreads();
+    if (cmasks && bonly && Keff < S) /* (the states final since the barrier above) */
       mc = __syncthreads_and(
           tid >= ngl || (gs.bufok[tid] && gs.done[tid] != 0 && gs.bcnt[4 * tid] <= 1024 &&
                          gs.bcnt[4 * tid + 1] <= 1024 && gs.bcnt[4 * tid + 2] <= 1024 &&
                          gs.bcnt[4 * tid + 3] <= 1024));
-    }
   }
   if (mc) {
     if (warp_active) dsv_tk_codes<GPW, GPC>(gs, hist, brows, kmax, bseg, warp, lane, ngl);
