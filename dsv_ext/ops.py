@@ -109,9 +109,9 @@ def kernel_tuning(device=None) -> dict:
     group's threshold from a 1/16 sample of the keys first; 0: radix passes only), ``tk_band``
     (1, the default: the band pass stores its keys without a histogram, built from the stored
     keys afterwards, where they fit the buffer with room; 2: wherever they are stored; 0: the
-    band pass always counts), ``tk_compact`` (1: the compaction places the selected keys from the
-    band pass's key masks, with a workspace of S / 4 bytes per query group; 0, the default: it
-    rescores every key), ``tk_split``
+    band pass always counts), ``tk_compact`` (1, the default: the compaction places the selected
+    keys from the band pass's key masks, with a workspace of S / 4 bytes per query group, up to
+    1 GiB; 0: it rescores every key), ``tk_split``
     (1: one CTA per set of query groups; 2: clusters of two CTAs, each scoring half of the keys;
     0, the default: automatic).
     It is chosen once per device; the environment variable

@@ -90,7 +90,7 @@ def test_defaults_from_the_device():
     # automatic (v18)
     assert t["tk_gpw"] == 0 and t["tk_sample"] == 1 and t["tk_split"] == 0
     assert t["tk_band"] == 1  # the band pass without its histogram where it fits (v40)
-    assert t["tk_compact"] == 0  # the compaction from masks: an experiment (v41)
+    assert t["tk_compact"] == 1  # the compaction from masks (v41)
 
 
 @gpu

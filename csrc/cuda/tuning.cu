@@ -35,8 +35,8 @@
  *   tk_compact              top-K estimation: 1 the compaction places the selected keys from the
  *                           band pass's key masks and the band's stored keys (no scores; a
  *                           workspace of S / 4 bytes per query group, up to 1 GiB), where every
- *                           group's threshold lies in its band; 0 it rescores the keys (the
- *                           default)
+ *                           group's threshold lies in its band (the default); 0 it rescores
+ *                           the keys
  *   tk_split                top-K estimation: 1 CTA per set of groups, or 2: a cluster of two,
  *                           each scoring half of the keys; 0: automatic (2 where 16 groups per
  *                           warp gives fewer than two CTAs per SM, from compute capability 9.0;
@@ -183,8 +183,8 @@ int fill(int device, dsv_tuning* t) {
   t->bwd_rmax = 0;
   t->tk_gpw = 0; /* automatic: measured on the H200, benchmarks/PERF_LOG.md, kernels v16 */
   t->tk_sample = 1; /* benchmarks/PERF_LOG.md, kernels v12 / v17 */
-  t->tk_band = 1;   /* not yet measured: benchmarks/PERF_LOG.md, kernels v40 */
-  t->tk_compact = 0; /* not yet measured: benchmarks/PERF_LOG.md, kernels v41 */
+  t->tk_band = 1;   /* benchmarks/PERF_LOG.md, kernels v40 */
+  t->tk_compact = 1; /* benchmarks/PERF_LOG.md, kernels v41 */
   t->tk_split = 0;  /* automatic: measured on the H200, benchmarks/PERF_LOG.md, kernels v18 */
   const char* spec = getenv("DSV_KERNEL_TUNING");
   return spec ? apply_override(t, spec) : DSV_OK;

@@ -62,11 +62,11 @@ typedef struct dsv_tuning {
                        comes from the stored keys, where they are expected to fill at most 3/4
                        of the band buffer; 2 = wherever the band buffer is used; 0 = the band
                        pass always histograms (same lists) */
-  int tk_compact;   /* top-K estimation: 1 = the compaction places the selected keys from the band
-                       pass's key masks (16 bytes per group and 64-key tile, a workspace of up
-                       to 1 GiB) and the band's stored keys instead of rescoring every key, where
-                       every group's threshold lies in its band (one CTA per set of groups);
-                       0 = it rescores them (the default; same lists) */
+  int tk_compact;   /* top-K estimation: 1 (the default) = the compaction places the selected
+                       keys from the band pass's key masks (16 bytes per group and 64-key tile,
+                       a workspace of up to 1 GiB) and the band's stored keys instead of
+                       rescoring every key, where every group's threshold lies in its band (one
+                       CTA per set of groups); 0 = it rescores them (same lists) */
   int tk_split;     /* top-K estimation: CTAs per set of groups, 1 or 2 (a thread-block cluster,
                        each CTA scoring half of the keys: twice the CTAs and half the chain of
                        passes per warp; same lists); 0: automatic (the default), 2 where 16
