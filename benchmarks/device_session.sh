@@ -10,8 +10,8 @@
 #          adoption tests, `pip download --no-deps --python-version X.Y --only-binary=:all:
 #          -d .adoptwheels diffusers huggingface-hub safetensors regex ...` with X.Y the
 #          Python there, about 22 MB)
-#   env:   STEPS="tests bench ncu san" (default; also ab topkab tun nored compare infer train grid
-#          topk det soak er calib),
+#   env:   STEPS="tests bench ncu san" (default; also ab topkab topkvar tun nored compare infer
+#          train grid topk det soak er calib),
 #          BUILD_LIMIT, TUNINGS (the tun step's DSV_KERNEL_TUNING settings), AB_ARGS,
 #          TEST_ARGS (e.g. "-m cuda": the GPU tests alone; the CPU ones run in CI),
 #          TEST_LIMIT, BENCH_LIMIT, SAN_STEPS / SAN_PATHS (tests/run_sanitizer.sh), ...
@@ -81,6 +81,18 @@ case " $STEPS " in *" nored "*)  # the 128-row backward with and without its dK 
       timeout ${AB_LIMIT:-100} python3 benchmarks/bench_kernels.py ${NORED_ARGS:---S 65536 --D 128 --G 128 --sparsity 0.9 --dist random smooth} \
       --reps 5 --out "$OUT/nored/${v}_$r" > "$OUT/nored_${v}_$r.log" 2>&1
     echo "nored $v run $r rc=$?"; grep -E "^\| [0-9]" "$OUT/nored/${v}_$r/kernels.md" 2>/dev/null | cut -c1-120
+  done; done;;
+esac
+case " $STEPS " in *" topkvar "*)  # a csrc/dev top-K variant (TOPK_VARIANT) against the shipped
+  # estimation, both in ops libraries (benchmarks/build_devvar.sh; carry a prebuilt .devvar), interleaved
+  V=${TOPK_VARIANT:-csrc/dev/topk_no_list_stores.cu}; n=$(basename "$V" .cu)
+  bash benchmarks/build_devvar.sh "$V" > "$OUT/devvar_build.log" 2>&1 ||
+    { echo "topkvar: build failed"; tail -20 "$OUT/devvar_build.log"; }
+  for r in 1 2; do for w in ops_ship $n; do
+    DSV_OPS_LIB=$PWD/.devvar/$w.so timeout ${TOPK_LIMIT:-60} python3 benchmarks/bench_topk.py --heads 24 \
+      --group ${TOPK_GROUP:-64} --shapes ${TOPK_SHAPES:-65536:0.1,65536:0.05} --json "$OUT/topkvar_${w}_$r.json" \
+      > "$OUT/topkvar_${w}_$r.log" 2>&1
+    echo "topkvar $w run $r rc=$?"; grep -v "^\s*$" "$OUT/topkvar_${w}_$r.log" | tail -3 | cut -c1-100
   done; done;;
 esac
 case " $STEPS " in *" topk "*)  # top-K estimation under kernel tunings (TOPK_TUNINGS), interleaved

@@ -76,6 +76,11 @@
 #define TK_MIN_S 4096   /* sample from this sequence length on */
 #define TK_CAP TK_BINS  /* collect pass: windows of at most this many keys (one slab) */
 #define TK_MAX_PASSES 6 /* band + at most 4 generic passes + one collect pass */
+/* 0: the compaction stores only each list's last entry, for measuring what the list stores cost
+ * (csrc/dev/topk_no_list_stores.cu; its lists are not the op's) */
+#ifndef DSV_TK_LIST_STORES
+#define DSV_TK_LIST_STORES 1
+#endif
 
 /* what a group does in the next pass */
 #define TK_OFF 0     /* resolved (or not a group): nothing */
@@ -1316,7 +1321,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         while (x) {
           const int bit = __ffs(x) - 1;
           x &= x - 1;
-          if (rank < Keff) outC[rank] = pos0 + bit;
+          if (rank < Keff && (DSV_TK_LIST_STORES || rank == Keff - 1)) outC[rank] = pos0 + bit;
           ++rank;
         }
       }
