@@ -83,10 +83,10 @@ case " $STEPS " in *" nored "*)  # the 128-row backward with and without its dK 
     echo "nored $v run $r rc=$?"; grep -E "^\| [0-9]" "$OUT/nored/${v}_$r/kernels.md" 2>/dev/null | cut -c1-120
   done; done;;
 esac
-case " $STEPS " in *" topkvar "*)  # a csrc/dev top-K variant (TOPK_VARIANT) against the shipped
-  # estimation, both in ops libraries (benchmarks/build_devvar.sh; carry a prebuilt .devvar), interleaved
-  V=${TOPK_VARIANT:-csrc/dev/topk_no_list_stores.cu}; n=$(basename "$V" .cu)
-  bash benchmarks/build_devvar.sh "$V" > "$OUT/devvar_build.log" 2>&1 ||
+case " $STEPS " in *" topkvar "*)  # csrc/dev top-K variants (TOPK_VARIANT, one or more) against the
+  # shipped estimation, all in ops libraries (benchmarks/build_devvar.sh; carry a prebuilt .devvar), interleaved
+  V=${TOPK_VARIANT:-csrc/dev/topk_no_list_stores.cu}; n=""; for v in $V; do n="$n $(basename "$v" .cu)"; done
+  bash benchmarks/build_devvar.sh $V > "$OUT/devvar_build.log" 2>&1 ||
     { echo "topkvar: build failed"; tail -20 "$OUT/devvar_build.log"; }
   for r in 1 2; do for w in ops_ship $n; do
     DSV_OPS_LIB=$PWD/.devvar/$w.so timeout ${TOPK_LIMIT:-60} python3 benchmarks/bench_topk.py --heads 24 \

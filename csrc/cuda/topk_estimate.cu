@@ -81,6 +81,14 @@
 #ifndef DSV_TK_LIST_STORES
 #define DSV_TK_LIST_STORES 1
 #endif
+/* 1: the compaction from masks stages each tile's list entries in shared memory (the key tiles,
+ * free there: TK_STAGE per group) and stores them with one instruction per two groups, 16 lanes
+ * on consecutive entries of one group, instead of one scattered entry per lane (a candidate,
+ * csrc/dev/topk_staged_stores.cu) */
+#ifndef DSV_TK_STAGED_STORES
+#define DSV_TK_STAGED_STORES 0
+#endif
+#define TK_STAGE 24 /* staged entries per group and tile: 16 groups fill a warp's 384 words */
 
 /* what a group does in the next pass */
 #define TK_OFF 0     /* resolved (or not a group): nothing */
@@ -882,6 +890,8 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   static_assert(GPC <= TK_THREADS, "one thread per group in the CTA-wide votes");
   constexpr int KS = RP / 16;
   constexpr int SW = RP / 2 + 4; /* 32-bit words per staged key row (conflict-free B loads) */
+  static_assert(!DSV_TK_STAGED_STORES || TK_WARPS * GPW * TK_STAGE <= 2 * TK_TILE * SW,
+                "the staged list entries must fit the key tiles");
   /* Tile loops. With TWO (the default): the MMA chains of all 8 blocks of a tile first, then
    * branch-free updates (fewer instructions, more independent MMAs in flight; identical lists).
    * Without (TWO = false, csrc/dev/): one 8-key block at a time (unroll 2). ptxas (CUDA 13.0)
@@ -1315,6 +1325,32 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       const int sel_cnt = __popc(sel);
       const int sel_other = __shfl_xor_sync(DSV_FULL_MASK, sel_cnt, 1);
       int64_t rank = baseC + (w ? sel_other : 0);
+#if DSV_TK_STAGED_STORES
+      /* staged (from masks, where no valid group of the warp selects more than TK_STAGE keys of
+       * this tile): entries to the warp's stage, then per round two groups' entries, 16 lanes
+       * each, to their lists */
+      const int ntile = vC ? sel_cnt + sel_other : 0;
+      if (mc && !__any_sync(DSV_FULL_MASK, ntile > TK_STAGE)) {
+        uint32_t* stw = ktile + warp * (GPW * TK_STAGE);
+        if (vC) {
+          uint32_t* st = stw + ((lane >> 2) + 8 * sel_grp) * TK_STAGE;
+          const int32_t pos0 = (int32_t)(kbeg + t0 + 32 * w);
+          int slot = w ? sel_other : 0;
+          for (uint32_t x = sel; x; x &= x - 1) st[slot++] = (uint32_t)(pos0 + __ffs(x) - 1);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int p = 0; p < GPW / 2; ++p) {
+          const int g = 2 * p + (lane >> 4), e = lane & 15;
+          const int src = 4 * (g & 7) + 2 * (g >> 3); /* lane j4 = 0 / 2 of the group's quad */
+          const int gb = __shfl_sync(DSV_FULL_MASK, (int)baseC, src);
+          const int gn = __shfl_sync(DSV_FULL_MASK, ntile, src);
+          int32_t* o = outg0 + (int64_t)(warp * GPW + g) * kmax + gb;
+          for (int i = e; i < gn && gb + i < Keff; i += 16) o[i] = (int32_t)stw[g * TK_STAGE + i];
+        }
+        __syncwarp();
+      } else
+#endif
       if (vC) {
         uint32_t x = sel;
         const int32_t pos0 = (int32_t)(kbeg + t0 + 32 * w);
