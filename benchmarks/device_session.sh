@@ -88,7 +88,8 @@ case " $STEPS " in *" topkvar "*)  # csrc/dev top-K variants (TOPK_VARIANT, one 
   V=${TOPK_VARIANT:-csrc/dev/topk_no_list_stores.cu}; n=""; for v in $V; do n="$n $(basename "$v" .cu)"; done
   bash benchmarks/build_devvar.sh $V > "$OUT/devvar_build.log" 2>&1 ||
     { echo "topkvar: build failed"; tail -20 "$OUT/devvar_build.log"; }
-  for r in 1 2; do for w in ops_ship $n; do
+  # TOPK_EXTRA: more libraries already in .devvar/ (e.g. an ops_ship.so of an earlier tree, renamed)
+  for r in 1 2; do for w in ${TOPK_EXTRA:-} ops_ship $n; do
     DSV_OPS_LIB=$PWD/.devvar/$w.so timeout ${TOPK_LIMIT:-60} python3 benchmarks/bench_topk.py --heads 24 \
       --group ${TOPK_GROUP:-64} --shapes ${TOPK_SHAPES:-65536:0.1,65536:0.05} --json "$OUT/topkvar_${w}_$r.json" \
       > "$OUT/topkvar_${w}_$r.log" 2>&1

@@ -181,8 +181,9 @@ static __device__ __forceinline__ void dsv_stage_rows16_idx(uint32_t* smem, int 
 /* Order-preserving map of a float to uint32 (larger float -> larger key; -0 < +0). NaN maps to
  * the key of -inf: a NaN score ranks last, tied with -inf (as the CPU top-K ranks it). */
 static __device__ __forceinline__ uint32_t dsv_float_key(float f) {
-  if (f != f) return 0x007fffffu;
-  const uint32_t u = __float_as_uint(f);
+  /* NaN orders as -inf (key 0x007fffff): fmaxf returns the operand that is not NaN, one
+   * instruction where a test and a select were two */
+  const uint32_t u = __float_as_uint(fmaxf(f, -INFINITY));
   return u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
 }
 static __device__ __forceinline__ float dsv_key_float(uint32_t k) {

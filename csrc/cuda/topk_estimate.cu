@@ -81,14 +81,14 @@
 #ifndef DSV_TK_LIST_STORES
 #define DSV_TK_LIST_STORES 1
 #endif
-/* 1: the compaction from masks stages each tile's list entries in shared memory (the key tiles,
- * free there: TK_STAGE per group) and stores them with one instruction per two groups, 16 lanes
- * on consecutive entries of one group, instead of one scattered entry per lane (a candidate,
- * csrc/dev/topk_staged_stores.cu) */
+/* 1: the compaction from masks stages the list entries of its tiles in shared memory (the key
+ * tiles, free there: TK_STAGE per group) and stores them with one instruction per two groups,
+ * 16 lanes on consecutive entries of one group, instead of one scattered entry per lane (a
+ * candidate, csrc/dev/topk_staged_stores.cu) */
 #ifndef DSV_TK_STAGED_STORES
 #define DSV_TK_STAGED_STORES 0
 #endif
-#define TK_STAGE 24 /* staged entries per group and tile: 16 groups fill a warp's 384 words */
+#define TK_STAGE 24 /* staged entries per group: 16 groups fill a warp's 384 words */
 
 /* what a group does in the next pass */
 #define TK_OFF 0     /* resolved (or not a group): nothing */
@@ -585,10 +585,18 @@ static __device__ __forceinline__ void dsv_tk_band_hist(dsv_tk_groups<GPC>& gs, 
   __syncwarp();
 }
 
+/* The word pairs of a group's codes in its slab, XOR-swizzled by group and segment: the
+ * compaction's 32 lanes (8 groups x 4 segments, one slab of 256 words each) read their own
+ * pair at once, without the swizzle all in one bank (32 ways), with it in 16 (2 ways at most). */
+static __device__ __forceinline__ int dsv_tk_code_swz(int g, int t) {
+  return (2 * (4 * (g & 7) + t)) & 62;
+}
+
 /* For the compaction from masks (tuning tk_compact), after the selection: for each group of the
  * warp and lane segment t of its band buffer, in the segment's order, bit i % 32 of word
- * [t][i / 32][0] of the group's slab: key i of the segment > T, of word [..][1]: == T (T =
- * gs.lo, every count <= 1024: the caller's condition). Whole warp; 4 groups at a time. */
+ * [t][(2 (i / 32)) ^ swz][0] of the group's slab: key i of the segment > T, of word [..][1]:
+ * == T (T = gs.lo, every count <= 1024: the caller's condition; swz: dsv_tk_code_swz). Whole
+ * warp; 4 groups at a time. */
 template <int GPW, int GPC>
 static __device__ __forceinline__ void dsv_tk_codes(dsv_tk_groups<GPC>& gs, uint32_t* hist,
                                                     const uint32_t* rows, int64_t kmax,
@@ -608,10 +616,12 @@ static __device__ __forceinline__ void dsv_tk_codes(dsv_tk_groups<GPC>& gs, uint
                              [&](int f, int t, int i0, bool ok, uint32_t v) {
                                const uint32_t gt = __ballot_sync(DSV_FULL_MASK, ok && v > T[f]);
                                const uint32_t eq = __ballot_sync(DSV_FULL_MASK, ok && v == T[f]);
-                               uint32_t* w = hist + (warp * GPW + gi0 + f) * TK_BINS + t * 64;
+                               const int g = warp * GPW + gi0 + f;
+                               uint32_t* w = hist + g * TK_BINS + t * 64;
                                if (lane == 0 && ok) { /* lane 0's entry i0 exists */
-                                 w[2 * (i0 >> 5)] = gt;
-                                 w[2 * (i0 >> 5) + 1] = eq;
+                                 const int x = (2 * (i0 >> 5)) ^ dsv_tk_code_swz(g, t);
+                                 w[x] = gt;
+                                 w[x + 1] = eq;
                                }
                              });
   }
@@ -1303,6 +1313,42 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
     const int nkeys32 = (int)(kend - kbeg); /* this CTA's keys (S without a cluster) */
     const int ntiles = (int)((kend - kbeg + TK_TILE - 1) / TK_TILE);
 
+#if DSV_TK_STAGED_STORES
+    /* the staged entries (DSV_TK_STAGED_STORES): pend of the lane's group, the last pend ranks
+     * before baseC, at [group of the warp][TK_STAGE] in the key tiles (free in the compaction
+     * from masks); flush: every group's to its list, 16 lanes on consecutive entries of one
+     * group, two groups per store (the counts and bases shuffled first, no dependent chain) */
+    int pend = 0;
+    auto flush = [&]() {
+      __syncwarp();
+      const int e = lane & 15, hi = lane >> 4;
+      int gn[GPW / 2], gb[GPW / 2];
+#pragma unroll
+      for (int p = 0; p < GPW / 2; ++p) {
+        const int g = 2 * p + hi, src = 4 * (g & 7) + 2 * (g >> 3); /* its quad's j4 0 / 2 */
+        gn[p] = __shfl_sync(DSV_FULL_MASK, pend, src);
+        gb[p] = __shfl_sync(DSV_FULL_MASK, (int)baseC - pend, src);
+      }
+      const uint32_t* stw = ktile + warp * GPW * TK_STAGE;
+      int32_t* ow = outg0 + (int64_t)warp * GPW * kmax;
+      bool more = false;
+#pragma unroll
+      for (int p = 0; p < GPW / 2; ++p) {
+        const int g = 2 * p + hi;
+        if (e < gn[p] && gb[p] + e < Keff) ow[(int64_t)g * kmax + gb[p] + e] = (int32_t)stw[g * TK_STAGE + e];
+        more |= gn[p] > 16;
+      }
+      if (__any_sync(DSV_FULL_MASK, more)) {
+#pragma unroll
+        for (int p = 0; p < GPW / 2; ++p) {
+          const int g = 2 * p + hi, i = e + 16;
+          if (i < gn[p] && gb[p] + i < Keff) ow[(int64_t)g * kmax + gb[p] + i] = (int32_t)stw[g * TK_STAGE + i];
+        }
+      }
+      __syncwarp();
+      pend = 0;
+    };
+#endif
     /* one tile's selection from each lane's flags of its groups' keys (bit 2 blk + e: key 8 blk
      * + 2 j4 + e of the tile; u > T: mg, u == T: me), in position order */
     auto emit = [&](uint32_t mgA, uint32_t mgB, uint32_t meA, uint32_t meB, int t0) {
@@ -1326,32 +1372,32 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       const int sel_other = __shfl_xor_sync(DSV_FULL_MASK, sel_cnt, 1);
       int64_t rank = baseC + (w ? sel_other : 0);
 #if DSV_TK_STAGED_STORES
-      /* staged (from masks, where no valid group of the warp selects more than TK_STAGE keys of
-       * this tile): entries to the warp's stage, then per round two groups' entries, 16 lanes
-       * each, to their lists */
-      const int ntile = vC ? sel_cnt + sel_other : 0;
-      if (mc && !__any_sync(DSV_FULL_MASK, ntile > TK_STAGE)) {
-        uint32_t* stw = ktile + warp * (GPW * TK_STAGE);
-        if (vC) {
-          uint32_t* st = stw + ((lane >> 2) + 8 * sel_grp) * TK_STAGE;
-          const int32_t pos0 = (int32_t)(kbeg + t0 + 32 * w);
-          int slot = w ? sel_other : 0;
-          for (uint32_t x = sel; x; x &= x - 1) st[slot++] = (uint32_t)(pos0 + __ffs(x) - 1);
+      /* staged (from masks): the tile's entries appended to the group's pending ones in the
+       * warp's stage, flushed first where some group's would not fit (a tile of more than
+       * TK_STAGE entries goes straight to the lists, after a flush) */
+      bool staged = false;
+      if (mc) {
+        const int ntile = vC ? sel_cnt + sel_other : 0;
+        if (__any_sync(DSV_FULL_MASK, pend + ntile > TK_STAGE)) {
+          flush();
+          staged = !__any_sync(DSV_FULL_MASK, ntile > TK_STAGE);
+        } else {
+          staged = true;
         }
-        __syncwarp();
-#pragma unroll
-        for (int p = 0; p < GPW / 2; ++p) {
-          const int g = 2 * p + (lane >> 4), e = lane & 15;
-          const int src = 4 * (g & 7) + 2 * (g >> 3); /* lane j4 = 0 / 2 of the group's quad */
-          const int gb = __shfl_sync(DSV_FULL_MASK, (int)baseC, src);
-          const int gn = __shfl_sync(DSV_FULL_MASK, ntile, src);
-          int32_t* o = outg0 + (int64_t)(warp * GPW + g) * kmax + gb;
-          for (int i = e; i < gn && gb + i < Keff; i += 16) o[i] = (int32_t)stw[g * TK_STAGE + i];
+        if (staged) {
+          if (vC) {
+            uint32_t* st = ktile + (warp * GPW + (lane >> 2) + 8 * sel_grp) * TK_STAGE;
+            const uint32_t pos0 = (uint32_t)(kbeg + t0 + 32 * w);
+            int slot = pend + (w ? sel_other : 0);
+            for (uint32_t x = sel; x; x &= x - 1) st[slot++] = pos0 + (uint32_t)(__ffs(x) - 1);
+          }
+          pend += ntile;
         }
-        __syncwarp();
-      } else
-#endif
+      }
+      if (!staged && vC) {
+#else
       if (vC) {
+#endif
         uint32_t x = sel;
         const int32_t pos0 = (int32_t)(kbeg + t0 + 32 * w);
         while (x) {
@@ -1370,6 +1416,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
        * tile it is placed */
       const uint32_t* codeA = hist + gA * TK_BINS + j4 * 64;
       const uint32_t* codeB = hist + (HASB ? gB : gA) * TK_BINS + j4 * 64;
+      const int swA = dsv_tk_code_swz(gA, j4), swB = dsv_tk_code_swz(HASB ? gB : gA, j4);
       int nA = 0, nB = 0; /* band keys of the lane's segments placed so far */
       uint32_t wA = 0u, wB = 0u;
       if (warp_active && ntiles > 0) {
@@ -1385,18 +1432,23 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         uint32_t mgA = xA & 0xFFFFu, meA = 0u, mgB = xB & 0xFFFFu, meB = 0u;
         for (uint32_t b = xA >> 16; b; b &= b - 1, ++nA) {
           const int bit = __ffs((int)b) - 1;
-          mgA |= ((codeA[2 * (nA >> 5)] >> (nA & 31)) & 1u) << bit;
-          meA |= ((codeA[2 * (nA >> 5) + 1] >> (nA & 31)) & 1u) << bit;
+          const int x = (2 * (nA >> 5)) ^ swA;
+          mgA |= ((codeA[x] >> (nA & 31)) & 1u) << bit;
+          meA |= ((codeA[x + 1] >> (nA & 31)) & 1u) << bit;
         }
         if constexpr (HASB) {
           for (uint32_t b = xB >> 16; b; b &= b - 1, ++nB) {
             const int bit = __ffs((int)b) - 1;
-            mgB |= ((codeB[2 * (nB >> 5)] >> (nB & 31)) & 1u) << bit;
-            meB |= ((codeB[2 * (nB >> 5) + 1] >> (nB & 31)) & 1u) << bit;
+            const int x = (2 * (nB >> 5)) ^ swB;
+            mgB |= ((codeB[x] >> (nB & 31)) & 1u) << bit;
+            meB |= ((codeB[x + 1] >> (nB & 31)) & 1u) << bit;
           }
         }
         emit(mgA, mgB, meA, meB, it * TK_TILE);
       }
+#if DSV_TK_STAGED_STORES
+      if (warp_active) flush();
+#endif
     } else {
       /* the flags from the scores, recomputed */
       dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, kbeg, TK_TILE, kend, (int)a.r, RP, a.kvec, tid,
