@@ -19,7 +19,8 @@
 #              only) under memcheck, tk_split=2 (clusters of two CTAs, distributed shared
 #              memory) under memcheck and racecheck, tk_band=2 (the band pass without its
 #              histogram, built from the stored keys) under both, and in clusters,
-#              tk_compact=1 (the compaction from the band pass's key masks) under both
+#              tk_compact=1 with tk_band=2 (the compaction from the band pass's key masks, its
+#              staged list stores: the driver's 32k case takes that path) under both
 # Needs a GPU (Firecracker machines: sanitizer works; gVisor: not).
 # Usage: tests/run_sanitizer.sh [logdir] [steps...]   (default steps: memcheck racecheck fuzz;
 #        `tests/run_sanitizer.sh /tmp/san fuzz` runs only the fuzz matrix under memcheck)
@@ -48,8 +49,8 @@ for step in $STEPS; do
                km_ratio=0,merge=1,bwd_ranges=1 km_ratio=0,merge=1,bwd_ranges=3 \
                km_ratio=0,merge=1,merge_window=64 racecheck:km_ratio=0,merge=1 \
                tk_gpw=16 racecheck:tk_gpw=16 tk_sample=0 tk_split=2 racecheck:tk_split=2 \
-               tk_band=2 racecheck:tk_band=2 tk_band=2,tk_split=2 tk_compact=1,tk_split=1 \
-               racecheck:tk_compact=1,tk_split=1}; do
+               tk_band=2 racecheck:tk_band=2 tk_band=2,tk_split=2 tk_compact=1,tk_band=2,tk_split=1 \
+               racecheck:tk_compact=1,tk_band=2,tk_split=1}; do
         sec=sparse_attention tool=memcheck extra="--leak-check no"
         case $t in *wgmma=*) sec=sparse_attention,kv_blocks;; esac
         case $t in *tk_gpw=*|tk_sample=*|*tk_split=*|*tk_band=*|*tk_compact=*) sec=ops_kernels;; esac

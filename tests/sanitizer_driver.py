@@ -114,10 +114,13 @@ def run_ops_kernels():
     raw = KB.backend() == "ctypes"
     gen = torch.Generator().manual_seed(2)
     dev = "cuda"
-    # S = 4500: the sampled threshold band (S >= 4096) and a partial last CTA
+    # S = 4500: the sampled threshold band (S >= 4096) and a partial last CTA; S = 32k, K 5%:
+    # a band buffer that holds the band's keys, so that under tk_band=2 the compaction runs from
+    # the key masks (and its staged list stores)
     for (S, H, r, G, counts, kmax, dt) in [(300, 2, 16, 64, [40, 300], 300, torch.bfloat16),
                                             (130, 1, 40, 32, [7], 64, torch.float16),
-                                            (4500, 2, 16, 64, [450, 2], 460, torch.bfloat16)]:
+                                            (4500, 2, 16, 64, [450, 2], 460, torch.bfloat16),
+                                            (32768, 1, 16, 64, [1638], 1638, torch.bfloat16)]:
         q = torch.randn(1, S, H, r, generator=gen).to(dt).to(dev)
         k = torch.randn(1, S, H + 1, r, generator=gen).to(dt).to(dev)[:, :, :H]
         cnt = torch.tensor([counts], dtype=torch.int32, device=dev)

@@ -15,7 +15,8 @@ wider than the list row or about as wide (the collect step from the buffer or th
 the collect pass, PERF_LOG v23), and the inputs
 that push the sampled path off its usual course: all scores tied, a few distinct key rows (runs of
 equal scores wider than the collect pass), NaN and +-inf scores, the sampled key rows scaled up
-or down (the sample misleads: the band pass falls back), a score pattern of period 16. The
+or down (the sample misleads: the band pass falls back), a score pattern of period 16, one
+64-key tile in eight scaled up (groups that take most of a tile's keys). The
 selection rule itself is emulated on the CPU in tests/test_topk_select_rule.py. The tuning is
 read once per process, so each setting runs in a child process. Skipped without a GPU or without
 the built extension.
@@ -47,6 +48,9 @@ CASES = [
     (1, 4100, 2, 16, 64, "bfloat16", "packed", [410, 820], 0, None),   # sampled, partial group
     (1, 16384, 2, 16, 64, "bfloat16", "packed", [819, 1638], 0, None),
     (1, 65536, 1, 16, 64, "bfloat16", "packed", [6553], 0, None),     # the target length
+    # one 64-key tile in 8 scaled up: tiles of which a group takes more keys than the compaction
+    # stages (TK_STAGE), stored straight to the lists between staged ones
+    (1, 65536, 1, 16, 64, "bfloat16", "packed", [6553], 0, "runs"),
     (1, 65536, 1, 16, 128, "bfloat16", "packed", [35389], 0, None),   # G = 128, 54% of the keys
     (2, 9000, 2, 40, 32, "float16", "bhsd", [900, 2700] * 2, 500, None),  # RP 48 fp16, strided
     (1, 6000, 2, 64, 64, "float16", "padded", [300, 3000], 0, None),  # RP 64, unaligned rows
@@ -120,6 +124,9 @@ def shape_pattern(q, k, pattern, gen):
         q[:, :64] = float("nan")  # the first group's representative: NaN scores only
     elif pattern in ("sample_up", "sample_down"):
         k[:, sample_rows(S).cuda()] *= 8.0 if pattern == "sample_up" else 0.125
+    elif pattern == "runs":  # every 8th 64-key tile's rows x4: most of the top-K in them
+        tiles = torch.arange(S) // 64
+        k[:, (tiles % 8 == 0).nonzero().flatten().cuda()] *= 4.0
     elif pattern == "periodic":
         k[:, torch.arange(0, S, 16).cuda()] *= 4.0
     else:

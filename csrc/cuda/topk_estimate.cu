@@ -81,14 +81,9 @@
 #ifndef DSV_TK_LIST_STORES
 #define DSV_TK_LIST_STORES 1
 #endif
-/* 1: the compaction from masks stages the list entries of its tiles in shared memory (the key
- * tiles, free there: TK_STAGE per group) and stores them with one instruction per two groups,
- * 16 lanes on consecutive entries of one group, instead of one scattered entry per lane (a
- * candidate, csrc/dev/topk_staged_stores.cu) */
-#ifndef DSV_TK_STAGED_STORES
-#define DSV_TK_STAGED_STORES 0
-#endif
-#define TK_STAGE 24 /* staged entries per group: 16 groups fill a warp's 384 words */
+/* the compaction from masks stages its list entries in shared memory, this many per group (16
+ * groups fill a warp's 384 words of the key tiles, free there) */
+#define TK_STAGE 24
 
 /* what a group does in the next pass */
 #define TK_OFF 0     /* resolved (or not a group): nothing */
@@ -900,7 +895,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
   static_assert(GPC <= TK_THREADS, "one thread per group in the CTA-wide votes");
   constexpr int KS = RP / 16;
   constexpr int SW = RP / 2 + 4; /* 32-bit words per staged key row (conflict-free B loads) */
-  static_assert(!DSV_TK_STAGED_STORES || TK_WARPS * GPW * TK_STAGE <= 2 * TK_TILE * SW,
+  static_assert(TK_WARPS * GPW * TK_STAGE <= 2 * TK_TILE * SW,
                 "the staged list entries must fit the key tiles");
   /* Tile loops. With TWO (the default): the MMA chains of all 8 blocks of a tile first, then
    * branch-free updates (fewer instructions, more independent MMAs in flight; identical lists).
@@ -1313,8 +1308,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
     const int nkeys32 = (int)(kend - kbeg); /* this CTA's keys (S without a cluster) */
     const int ntiles = (int)((kend - kbeg + TK_TILE - 1) / TK_TILE);
 
-#if DSV_TK_STAGED_STORES
-    /* the staged entries (DSV_TK_STAGED_STORES): pend of the lane's group, the last pend ranks
+    /* the staged entries (from masks): pend of the lane's group, the last pend ranks
      * before baseC, at [group of the warp][TK_STAGE] in the key tiles (free in the compaction
      * from masks); flush: every group's to its list, 16 lanes on consecutive entries of one
      * group, two groups per store (the counts and bases shuffled first, no dependent chain) */
@@ -1335,20 +1329,21 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
 #pragma unroll
       for (int p = 0; p < GPW / 2; ++p) {
         const int g = 2 * p + hi;
-        if (e < gn[p] && gb[p] + e < Keff) ow[(int64_t)g * kmax + gb[p] + e] = (int32_t)stw[g * TK_STAGE + e];
+        if (e < gn[p] && gb[p] + e < Keff && (DSV_TK_LIST_STORES || gb[p] + e == Keff - 1))
+          ow[(int64_t)g * kmax + gb[p] + e] = (int32_t)stw[g * TK_STAGE + e];
         more |= gn[p] > 16;
       }
       if (__any_sync(DSV_FULL_MASK, more)) {
 #pragma unroll
         for (int p = 0; p < GPW / 2; ++p) {
           const int g = 2 * p + hi, i = e + 16;
-          if (i < gn[p] && gb[p] + i < Keff) ow[(int64_t)g * kmax + gb[p] + i] = (int32_t)stw[g * TK_STAGE + i];
+          if (i < gn[p] && gb[p] + i < Keff && (DSV_TK_LIST_STORES || gb[p] + i == Keff - 1))
+            ow[(int64_t)g * kmax + gb[p] + i] = (int32_t)stw[g * TK_STAGE + i];
         }
       }
       __syncwarp();
       pend = 0;
     };
-#endif
     /* one tile's selection from each lane's flags of its groups' keys (bit 2 blk + e: key 8 blk
      * + 2 j4 + e of the tile; u > T: mg, u == T: me), in position order */
     auto emit = [&](uint32_t mgA, uint32_t mgB, uint32_t meA, uint32_t meB, int t0) {
@@ -1371,7 +1366,6 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       const int sel_cnt = __popc(sel);
       const int sel_other = __shfl_xor_sync(DSV_FULL_MASK, sel_cnt, 1);
       int64_t rank = baseC + (w ? sel_other : 0);
-#if DSV_TK_STAGED_STORES
       /* staged (from masks): the tile's entries appended to the group's pending ones in the
        * warp's stage, flushed first where some group's would not fit (a tile of more than
        * TK_STAGE entries goes straight to the lists, after a flush) */
@@ -1395,9 +1389,6 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         }
       }
       if (!staged && vC) {
-#else
-      if (vC) {
-#endif
         uint32_t x = sel;
         const int32_t pos0 = (int32_t)(kbeg + t0 + 32 * w);
         while (x) {
@@ -1446,9 +1437,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         }
         emit(mgA, mgB, meA, meB, it * TK_TILE);
       }
-#if DSV_TK_STAGED_STORES
       if (warp_active) flush();
-#endif
     } else {
       /* the flags from the scores, recomputed */
       dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, kbeg, TK_TILE, kend, (int)a.r, RP, a.kvec, tid,
