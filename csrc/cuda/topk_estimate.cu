@@ -1308,20 +1308,21 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
     const int nkeys32 = (int)(kend - kbeg); /* this CTA's keys (S without a cluster) */
     const int ntiles = (int)((kend - kbeg + TK_TILE - 1) / TK_TILE);
 
-    /* the staged entries (from masks): pend of the lane's group, the last pend ranks
-     * before baseC, at [group of the warp][TK_STAGE] in the key tiles (free in the compaction
-     * from masks); flush: every group's to its list, 16 lanes on consecutive entries of one
-     * group, two groups per store (the counts and bases shuffled first, no dependent chain) */
+    /* the staged entries (from masks): pend of the lane's group, the last pend ranks before
+     * baseC, at [group of the warp][TK_STAGE] in the key tiles (free in the compaction from
+     * masks). flush(n, r0): the first n staged entries of each group, of ranks r0..., to its
+     * list, 16 lanes on consecutive entries of one group, two groups per store (the counts and
+     * bases shuffled first, no dependent chain) */
     int pend = 0;
-    auto flush = [&]() {
+    auto flush = [&](int n, int r0) {
       __syncwarp();
       const int e = lane & 15, hi = lane >> 4;
       int gn[GPW / 2], gb[GPW / 2];
 #pragma unroll
       for (int p = 0; p < GPW / 2; ++p) {
         const int g = 2 * p + hi, src = 4 * (g & 7) + 2 * (g >> 3); /* its quad's j4 0 / 2 */
-        gn[p] = __shfl_sync(DSV_FULL_MASK, pend, src);
-        gb[p] = __shfl_sync(DSV_FULL_MASK, (int)baseC - pend, src);
+        gn[p] = __shfl_sync(DSV_FULL_MASK, n, src);
+        gb[p] = __shfl_sync(DSV_FULL_MASK, r0, src);
       }
       const uint32_t* stw = ktile + warp * GPW * TK_STAGE;
       int32_t* ow = outg0 + (int64_t)warp * GPW * kmax;
@@ -1342,7 +1343,6 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         }
       }
       __syncwarp();
-      pend = 0;
     };
     /* one tile's selection from each lane's flags of its groups' keys (bit 2 blk + e: key 8 blk
      * + 2 j4 + e of the tile; u > T: mg, u == T: me), in position order */
@@ -1366,29 +1366,25 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
       const int sel_cnt = __popc(sel);
       const int sel_other = __shfl_xor_sync(DSV_FULL_MASK, sel_cnt, 1);
       int64_t rank = baseC + (w ? sel_other : 0);
-      /* staged (from masks): the tile's entries appended to the group's pending ones in the
-       * warp's stage, flushed first where some group's would not fit (a tile of more than
-       * TK_STAGE entries goes straight to the lists, after a flush) */
-      bool staged = false;
+      /* from masks: the tile's entries appended to the group's pending ones in the warp's
+       * stage, in windows of TK_STAGE: while some group's entries pass the window, the window
+       * is stored (every group's part of it) and the next one begins */
       if (mc) {
         const int ntile = vC ? sel_cnt + sel_other : 0;
-        if (__any_sync(DSV_FULL_MASK, pend + ntile > TK_STAGE)) {
-          flush();
-          staged = !__any_sync(DSV_FULL_MASK, ntile > TK_STAGE);
-        } else {
-          staged = true;
+        const int tot = pend + ntile, r0 = (int)baseC - pend;
+        uint32_t* st = ktile + (warp * GPW + (lane >> 2) + 8 * sel_grp) * TK_STAGE;
+        const uint32_t pos0 = (uint32_t)(kbeg + t0 + 32 * w);
+        uint32_t x = vC ? sel : 0u;
+        int slot = pend + (w ? sel_other : 0), s0 = 0;
+        while (__any_sync(DSV_FULL_MASK, tot - s0 > TK_STAGE)) {
+          for (; x && slot < s0 + TK_STAGE; x &= x - 1, ++slot)
+            st[slot - s0] = pos0 + (uint32_t)(__ffs(x) - 1);
+          flush(tot - s0 < 0 ? 0 : (tot - s0 < TK_STAGE ? tot - s0 : TK_STAGE), r0 + s0);
+          s0 += TK_STAGE;
         }
-        if (staged) {
-          if (vC) {
-            uint32_t* st = ktile + (warp * GPW + (lane >> 2) + 8 * sel_grp) * TK_STAGE;
-            const uint32_t pos0 = (uint32_t)(kbeg + t0 + 32 * w);
-            int slot = pend + (w ? sel_other : 0);
-            for (uint32_t x = sel; x; x &= x - 1) st[slot++] = pos0 + (uint32_t)(__ffs(x) - 1);
-          }
-          pend += ntile;
-        }
-      }
-      if (!staged && vC) {
+        for (; x; x &= x - 1, ++slot) st[slot - s0] = pos0 + (uint32_t)(__ffs(x) - 1);
+        pend = tot - s0 > 0 ? tot - s0 : 0;
+      } else if (vC) {
         uint32_t x = sel;
         const int32_t pos0 = (int32_t)(kbeg + t0 + 32 * w);
         while (x) {
@@ -1437,7 +1433,7 @@ __global__ void __launch_bounds__(TK_THREADS) dsv_topk_kernel(const dsv_topk_arg
         }
         emit(mgA, mgB, meA, meB, it * TK_TILE);
       }
-      if (warp_active) flush();
+      if (warp_active) flush(pend, (int)baseC - pend);
     } else {
       /* the flags from the scores, recomputed */
       dsv_stage_rows16<T>(ktile, SW, kb, a.k_ss, kbeg, TK_TILE, kend, (int)a.r, RP, a.kvec, tid,
