@@ -51,7 +51,9 @@
  *        every window update is a count over all S keys.
  *     3. Compaction pass: {key > T} and the first q of {key == T} in position order: per tile,
  *        each lane quad rebuilds the group's 64-bit selection mask in position order and writes
- *        ranks from popcounts, so the list comes out ascending without any sort.
+ *        ranks from popcounts, so the list comes out ascending without any sort. From the band
+ *        pass's key masks (no scores), the entries go through a stage in shared memory and
+ *        reach the lists 16 consecutive entries of one group per store (PERF_LOG v42, v43).
  *    At S = 64k and K = 10% a group takes ~2 passes of all scores (band, compaction; the collect
  *    step reads the band buffer; the radix select alone: 4 histogram passes + the compaction).
  *    Times: benchmarks/PERF_LOG.md (v12, v16, v17, v23).
