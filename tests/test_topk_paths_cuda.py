@@ -49,7 +49,7 @@ CASES = [
     (1, 16384, 2, 16, 64, "bfloat16", "packed", [819, 1638], 0, None),
     (1, 65536, 1, 16, 64, "bfloat16", "packed", [6553], 0, None),     # the target length
     # one 64-key tile in 8 scaled up: tiles of which a group takes more keys than the compaction
-    # stages (TK_STAGE), stored straight to the lists between staged ones
+    # stages at once (TK_STAGE), written in several windows of the stage
     (1, 65536, 1, 16, 64, "bfloat16", "packed", [6553], 0, "runs"),
     (1, 65536, 1, 16, 128, "bfloat16", "packed", [35389], 0, None),   # G = 128, 54% of the keys
     (2, 9000, 2, 40, 32, "float16", "bhsd", [900, 2700] * 2, 500, None),  # RP 48 fp16, strided
