@@ -107,6 +107,11 @@ def _kernels():
     return rows, _prov(r0["run_date"], r0["run_commit"], r0["run_card"], f"torch {r0['run_torch']}")
 
 
+def _card(r):
+    """The card of a record, short: "NVIDIA H100 80GB HBM3" -> "H100"."""
+    return next((w for w in r["run_card"].split() if w[:1] in "HABL" and w[1:2].isdigit()), r["run_card"])
+
+
 def _kernel_at(rows, S=65536, D=128, G=64, sparsity=0.9, dist="random"):
     for r in rows:
         if (r["S"], r["D"], r["G"], r["dist"]) == (S, D, G, dist) and abs(r["sparsity"] - sparsity) < 1e-9:
@@ -188,7 +193,8 @@ def summary_rows():
     t_speed = tdense["median_ms"] / t9["median_ms"]
     i_speed = ifull["median_step_ms"] / i9["median_step_ms"]
     rows = [
-        ("sparse attention vs cuDNN (estimate + forward + backward), 64k tokens, D = 128, G = 64, sparsity 0.9",
+        ("sparse attention vs cuDNN (estimate + forward + backward), 64k tokens, D = 128, G = 64, sparsity 0.9"
+         f" ({_card(k9)})",
          f"**{k9['speedup_vs_cudnn_fwdbwd']:.2f}x** (0.95: {k95['speedup_vs_cudnn_fwdbwd']:.2f}x); "
          f"G = 128: {g9['speedup_vs_cudnn_fwdbwd']:.2f}x (0.95: {g95['speedup_vs_cudnn_fwdbwd']:.2f}x); "
          f"smooth lists: G = 64 {s64:.2f}x, G = 32 {s32:.2f}x (random {r32:.2f}x)",
@@ -236,7 +242,8 @@ def summary_rows():
 
 def summary_table(link_prefix):
     rows = summary_rows()
-    body = _table(["what (one H200; two for the two-GPU row)", "measured", "target", "met"],
+    body = _table(["what (one H200 where no other card is named; two for the two-GPU row)", "measured",
+                   "target", "met"],
                   [(f"[{w}]({link_prefix}{a})", m, t, "yes" if ok else "no") for w, m, t, ok, a in rows])
     missed = [w.split(",")[0] for w, _, _, ok, _ in rows if not ok]
     status = f"Targets met: {len(rows) - len(missed)} of {len(rows)}" + (
@@ -274,9 +281,42 @@ block (below). {prov}
 
 ![kernel times](../benchmarks/results/kernels.png)
 
+{_section_other_card(rows)}
 {_section_merged()}
 {_section_kv_block()}
 {_section_padded()}"""
+
+
+def _section_other_card(rows):
+    """The target shape's rows of the grid against those of the grid kept from the other card
+    (results/kernels_h200_v34/: the same grid on an H200, kernels of v34)."""
+    other = _load("kernels_h200_v34/kernels.json")
+    o0 = other[0]
+
+    def pair(G, sparsity, dist):
+        a, b = _kernel_at(other, G=G, sparsity=sparsity, dist=dist), _kernel_at(rows, G=G, sparsity=sparsity, dist=dist)
+        return (f"G = {G} {dist} {sparsity:g}: {a['speedup_vs_cudnn_fwdbwd']:.2f}x / "
+                f"{b['speedup_vs_cudnn_fwdbwd']:.2f}x (estimate {_ms(a['est_ms'])} / {_ms(b['est_ms'])} ms)")
+    shapes = [(64, 0.9, "random"), (64, 0.9, "smooth"), (64, 0.95, "random"), (128, 0.9, "random"),
+              (32, 0.9, "smooth"), (32, 0.9, "random")]
+    return f"""The same grid on the {_card(o0)}, kernels of an earlier commit ({o0["run_commit"]}: the
+estimation before PERF_LOG v40-v43, the attention kernels before v37-v39), is kept in
+[results/kernels_h200_v34/](../benchmarks/results/kernels_h200_v34/kernels.md) ({o0["run_date"]}).
+Speed-ups against cuDNN at the target shape, {_card(o0)} (v34) / {_card(rows[0])} (this grid):
+{"; ".join(pair(*x) for x in shapes)}. At G = 64 most of the difference is the card: cuDNN's
+fwd + bwd, bound by its matrix products, takes about as long on both
+({_ms(_kernel_at(other)["cudnn_fwdbwd_ms"])} and {_ms(_kernel_at(rows)["cudnn_fwdbwd_ms"])} ms), while the
+64-row backward, bound by its dK / dV reductions in the L2 (50 MB on the {_card(rows[0])}, 60 on the
+{_card(o0)}; 3.35 against 4.8 TB/s of memory behind it), is slower on the {_card(rows[0])}: the same
+backward kernels at G = 64, random lists, 0.9 take 54.6-54.8 ms on the {_card(o0)}
+([results/topk_v41/](../benchmarks/results/topk_v41/ab.md)) and 59.5-59.8 ms on the
+{_card(rows[0])} ([results/topk_v42/](../benchmarks/results/topk_v42/ab.md), this grid); the 128-row
+backward takes the same on both ({_ms(_kernel_at(other, G=128)["bwd_ms"])} and
+{_ms(_kernel_at(rows, G=128)["bwd_ms"])} ms). The kernel
+changes between the two grids are measured on one card at a time in
+[PERF_LOG.md](../benchmarks/PERF_LOG.md) (v37: -3% backward at G = 64; v42 / v43: the estimation
+-20% / -12%).
+"""
 
 
 def _section_padded():
@@ -296,8 +336,8 @@ def _section_padded():
     r0 = recs[0]
     return f"""### Heads of other sizes
 
-The grid's D = 96 rows run the kernels compiled for 96 (mma.sync). `dsv_ext.sparse_attention`
-runs such heads zero-padded to 128 on H100 / H200, where the wgmma kernels are faster
+The grid's D = 96 rows time what `dsv_ext.sparse_attention` does: on H100 / H200 it runs such
+heads zero-padded to 128, where the wgmma kernels are faster than the mma.sync ones compiled for 96
 ([API.md](API.md#public-python-api-dsv_extopspy-re-exported-from-dsv_ext)); heads the kernels are
 not compiled for (48, 72, 80, 112) run padded the same way. At 64k, 24 heads of 96, sparsity 0.9,
 estimate + forward + backward, native -> padded (the copies included), means of two interleaved

@@ -20,7 +20,8 @@ def dense_heads(kv_count_host: List[List[int]], num_keys: int) -> List[bool]:
 
 def _sdpa(q, k, v, scale):
     """Dense heads: SDPA with the single-GPU stage 1's backend order (cuDNN first on CUDA: on the
-    H200 it is 1.7x FlashAttention-2's speed at 64k tokens, benchmarks/results/kernels.md)."""
+    H100 / H200 it is 1.7-1.8x FlashAttention-2's speed at 64k tokens,
+    benchmarks/results/kernels.md)."""
     return dense_core(q, k, v, scale, "auto")
 
 
