@@ -8,8 +8,9 @@
 #   b  S 16k / 32k / 128k, G 64 / 128, sparsity 0.9 / 0.95, random               (12 shapes)
 #   c  D 64 / 96 / 256, G 64 / 128, sparsity 0.9, random and smooth              (12 shapes)
 #   d  G 32, sparsity 0.9 / 0.95, random and smooth                              (4 shapes)
-# About 4-5 minutes per part on an H200 (FlexAttention compiles once per shape): run them in two
-# device calls, GRID_PARTS="a b" then GRID_PARTS="c d" (default all four), then merge here:
+# About a minute per part once the machine is up (all four parts took 3.5 minutes on an H100;
+# FlexAttention compiles once per shape), so one device call holds the grid (default all four
+# parts; GRID_PARTS="a b" runs some of them); then merge here:
 #   python benchmarks/bench_kernels.py --merge DIR/grid_*/kernels.json --out benchmarks/results
 set -u
 OUT=${OUT:-/tmp/out}
