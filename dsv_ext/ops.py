@@ -61,7 +61,7 @@ def has_cuda_kernels() -> bool:
 
 
 # the keys that DSV_KERNEL_TUNING may set (csrc/cuda/tuning.cu)
-KERNEL_TUNING_KEYS = ("sm_count", "l2_bytes", "wgmma", "km_wgmma", "g128", "qm_wgmma",
+KERNEL_TUNING_KEYS = ("sm_count", "l2_bytes", "wgmma", "km_wgmma", "g128", "qm_wgmma", "wg256",
                       "km_ratio", "merge", "merge_window", "bwd_ranges", "bwd_rmax", "tk_gpw", "tk_sample",
                       "tk_band", "tk_compact", "tk_split")
 
@@ -96,8 +96,9 @@ def kernel_tuning(device=None) -> dict:
     multiple of 128 queries run 128 rows per CTA on two warpgroups sharing the key tiles where
     wgmma runs, 0: two CTAs of 64 rows), ``qm_wgmma`` (1, the default: the backward's
     query-major pass with dK / dV reductions of the other groups of 64 queries or more on a
-    64-row wgmma kernel where wgmma runs, 0: on mma.sync), ``km_ratio`` (the backward's
-    key-major threshold),
+    64-row wgmma kernel where wgmma runs, 0: on mma.sync), ``wg256`` (1: the forward at head
+    dim 256 on the wgmma kernel where wgmma runs, 0, the default: on mma.sync), ``km_ratio``
+    (the backward's key-major threshold),
     ``merge`` (groups of 16 / 32 / 64 queries: the groups of a 128-query block run as one
     128-row CTA over the union of their lists when it has at most ``merge`` x (128 / G) x K
     entries, in the backward and at G 16 / 32 in the forward; 0.75 by default, 0: never),

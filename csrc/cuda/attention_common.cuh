@@ -192,11 +192,18 @@ __device__ __forceinline__ void gather_keys_pre(T* ktile, T* vtile, const T* kba
  * issue() copies the K and V rows (entries outside [lo, hi) give zero rows) and records each
  * row's mask: MaskT float: 0 or -inf (a score bias), int: the position or -1. KM > 0: packed
  * entries (merged groups, merged_groups.cuh): the key is entry & KM, and the int
- * mask records the whole entry. */
+ * mask records the whole entry. Rows wider than the threads cover 8 at a time (D 256 with 128
+ * threads, swizzled tiles only: KeyGatherWide) give each thread CPT chunks of a row, c and
+ * c + TPR ..., TPR / 8 column blocks apart in the tile and at the same swizzle phase. */
 template <int D, int NT, int BN>
 struct KeyGatherFits {
   static constexpr int CH = D / 8, RS = NT / CH;
   static constexpr bool value = NT % CH == 0 && RS % 8 == 0 && BN % RS == 0;
+};
+template <int D, int NT, int BN>
+struct KeyGatherWide {
+  static constexpr int CH = D / 8, TPR = NT / 8, CPT = CH / TPR, RS = 8;
+  static constexpr bool value = NT % 64 == 0 && CH % TPR == 0 && CPT > 1 && BN % RS == 0;
 };
 
 template <typename T, int D, int NT, int BN, bool SWZ, typename MaskT = float, bool WIDE = false,
@@ -204,9 +211,16 @@ template <typename T, int D, int NT, int BN, bool SWZ, typename MaskT = float, b
 struct KeyGather {
   static_assert(KM == 0 || (BLK == 1 && sizeof(MaskT) == sizeof(int) && (MaskT)0.5f == 0),
                 "packed entries: token lists, int masks");
-  static constexpr int CH = D / 8, RS = NT / CH, N = BN / RS;
+  static constexpr bool W = !KeyGatherFits<D, NT, BN>::value;
+  static_assert(!W || (SWZ && KeyGatherWide<D, NT, BN>::value),
+                "one chunk per thread and row, or several of a swizzled tile's rows");
+  static constexpr int CH = D / 8;
+  static constexpr int CPT = W ? KeyGatherWide<D, NT, BN>::CPT : 1; /* chunks per thread and row */
+  static constexpr int TPR = CH / CPT;                               /* threads per row */
+  static constexpr int RS = NT / TPR, N = BN / RS;
   static constexpr int ROW = SWZ ? 64 : D + 8; /* elements from row r to row r + 1 in a block */
-  static_assert(KeyGatherFits<D, NT, BN>::value, "one chunk per thread and row");
+  /* elements from a thread's chunk i to chunk i + 1: TPR / 8 column blocks of BN rows */
+  static constexpr int CSTEP = (TPR / 8) * BN * 64;
   const char* kb;   /* kbase + c * 8 elements */
   const char* vb;
   uint64_t ks, vs;  /* row strides in bytes */
@@ -215,8 +229,8 @@ struct KeyGather {
   int v[N];
   __device__ __forceinline__ void init(const T* kbase, int64_t kstride, const T* vbase,
                                        int64_t vstride, int tid = threadIdx.x) {
-    const int c = tid % CH;
-    r0 = tid / CH;
+    const int c = tid % TPR;
+    r0 = tid / TPR;
     off0 = tile_off<D, BN, SWZ>(r0, c);
     writer = c == 0;
     kb = reinterpret_cast<const char*>(kbase + c * 8);
@@ -260,8 +274,13 @@ struct KeyGather {
       const uint32_t so = (uint32_t)(off0 + k * RS * ROW) * (uint32_t)sizeof(T);
       const uint64_t ko = WIDE ? (uint64_t)row * ks : (uint64_t)row * (uint32_t)ks;
       const uint64_t vo = WIDE ? (uint64_t)row * vs : (uint64_t)row * (uint32_t)vs;
-      cp_async16_s(ktile + so, kb + ko, valid);
-      cp_async16_s(vtile + so, vb + vo, valid);
+#pragma unroll
+      for (int i = 0; i < CPT; ++i) {
+        const uint32_t si = so + (uint32_t)(i * CSTEP * (int)sizeof(T));
+        const uint32_t gi = (uint32_t)(i * TPR * 8 * (int)sizeof(T));
+        cp_async16_s(ktile + si, kb + ko + gi, valid);
+        cp_async16_s(vtile + si, vb + vo + gi, valid);
+      }
     }
   }
 };

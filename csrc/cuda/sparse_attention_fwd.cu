@@ -10,8 +10,9 @@
  * kernels with the block size as a template argument: a tile's rows are whole blocks or parts
  * of one, contiguous rows of K and V (list_key, attention_common.cuh), keys past S masked.
  * Two kernels:
- *  - sparse_attn_fwd_wg_kernel (default on H100 / H200, D = 64 or 128, G >= 64): one warpgroup
- *    per 64 queries on wgmma, tiles 128-byte swizzled (wgmma.cuh);
+ *  - sparse_attn_fwd_wg_kernel (default on H100 / H200, D = 64 or 128, G >= 64; D = 256 with
+ *    the kernel tuning wg256): one warpgroup per 64 queries on wgmma, tiles 128-byte swizzled
+ *    (wgmma.cuh);
  *  - sparse_attn_fwd_kernel (every other case): BM / 16 warps of 16 query rows each on
  *    mma.sync.m16n8k16 with ldmatrix from padded tiles.
  */
@@ -35,6 +36,7 @@ struct FwdParams {
   int S, H, G, NG, kmax, chunks;
   float scale_log2;
   int g128; /* the tuning's g128: groups of a multiple of 128 rows on two warpgroups per CTA */
+  int wg256; /* the tuning's wg256: D 256 on the wgmma kernel */
   /* merged groups (the tuning's merge, G 16 / 32; merged_groups.cuh), in the workspace:
    * nullptr when not merging */
   int* uidx; /* [B, H, NSG, ucap] */
@@ -361,17 +363,23 @@ __device__ __forceinline__ void wg_scores(float (&s)[BN / 8][4], uint64_t qdesc,
 }
 
 /* O += P V for one key tile on wgmma: BN / 16 steps of k16 (16 keys), P from registers, V as
- * the transposed (MN-major) B operand; step kk starts at key row 16 kk = byte 2048 kk. */
+ * the transposed (MN-major) B operand; step kk starts at key row 16 kk = byte 2048 kk. D 256:
+ * two m64n128 products per step, over the column blocks 0-1 and 2-3 of V (BN x 128 bytes
+ * each) into the accumulator's columns 0-127 and 128-255. */
 template <typename T, int D, int BN>
 __device__ __forceinline__ void wg_pv(float (&o)[D / 8][4], const float (&s)[BN / 8][4],
                                       uint64_t vdesc) {
+  constexpr int N = D < 128 ? D : 128; /* columns of one product */
   uint32_t pa[BN / 16][4];
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk) pack_p<T, BN>(pa[kk], s, kk);
   wg_fence();
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk)
-    Wgmma<T, D>::rs_bt(&o[0][0], pa[kk], wg_desc_add(vdesc, kk * 2048), 1);
+#pragma unroll
+    for (int n = 0; n < D / N; ++n)
+      Wgmma<T, N>::rs_bt(&o[n * N / 8][0], pa[kk],
+                         wg_desc_add(vdesc, n * (N / 64) * (BN * 128) + kk * 2048), 1);
 }
 
 /* The same forward on Hopper warpgroup MMAs (wgmma, sm_90a): one warpgroup (4 warps, 128
@@ -570,6 +578,15 @@ static int fwd_dispatch_bm(const dsv_attn_shape* sh, FwdParams<T>& prm, int wgmm
       return launch_fwd_wg<T, D, 32, 2, 4, BLK>(sh, prm, stream);
     }
   }
+  if constexpr (D == 256 && BLK == 1) {
+    /* the tuning's wg256: 64 rows per CTA on wgmma, 2 CTAs per SM (98 KB of shared memory
+     * each); its gathers copy two 16-byte chunks per thread and row (KeyGatherWide) */
+    const int64_t lim = (int64_t)UINT32_MAX / (int64_t)sizeof(T);
+    if (wgmma && prm.wg256 && G >= 64 && prm.ks <= lim && prm.vs <= lim) {
+      prm.chunks = (G + 63) / 64;
+      return launch_fwd_wg<T, D, 32, 2, 2>(sh, prm, stream);
+    }
+  }
   if (G <= 32) {
     prm.chunks = 1;
     return launch_fwd<T, D, 32, 32, 2, BLK>(sh, prm, stream);
@@ -633,7 +650,7 @@ static FwdParams<T> fwd_params(const dsv_attn_shape* sh, dsv_bshd q, dsv_bshd k,
   prm.NG = (int)sh->num_groups;
   prm.kmax = (int)sh->kmax;
   prm.chunks = 1;
-  prm.g128 = 0; /* fwd_entry: the tuning's */
+  prm.g128 = prm.wg256 = 0; /* fwd_entry: the tuning's */
   prm.uidx = prm.ucnt = prm.knf = nullptr; /* fwd_entry: where merging runs */
   prm.NSG = prm.ucap = 0;
   prm.ug = prm.G;
@@ -754,11 +771,13 @@ static int fwd_entry(FwdDispatchFn<__half> f16, FwdDispatchFn<__nv_bfloat16> bf1
     FwdParams<__nv_bfloat16> prm =
         fwd_params<__nv_bfloat16>(p, q, k, v, kv_index, kv_count, out, lse);
     prm.g128 = tun->g128;
+    prm.wg256 = tun->wg256;
     if (!tile) fwd_union_params(prm, p, tun, k, v, workspace, workspace_bytes);
     return bf16(p, prm, tun->wgmma, tile, s);
   }
   FwdParams<__half> prm = fwd_params<__half>(p, q, k, v, kv_index, kv_count, out, lse);
   prm.g128 = tun->g128;
+  prm.wg256 = tun->wg256;
   if (!tile) fwd_union_params(prm, p, tun, k, v, workspace, workspace_bytes);
   return f16(p, prm, tun->wgmma, tile, s);
 }

@@ -14,6 +14,8 @@
  *   qm_wgmma                1 the backward's query-major pass with dK / dV reductions on the
  *                           64-row wgmma kernel for groups not on the 128-row kernel (with wgmma
  *                           on: D 64 / 128, G >= 64; the default), 0 on mma.sync
+ *   wg256                   1 the forward at D 256 on the wgmma kernel (with wgmma on: token
+ *                           lists, G >= 64), 0 on mma.sync (the default)
  *   km_ratio                backward key-major ratio (0: never key-major, 1e9: wherever allowed)
  *   merge                   groups of 16 / 32 / 64 queries (where the 128-row kernels run): the
  *                           groups of a 128-query block merged into one 128-row CTA when their
@@ -106,6 +108,9 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
   } else if (DSV_KEY("qm_wgmma")) {
     if (n != 0 && n != 1) return DSV_ERR_TUNING;
     t->qm_wgmma = (int)n; /* takes effect only where wgmma is on */
+  } else if (DSV_KEY("wg256")) {
+    if (n != 0 && n != 1) return DSV_ERR_TUNING;
+    t->wg256 = (int)n; /* takes effect only where wgmma is on */
   } else if (DSV_KEY("merge_window")) {
     if (n < 0 || n > 1 << 22 || n % 32 != 0) return DSV_ERR_TUNING;
     t->merge_window = (int)n;
@@ -176,6 +181,7 @@ int fill(int device, dsv_tuning* t) {
   t->km_wgmma = 1; /* measured on the H200 at S = 64k: benchmarks/PERF_LOG.md, kernels v13 */
   t->g128 = 1;     /* measured on the H200 at S = 64k: benchmarks/PERF_LOG.md, kernels v15, v30 */
   t->qm_wgmma = 1; /* benchmarks/PERF_LOG.md, kernels v34 */
+  t->wg256 = 0;    /* not yet measured: benchmarks/PERF_LOG.md, kernels v44 */
   /* measured crossover on the H200 at S = 64k, D = 128 (benchmarks/PERF_LOG.md, kernels v3) */
   t->km_ratio = 1.15f;
   t->merge = 0.75f;    /* below the measured crossover: benchmarks/PERF_LOG.md, kernels v26 */
@@ -227,11 +233,12 @@ extern "C" int dsv_cuda_kernel_tuning(int device, char* buf, int64_t len) {
   if (st != DSV_OK) return st;
   const int n = snprintf(buf, (size_t)len,
                          "sm_count=%d,l2_bytes=%d,cc=%d,wgmma=%d,km_wgmma=%d,g128=%d,"
-                         "qm_wgmma=%d,km_ratio=%g,merge=%g,merge_window=%d,"
+                         "qm_wgmma=%d,wg256=%d,km_ratio=%g,merge=%g,merge_window=%d,"
                          "bwd_ranges=%d,bwd_rmax=%d,tk_gpw=%d,tk_sample=%d,tk_band=%d,"
                          "tk_compact=%d,tk_split=%d",
                          t->sm_count, t->l2_bytes, t->cc, t->wgmma, t->km_wgmma, t->g128,
-                         t->qm_wgmma, (double)t->km_ratio, (double)t->merge, t->merge_window,
+                         t->qm_wgmma, t->wg256, (double)t->km_ratio, (double)t->merge,
+                         t->merge_window,
                          t->bwd_ranges, t->bwd_rmax, t->tk_gpw, t->tk_sample, t->tk_band,
                          t->tk_compact, t->tk_split);
   return n >= 0 && n < len ? DSV_OK : DSV_ERR_NOMEM;
