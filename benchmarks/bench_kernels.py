@@ -10,6 +10,9 @@ Per shape (S, H, D, G, sparsity, index distribution):
   cudnn / flash: dense SDPA forward and forward+backward (one per S, D)
   flex       FlexAttention with random 128x128 block masks at density 1 - sparsity (different
              per head and query block); compiled once per shape, so only with --flex
+  bwd_reductions_g   fp32 values the backward adds into its dK / dV accumulators for these
+             lists, in 1e9 (reduction_stats: the kernels' per-head path and merged-block rules;
+             pair_reductions_g in the JSON: one reduction per (group, key) pair)
 speedup_vs_cudnn_fwdbwd = cudnn fwd+bwd / (est + fwd+bwd).
 
 Index distributions: "random" = top-K of random Gaussian low-rank inputs (scattered keys);
@@ -208,6 +211,49 @@ def km_stats(kv_index, kv_count):
     return ratio
 
 
+def reduction_stats(kv_index, kv_count, G, D, tuning):
+    """dK / dV reductions (fp32 values added into the accumulators) the backward makes for these
+    lists, per head by the shipped kernels' rules (csrc/cuda/sparse_attention_bwd.cu,
+    merged_groups.cuh): a head on the key-major pass (sorted lists, D <= 128, key-block entries
+    x 64 <= km_ratio x groups x K) makes none; on the query-major pass each (group, listed key)
+    pair is one row of D for dK and one for dV, except in a 128-query block whose G = 16 / 32 / 64
+    groups merge (wgmma and g128 on, D 64 / 128, the head's key-block ratio <= 4 and the
+    block's union at most ceil(merge x 128 / G x kmax) keys): there each key of the union once.
+    Returns (pairs, done): values in G (1e9) for one reduction per pair, and as the rules do."""
+    B, H, NG, KM = kv_index.shape
+    S = NG * G  # lists of whole groups (the last one may be partial in S; not in this benchmark)
+    idx = kv_index.long()
+    used = (torch.arange(KM, device=idx.device).view(1, 1, 1, KM) < kv_count.view(B, H, 1, 1)) & (idx >= 0)
+    per_group = used.sum(-1)  # [B, H, NG]
+    ratio = km_stats(kv_index, kv_count)
+    km = (ratio <= float(tuning.get("km_ratio", 1.15))) & (D <= 128)
+    merge = float(tuning.get("merge", 0.75))
+    can_merge = (G in (16, 32, 64) and D in (64, 128) and merge > 0 and int(tuning.get("wgmma", 1))
+                 and int(tuning.get("g128", 1)))
+    M = 128 // G if can_merge else 1
+    pairs = float(per_group.sum()) * 2 * D / 1e9
+    done = 0.0
+    for b in range(B):
+        for h in range(H):
+            if km[b, h]:
+                continue
+            rows = per_group[b, h].double()
+            if not can_merge or float(ratio[b, h]) > 4.0:
+                done += float(rows.sum())
+                continue
+            cap = min(S, math.ceil(merge * M * KM))  # union_capacity: from kmax
+            nb = (NG + M - 1) // M
+            sel = torch.zeros(nb, S + 1, dtype=torch.bool, device=idx.device)
+            blk = (torch.arange(NG, device=idx.device) // M).view(NG, 1).expand(NG, KM)
+            key = torch.where(used[b, h], idx[b, h], torch.full_like(idx[b, h], S))
+            sel[blk.reshape(-1), key.reshape(-1)] = True
+            union = sel[:, :S].sum(1).double()
+            sums = torch.zeros(nb, dtype=torch.float64, device=idx.device).index_add_(
+                0, torch.arange(NG, device=idx.device) // M, rows)
+            done += float(torch.where(union <= cap, union, sums).sum())
+    return pairs, done * 2 * D / 1e9
+
+
 # --------------------------------------------------------------------------------------------
 # baselines
 
@@ -290,6 +336,7 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
         kv_index = est(ql, kl, cnt, G, K)
     est_ms = bench(lambda: est(ql, kl, cnt, G, K), reps, 1)
     ratio = km_stats(kv_index, cnt)
+    pair_red, bwd_red = reduction_stats(kv_index, cnt, G, run_head_dim(D), TUNING)
     scale = 1.0 / math.sqrt(D)
     q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=dtype) for _ in range(4))
     dim = run_head_dim(D)
@@ -327,6 +374,7 @@ def run_shape(B, S, H, D, G, sparsity, dist, dtype, reps, gen, est_name, est, ca
                K=K, estimate=est_name, est_ms=est_ms, fwd_ms=fwd_ms, bwd_ms=bwd_ms,
                fwdbwd_ms=fwd_ms + bwd_ms, total_ms=est_ms + fwd_ms + bwd_ms,
                km_ratio_median=float(ratio.median()), km_heads=int((ratio <= KM_RATIO).sum()),
+               pair_reductions_g=pair_red, bwd_reductions_g=bwd_red,
                peak_extra_bwd_mib=peak_extra)
     flops = 4.0 * S * K * H * D * B
     rec["fwd_tflops"] = flops / fwd_ms / 1e9
@@ -355,6 +403,7 @@ def run_head_dim(D):
 PROFILE = False
 PROFILED = {}
 KM_RATIO = 1.15  # the kernels' key-major ratio (the device's kernel tuning, set in main)
+TUNING = {"km_ratio": KM_RATIO, "merge": 0.75, "wgmma": 1, "g128": 1}  # set in main
 
 
 def profile_bwd(fwd, bwd, title):
@@ -378,7 +427,7 @@ def write_outputs(records, outdir, meta):
         # a JSON list, one record per shape; the run's date, commit, card and settings in each
         json.dump([dict(r, **{"run_" + k: v for k, v in meta.items()}) for r in records], f, indent=1)
     cols = ["S", "D", "G", "sparsity", "dist", "K", "est_ms", "fwd_ms", "bwd_ms",
-            "cudnn_fwdbwd_ms", "flash_fwdbwd_ms", "flex_fwdbwd_ms", "fwdbwd_tflops",
+            "bwd_reductions_g", "cudnn_fwdbwd_ms", "flash_fwdbwd_ms", "flex_fwdbwd_ms", "fwdbwd_tflops",
             "speedup_vs_cudnn_fwdbwd", "speedup_vs_flex_fwdbwd", "peak_extra_bwd_mib"]
     lines = [f"# Kernel benchmark ({meta['date']}, commit {meta['commit']}, {meta['card']})", "",
              f"H={meta['H']}, B=1, {meta['dtype']}, estimate: {meta['estimate']}. Times in ms "
@@ -673,7 +722,8 @@ def main():
     NATIVE_HEAD_DIMS = args.native_head_dims
     if T.backend() == "ops":
         from dsv_ext.ops import kernel_tuning
-        KM_RATIO = float(kernel_tuning().get("km_ratio", KM_RATIO))
+        TUNING.update(kernel_tuning())
+        KM_RATIO = float(TUNING.get("km_ratio", KM_RATIO))
     gen = torch.Generator().manual_seed(0)
     est_name, est = estimate_fn()
     print(f"backend={T.backend()} estimate={est_name}")
