@@ -346,7 +346,30 @@ backward's peak memory above its inputs: {mem[0][0]:.1f} -> {mem[0][1]:.1f} GiB 
 {mem[1][0]:.1f} -> {mem[1][1]:.1f} GiB at G = 64
 ([results/padded_v36/](../benchmarks/results/padded_v36/ab.md), {r0["run_date"]}, commit
 {r0["run_commit"]}, {r0["run_card"]}).
+
+{_wg256()}
 """
+
+
+def _wg256():
+    """Heads of 256: the forward on the wgmma kernel against mma.sync (PERF_LOG v44,
+    results/kernels_v44/ab.json): the mean of the two rounds per (setting, G)."""
+    d = _load("kernels_v44/ab.json")
+    m, recs = d["meta"], d["records"]
+
+    def mean(w, G, k):
+        return _mean([r for r in recs if r["wg256"] == w and r["G"] == G], k)
+
+    def one(G):
+        return (f"G = {G} forward {_ms(mean(0, G, 'fwd_ms'))} -> {_ms(mean(1, G, 'fwd_ms'))} ms, "
+                f"in all {_ms(mean(0, G, 'total_ms'))} -> {_ms(mean(1, G, 'total_ms'))} ms "
+                f"({mean(0, G, 'speedup_vs_cudnn_fwdbwd'):.2f}x -> {mean(1, G, 'speedup_vs_cudnn_fwdbwd'):.2f}x cuDNN)")
+    return f"""Heads of 256 run their forward on the wgmma kernel (kernel tuning `wg256`, PERF_LOG v44; the
+grid's D = 256 rows predate it). At 64k, 24 heads of 256, sparsity 0.9, random lists, mma.sync ->
+wgmma forward, means of two interleaved rounds: {"; ".join(one(G) for G in (64, 128))}; the
+backward ({_ms(mean(1, 64, 'bwd_ms'))} ms at G = 64, mma.sync) is now {100 * mean(1, 64, 'bwd_ms') / mean(1, 64, 'total_ms'):.0f}% of the time
+([results/kernels_v44/](../benchmarks/results/kernels_v44/ab.md), {m["dates"][0]}, commit
+{m["commit"]}, {m["card"]})."""
 
 
 def _merged():

@@ -96,8 +96,8 @@ def kernel_tuning(device=None) -> dict:
     multiple of 128 queries run 128 rows per CTA on two warpgroups sharing the key tiles where
     wgmma runs, 0: two CTAs of 64 rows), ``qm_wgmma`` (1, the default: the backward's
     query-major pass with dK / dV reductions of the other groups of 64 queries or more on a
-    64-row wgmma kernel where wgmma runs, 0: on mma.sync), ``wg256`` (1: the forward at head
-    dim 256 on the wgmma kernel where wgmma runs, 0, the default: on mma.sync), ``km_ratio``
+    64-row wgmma kernel where wgmma runs, 0: on mma.sync), ``wg256`` (1, the default: the
+    forward at head dim 256 on the wgmma kernel where wgmma runs, 0: on mma.sync), ``km_ratio``
     (the backward's key-major threshold),
     ``merge`` (groups of 16 / 32 / 64 queries: the groups of a 128-query block run as one
     128-row CTA over the union of their lists when it has at most ``merge`` x (128 / G) x K

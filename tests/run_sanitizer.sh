@@ -12,7 +12,7 @@
 #              on wgmma for 16-key block lists too;
 #              merged groups everywhere their lists allow,
 #              with 1 / 3 key ranges, with several builder windows, and under racecheck; the
-#              forward at D 256 on wgmma, wg256=1, under both tools), the
+#              forward at D 256 on mma.sync, wg256=0, under both tools), the
 #              tuning being read once per process; the
 #              settings of wgmma / km_wgmma also rerun the block-list section; tk_gpw=16 (the
 #              top-K estimation with 16 groups per warp: the small shapes take 8 by default)
@@ -49,7 +49,7 @@ for step in $STEPS; do
                km_ratio=1e9,bwd_ranges=1,km_wgmma=1 km_ratio=1e9,bwd_ranges=1,km_wgmma=2 \
                km_ratio=0,merge=1,bwd_ranges=1 km_ratio=0,merge=1,bwd_ranges=3 \
                km_ratio=0,merge=1,merge_window=64 racecheck:km_ratio=0,merge=1 \
-               wg256=1 racecheck:wg256=1 \
+               wg256=0 racecheck:wg256=0 \
                tk_gpw=16 racecheck:tk_gpw=16 tk_sample=0 tk_split=2 racecheck:tk_split=2 \
                tk_band=2 racecheck:tk_band=2 tk_band=2,tk_split=2 tk_compact=1,tk_band=2,tk_split=1 \
                racecheck:tk_compact=1,tk_band=2,tk_split=1}; do

@@ -86,7 +86,7 @@ def test_defaults_from_the_device():
     assert t["km_wgmma"] == 1  # the wgmma key-major pass by default (PERF_LOG kernels v14)
     assert t["g128"] == 1  # the 128-row kernels by default (PERF_LOG kernels v15)
     assert t["qm_wgmma"] == 1  # the 64-row wgmma pass with reductions by default (v34)
-    assert t["wg256"] == 0  # the forward at D 256 on mma.sync until measured (v44)
+    assert t["wg256"] == 1  # the forward at D 256 on the wgmma kernel (v44)
     # top-K estimation: groups per warp automatic (v16), the sampled band (v17), clusters
     # automatic (v18)
     assert t["tk_gpw"] == 0 and t["tk_sample"] == 1 and t["tk_split"] == 0
@@ -100,12 +100,12 @@ def test_override_is_reported_and_read_once():
             "os.environ['DSV_KERNEL_TUNING'] = 'km_ratio=5'; b = o.kernel_tuning(0); "
             "print(json.dumps([a, b]))")
     out = _child(code, "km_ratio=0,bwd_ranges=3,wgmma=0,sm_count=7,km_wgmma=2,g128=0,merge=1,"
-                       "merge_window=64,qm_wgmma=0,wg256=1")
+                       "merge_window=64,qm_wgmma=0,wg256=0")
     assert out.returncode == 0, out.stderr
     a, b = json.loads(out.stdout)
     assert a["km_ratio"] == 0 and a["bwd_ranges"] == 3 and a["wgmma"] == 0 and a["sm_count"] == 7
     assert a["km_wgmma"] == 2 and a["g128"] == 0 and a["merge"] == 1 and a["merge_window"] == 64
-    assert a["qm_wgmma"] == 0 and a["wg256"] == 1
+    assert a["qm_wgmma"] == 0 and a["wg256"] == 0
     assert b["km_ratio"] == 0  # the kernels keep the tuning they started with
 
 

@@ -87,9 +87,10 @@ PATHS = {
     "merge_w": "km_ratio=0,bwd_ranges=1,merge=1,merge_window=64",  # the same with the union
                                               # builder's bitmaps in windows of 64 keys (several
                                               # windows at these lengths, as S > 80k at G = 32)
-    "fwd_wg256": "wg256=1",                   # the forward at D 256 on the wgmma kernel (its
-                                              # gathers two chunks per thread and row; PERF_LOG
-                                              # v44), the backward's automatic paths
+    "fwd256_mma": "wg256=0",                  # the forward at D 256 on the mma.sync kernel
+                                              # (as on GPUs without wgmma; the default runs it
+                                              # on wgmma, PERF_LOG v44), the backward's
+                                              # automatic paths
 }
 # the tests of this file that take `path`, and the device-parametrized tests of
 # test_sparse_attention.py (their CUDA cases) that run on every path

@@ -15,7 +15,7 @@
  *                           64-row wgmma kernel for groups not on the 128-row kernel (with wgmma
  *                           on: D 64 / 128, G >= 64; the default), 0 on mma.sync
  *   wg256                   1 the forward at D 256 on the wgmma kernel (with wgmma on: token
- *                           lists, G >= 64), 0 on mma.sync (the default)
+ *                           lists, G >= 64; the default), 0 on mma.sync
  *   km_ratio                backward key-major ratio (0: never key-major, 1e9: wherever allowed)
  *   merge                   groups of 16 / 32 / 64 queries (where the 128-row kernels run): the
  *                           groups of a 128-query block merged into one 128-row CTA when their
@@ -181,7 +181,7 @@ int fill(int device, dsv_tuning* t) {
   t->km_wgmma = 1; /* measured on the H200 at S = 64k: benchmarks/PERF_LOG.md, kernels v13 */
   t->g128 = 1;     /* measured on the H200 at S = 64k: benchmarks/PERF_LOG.md, kernels v15, v30 */
   t->qm_wgmma = 1; /* benchmarks/PERF_LOG.md, kernels v34 */
-  t->wg256 = 0;    /* not yet measured: benchmarks/PERF_LOG.md, kernels v44 */
+  t->wg256 = 1;    /* measured on the H100 at S = 64k: benchmarks/PERF_LOG.md, kernels v44 */
   /* measured crossover on the H200 at S = 64k, D = 128 (benchmarks/PERF_LOG.md, kernels v3) */
   t->km_ratio = 1.15f;
   t->merge = 0.75f;    /* below the measured crossover: benchmarks/PERF_LOG.md, kernels v26 */

@@ -35,8 +35,8 @@ typedef struct dsv_tuning {
                        kernel (G not a multiple of 128, or g128 0) on the 64-row wgmma kernel,
                        its reductions as whole 128-byte lines (the default), 0 on mma.sync */
   int wg256;        /* where wgmma is on, token lists, D 256 and G >= 64: 1 runs the forward on
-                       the wgmma kernel (one warpgroup per 64 queries), 0 on mma.sync (the
-                       default until measured) */
+                       the wgmma kernel (one warpgroup per 64 queries; the default), 0 on
+                       mma.sync */
   float km_ratio;   /* backward: a head takes the key-major dK / dV pass when its lists' 64-key
                        block entries x 64 <= km_ratio x groups x K (0: never) */
   float merge;      /* groups of 16, 32 or 64 queries where the 128-row kernels run (wgmma and
