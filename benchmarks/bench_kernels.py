@@ -223,7 +223,8 @@ def reduction_stats(kv_index, kv_count, G, D, tuning):
     B, H, NG, KM = kv_index.shape
     S = NG * G  # lists of whole groups (the last one may be partial in S; not in this benchmark)
     idx = kv_index.long()
-    used = (torch.arange(KM, device=idx.device).view(1, 1, 1, KM) < kv_count.view(B, H, 1, 1)) & (idx >= 0)
+    pos = torch.arange(KM, device=idx.device).view(1, 1, 1, KM)
+    used = (pos < kv_count.view(B, H, 1, 1)) & (idx >= 0)
     per_group = used.sum(-1)  # [B, H, NG]
     ratio = km_stats(kv_index, kv_count)
     km = (ratio <= float(tuning.get("km_ratio", 1.15))) & (D <= 128)
@@ -427,7 +428,8 @@ def write_outputs(records, outdir, meta):
         # a JSON list, one record per shape; the run's date, commit, card and settings in each
         json.dump([dict(r, **{"run_" + k: v for k, v in meta.items()}) for r in records], f, indent=1)
     cols = ["S", "D", "G", "sparsity", "dist", "K", "est_ms", "fwd_ms", "bwd_ms",
-            "bwd_reductions_g", "cudnn_fwdbwd_ms", "flash_fwdbwd_ms", "flex_fwdbwd_ms", "fwdbwd_tflops",
+            "bwd_reductions_g", "cudnn_fwdbwd_ms", "flash_fwdbwd_ms", "flex_fwdbwd_ms",
+            "fwdbwd_tflops",
             "speedup_vs_cudnn_fwdbwd", "speedup_vs_flex_fwdbwd", "peak_extra_bwd_mib"]
     lines = [f"# Kernel benchmark ({meta['date']}, commit {meta['commit']}, {meta['card']})", "",
              f"H={meta['H']}, B=1, {meta['dtype']}, estimate: {meta['estimate']}. Times in ms "

@@ -45,7 +45,8 @@ def _lists(B, H, NG, K, S, kind, gen):
     for b in range(B):
         for h in range(H):
             for g in range(NG):
-                lo = min(S - K, max(0, g * (S // NG) - K // 2 + int(torch.randint(-8, 9, (1,), generator=gen))))
+                jitter = int(torch.randint(-8, 9, (1,), generator=gen))
+                lo = min(S - K, max(0, g * (S // NG) - K // 2 + jitter))
                 if kind == "scattered":
                     keys = torch.randperm(S, generator=gen)[:K].sort().values
                 elif kind == "window":

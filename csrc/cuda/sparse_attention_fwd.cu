@@ -11,8 +11,8 @@
  * of one, contiguous rows of K and V (list_key, attention_common.cuh), keys past S masked.
  * Two kernels:
  *  - sparse_attn_fwd_wg_kernel (default on H100 / H200, D = 64, 128 or 256, G >= 64; D = 256
- *    unless the kernel tuning wg256 is 0): one warpgroup per 64 queries on wgmma, tiles 128-byte swizzled
- *    (wgmma.cuh);
+ *    unless the kernel tuning wg256 is 0): one warpgroup per 64 queries on wgmma, tiles
+ *    128-byte swizzled (wgmma.cuh);
  *  - sparse_attn_fwd_kernel (every other case): BM / 16 warps of 16 query rows each on
  *    mma.sync.m16n8k16 with ldmatrix from padded tiles.
  */
