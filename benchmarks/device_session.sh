@@ -11,7 +11,7 @@
 #          -d .adoptwheels diffusers huggingface-hub safetensors regex ...` with X.Y the
 #          Python there, about 22 MB)
 #   env:   STEPS="tests bench ncu san" (default; also ab topkab topkvar tun nored compare infer
-#          train grid topk det soak er calib),
+#          train grid topk det soak er calib profstep),
 #          BUILD_LIMIT, TUNINGS (the tun step's DSV_KERNEL_TUNING settings), AB_ARGS,
 #          TEST_ARGS (e.g. "-m cuda": the GPU tests alone; the CPU ones run in CI),
 #          TEST_LIMIT, BENCH_LIMIT, SAN_STEPS / SAN_PATHS (tests/run_sanitizer.sh), ...
@@ -158,6 +158,14 @@ esac
 case " $STEPS " in *" soak "*)
   timeout ${SOAK_LIMIT:-300} python3 benchmarks/soak.py --device cuda --no-progress --out "$OUT/soak" ${SOAK_ARGS:-} > "$OUT/soak.log" 2>&1
   echo "soak rc=$?"; tail -20 "$OUT/soak.log";;
+esac
+case " $STEPS " in *" profstep "*)  # one training step's profile, full attention and DSV stage 1
+  # (benchmarks/profile_step.py; PROF_CONFIG, PROF_ARGS e.g. "--set train.compile=true")
+  for att in dense dsv; do
+    timeout ${PROF_LIMIT:-150} python3 benchmarks/profile_step.py --config ${PROF_CONFIG:-configs/long-video-narrow.yaml} \
+      --attention $att ${PROF_ARGS:-} --json "$OUT/profstep_$att.json" > "$OUT/profstep_$att.log" 2>&1
+    echo "profstep $att rc=$?"; grep -v "^\s*$" "$OUT/profstep_$att.log" | grep -v "^USDT\|^ERROR:\|^WARNING:" | head -18
+  done;;
 esac
 case " $STEPS " in *" san "*)
   timeout ${SAN_LIMIT:-400} bash tests/run_sanitizer.sh "$OUT/san" ${SAN_STEPS:-}; echo "sanitizer rc=$?";;
