@@ -458,6 +458,7 @@ def write_outputs(res: Dict, out: str) -> None:
 
 def capture_and_analyse(a, ap, dev) -> Dict:
     """Train (--train-steps) or load --checkpoint, capture q / k on held-out clips, analyse."""
+    from dsv_ext.app.checkpoint import load_checkpoint
     from dsv_ext.app.common import ValidationSet, TrainConfig, build_model, inference_state_dict, load_config
     from dsv_ext.app.train import train
 
@@ -469,7 +470,7 @@ def capture_and_analyse(a, ap, dev) -> Dict:
         run = os.path.join(a.out, "run")
         train(cfg, out_dir=run, steps=a.train_steps, attention="dsv", device=a.device, progress=False)
         ckpt = os.path.join(run, "ckpt_last.pt")
-    ck = torch.load(ckpt, map_location=dev, weights_only=False)
+    ck = load_checkpoint(ckpt, map_location=dev)  # verified; a slim copy (--slim) loads too
     cfg = load_config(base=ck["config"])
     cfg["train"]["val_videos"] = a.videos
     cfg["train"]["val_timesteps"] = list(a.timesteps)
@@ -498,7 +499,8 @@ def capture_and_analyse(a, ap, dev) -> Dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", help="a DSV training checkpoint (ckpt_last.pt)")
+    ap.add_argument("--checkpoint", help="a DSV training checkpoint (ckpt_last.pt, or its weights-only copy: "
+                    "python -m dsv_ext.app.checkpoint CKPT --slim DST)")
     ap.add_argument("--analysis", help="an earlier run's equal_recall.json: reuse its capture and curves "
                     "(no checkpoint), e.g. to --time them in a separate run")
     ap.add_argument("--config", default=os.path.join(os.path.dirname(HERE), "configs", "small-video.yaml"))

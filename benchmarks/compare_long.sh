@@ -23,6 +23,10 @@
 #          ARGS    more compare arguments, e.g. "--set dsv.k_margin=0.05"
 #          STASH   where each arm's last state is kept outside $RUN on the machine
 #                  (~/.cache/dsv-compare-long/NAME; none: not kept)
+#          SLIM    1 (default): each arm's last checkpoint also comes back as its weights-only
+#                  bf16 copy $OUT/ARM-slim.pt (python -m dsv_ext.app.checkpoint --slim; a fifth of
+#                  the checkpoint: 10 MB for long-video-narrow), e.g. for
+#                  benchmarks/bench_equal_recall.py --checkpoint; 0: none
 # Runs that cannot finish (device time out) are still reported: python -m dsv_ext.app.compare
 # --config CONFIG --out RUN --report-only (compares them at the last step both validated).
 # $OUT gets compare-long.tgz (the run folder without checkpoints: metrics of both runs so far, and
@@ -94,6 +98,10 @@ fi
 for a in dense dsv; do  # the stash (above) of each arm with a checkpoint
   [ "$STASH" != none ] && [ -f "$RUN/$a/ckpt_last.pt" ] || continue
   arm_copy "$RUN/$a" "$STASH/$a"
+done
+for a in dense dsv; do  # the weights-only copies (SLIM)
+  [ "${SLIM:-1}" = 1 ] && [ -f "$RUN/$a/ckpt_last.pt" ] || continue
+  python3 -m dsv_ext.app.checkpoint "$RUN/$a/ckpt_last.pt" --slim "$OUT/$a-slim.pt" | cut -c1-200
 done
 mkdir -p "$RUN"
 python3 - "$RUN" > "$RUN/meta.json" <<'PY'

@@ -165,6 +165,43 @@ def test_checkpoint_command(tmp_path, gen, capsys):
     assert "1 unexpected bytes after the checksum trailer" in _one_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("ema", [0.0, 0.9])
+def test_slim_copy_samples_as_the_checkpoint(tmp_path, capsys, ema):
+    """The weights-only copy: a quarter of the file (bf16, no optimizer), the evaluation weights
+    (moving average where kept), the predictors; sampling from it matches the full checkpoint to
+    bf16 rounding of the weights, and float32 copies match exactly."""
+    from dsv_ext.app.sample import load_for_sampling
+
+    out = str(tmp_path / "run")
+    train(load_config(base=micro_cfg(steps=5, ema_decay=ema)), out_dir=out, attention="dsv", progress=False)
+    src = os.path.join(out, "ckpt_last.pt")
+    dst16, dst32 = str(tmp_path / "slim16.pt"), str(tmp_path / "slim32.pt")
+    assert ckpt_mod.main([src, "--slim", dst16]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["step"] == 5 and rec["bytes"] == os.path.getsize(dst16) < 0.5 * rec["source_bytes"]
+    ckpt_mod.slim_checkpoint(src, dst32, dtype=None)
+    slim = load_checkpoint(dst16)
+    assert slim["slim"] and "optimizer" not in slim and slim["controller"] is not None
+    assert all(t.dtype == torch.bfloat16 for t in slim["model"].values() if t.is_floating_point())
+    x = torch.randn(2, 4, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    t = torch.tensor([0.3, 0.7])
+    outs = {}
+    for name, path in (("full", src), ("bf16", dst16), ("fp32", dst32)):
+        sm = load_for_sampling(path, device="cpu")
+        assert sm.step == 5 and sm.controller.stage == 2
+        with torch.no_grad():
+            outs[name] = sm.model(x, t).double()
+    torch.testing.assert_close(outs["fp32"], outs["full"], rtol=0, atol=0)
+    # bf16 weights: 8 bits of mantissa (relative 2^-9 per weight) through two blocks
+    err = (outs["bf16"] - outs["full"]).abs().max() / outs["full"].abs().max()
+    assert 0 < err < 0.05, err
+    with pytest.raises(ValueError, match="dtype"):
+        ckpt_mod.slim_checkpoint(src, dst16, dtype=torch.int8)
+    with pytest.raises(SystemExit):
+        ckpt_mod.main([src, src, "--slim", dst16])
+    assert "--slim: takes one CKPT, got 2" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------
 # Signals: finish the step, save, exit 130 / 143; resume continues exactly
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,12 @@ Files written by earlier versions (no checksum) still load, unverified, with a w
 stop; a second signal aborts).
 
     python -m dsv_ext.app.checkpoint runs/tiny-dsv/ckpt_last.pt      # verify and describe
+    python -m dsv_ext.app.checkpoint runs/tiny-dsv/ckpt_last.pt --slim tiny.pt   # weights only
+
+:func:`slim_checkpoint` keeps what evaluation, sampling and attention analysis read (the weights
+they use -- the moving average where the run kept one --, the trained predictors, the config,
+the step), in bfloat16 by default: a quarter of a checkpoint with its optimizer state, small
+enough to copy between machines. It cannot resume training.
 """
 from __future__ import annotations
 
@@ -33,8 +39,8 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "verify_checkpoint", "config_diff",
-           "StopOnSignal"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "verify_checkpoint", "slim_checkpoint",
+           "config_diff", "StopOnSignal"]
 
 MAGIC = b"DSVCKPT1 "
 _ZIP_LOCAL = b"PK\x03\x04"
@@ -208,6 +214,30 @@ def load_checkpoint(path: str, map_location=None,
     return ck
 
 
+def slim_checkpoint(src: str, dst: str, dtype: Optional[torch.dtype] = torch.bfloat16) -> Dict[str, Any]:
+    """Write ``dst``: the checkpoint ``src`` without what only resuming needs (optimizer, RNG
+    states, metrics window). Its ``model`` entry holds the weights evaluation uses (the moving
+    average where the run kept one, as ``inference_state_dict``), floating-point tensors cast to
+    ``dtype`` (None: kept as stored); the controller's predictors and the config stay. Returns a
+    summary (step, tensors, bytes). Loads where a checkpoint does for evaluation and sampling
+    (``build_model`` then ``load_state_dict`` casts the weights back); ``"slim": True`` marks it."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype: expected a floating-point torch.dtype or None, got {dtype!r}")
+    ck = load_checkpoint(src, map_location="cpu")
+    sd = dict(ck["model"])
+    ema = ck.get("ema")
+    if ema:
+        for n, t in ema["params"].items():
+            sd[n] = t
+    cast = (lambda t: t.to(dtype) if dtype is not None and torch.is_tensor(t) and t.is_floating_point() else t)
+    state = {"step": ck["step"], "model": {n: cast(t) for n, t in sd.items()},
+             "controller": ck.get("controller"), "ema": None, "config": ck["config"],
+             "attention": ck.get("attention"), "history_tail": ck.get("history_tail"), "slim": True}
+    save_checkpoint(state, dst)
+    return {"path": os.fspath(dst), "step": ck["step"], "tensors": len(state["model"]),
+            "bytes": os.path.getsize(dst), "source_bytes": os.path.getsize(src)}
+
+
 class StopOnSignal:
     """SIGINT / SIGTERM set ``signal`` (the training loop then finishes its step, saves
     ckpt_last.pt and returns); a second one raises KeyboardInterrupt at once. Installed only in
@@ -296,9 +326,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dsv_ext.app.checkpoint",
                                 description="Verify dsv_ext.app.train checkpoints and print what they hold.")
     p.add_argument("paths", nargs="+", metavar="CKPT")
+    p.add_argument("--slim", metavar="DST", help="write the weights-only copy of the (one) CKPT to DST "
+                   "(evaluation weights, predictors, config; no optimizer state)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "keep"),
+                   help="the slim copy's floating-point weights (default bfloat16; keep: as stored)")
     a = p.parse_args(argv)
+    if a.slim and len(a.paths) != 1:
+        p.error(f"--slim: takes one CKPT, got {len(a.paths)}")
 
     def body() -> int:
+        if a.slim:
+            dt = None if a.dtype == "keep" else getattr(torch, a.dtype)
+            print(json.dumps(slim_checkpoint(a.paths[0], a.slim, dt)))
+            return 0
         for path in a.paths:
             ck = load_checkpoint(path, map_location="cpu")
             h = verify_checkpoint(path)
