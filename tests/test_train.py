@@ -115,6 +115,67 @@ def test_dsv_run_reaches_stage2_and_reports(tmp_path):
               progress=False, resume=str(tmp_path / "d" / "ckpt_last.pt"))
 
 
+@needs_dsv
+def test_init_starts_a_new_run_from_trained_weights_on_longer_clips(tmp_path, capsys):
+    """--init: the checkpoint's evaluation weights (moving average) and DSV predictors, a fresh
+    optimizer, step count and stage; the clips may be longer than the checkpoint's (8 frames
+    after 4: twice the tokens, the position embedding follows the shape)."""
+    from dsv_ext.app.checkpoint import CheckpointError, load_checkpoint, slim_checkpoint
+    from dsv_ext.app.common import build_model, inference_state_dict
+    from dsv_ext.app.train import _init_from
+    from dsv_ext.control.controller import DSVController
+
+    src = str(tmp_path / "a" / "ckpt_last.pt")
+    train(micro_config(ema_decay=0.9), out_dir=str(tmp_path / "a"), attention="dsv", device="cpu",
+          progress=False)
+    ck = load_checkpoint(src)
+    longer = micro_config(steps=4)
+    longer["data"]["frames"] = 8
+    model, dsv_cfg = build_model(longer, "dsv", torch.device("cpu"))
+    assert model.cfg.num_tokens == 128
+    ctl = DSVController(model, dsv_cfg)
+    _init_from(src, torch.device("cpu"), model, ctl, log=lambda s: None)
+    want = inference_state_dict(ck)
+    assert any(not torch.equal(want[n], ck["model"][n]) for n in want)  # the average, not the live weights
+    for n, t in model.state_dict().items():
+        assert torch.equal(t, want[n]), n
+    for n, m in ctl.modules:
+        for k, t in m.predictor.state_dict().items():
+            assert torch.equal(t, ck["controller"]["predictors"][n][k]), (n, k)
+    assert ctl.stage == 1 and ctl.step_count == 0
+    # the run: 4 steps from step 0 on the longer clips, recorded; resuming ignores --init
+    slim = str(tmp_path / "slim.pt")
+    slim_checkpoint(src, slim)
+    cfgp = tmp_path / "longer.yaml"
+    cfgp.write_text(yaml.safe_dump(micro_dict(steps=4)))
+    assert main(["--config", str(cfgp), "--out", str(tmp_path / "b"), "--attention", "dsv", "--device", "cpu",
+                 "--no-progress", "--init", slim, "--set", "data.frames=8"]) == 0
+    err = capsys.readouterr().err
+    assert f"init: weights and DSV predictors of {slim} (step 6)" in err
+    summ = json.load(open(tmp_path / "b" / "summary.json"))
+    assert summ["init_from"] == slim and summ["last_step"] == 4 and summ["resumed_from"] is None
+    assert summ["tokens_per_sample"] == 128
+    # compare --init: both arms from the same weights
+    from dsv_ext.app.compare import main as compare_main
+
+    assert compare_main(["--config", str(cfgp), "--out", str(tmp_path / "cmp"), "--device", "cpu", "--no-progress",
+                         "--samples", "0", "--steps", "2", "--init", slim, "--set", "data.frames=8"]) == 0
+    assert "same model init (the weights of `slim.pt`)" in open(tmp_path / "cmp" / "compare.md").read()
+    for arm in ("dense", "dsv"):
+        assert json.load(open(tmp_path / "cmp" / arm / "summary.json"))["init_from"] == slim
+    # a model of another width does not fit: one line naming the file
+    wide = micro_config()
+    wide["model"]["hidden"] = 64
+    with pytest.raises(CheckpointError, match=r"^init: .*slim.pt does not fit this model"):
+        train(wide, out_dir=str(tmp_path / "c"), attention="dense", device="cpu", progress=False, init=slim)
+    # a dense checkpoint: weights only, the predictors start untrained (a note)
+    train(micro_config(steps=1), out_dir=str(tmp_path / "d"), attention="dense", device="cpu", progress=False)
+    notes = []
+    res = train(micro_config(steps=1), out_dir=str(tmp_path / "e"), attention="dsv", device="cpu",
+                progress=False, init=str(tmp_path / "d" / "ckpt_last.pt"), log=notes.append)
+    assert any("predictors start untrained" in n for n in notes) and res["summary"]["last_step"] == 1
+
+
 def test_cli_and_overrides(tmp_path, capsys):
     path = tmp_path / "c.yaml"
     cfg = micro_config()

@@ -2,7 +2,7 @@
 
     python -m dsv_ext.app.compare --config configs/small.yaml [--out DIR] [--steps N] [--device cuda]
         [--resume] [--time-limit SECONDS] [--samples N] [--sample-steps N] [--keep-checkpoints]
-        [--arms both|dense|dsv] [--seeds N] [--report-only]
+        [--arms both|dense|dsv] [--seeds N] [--report-only] [--init CKPT]
 
 Trains the config twice with :func:`dsv_ext.app.train.train` (``attention=dense``: plain SDPA, and
 ``attention=dsv``: DSVAttention under a DSVController), then writes into ``--out`` (default
@@ -140,7 +140,7 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
             keep_checkpoints: bool = False, resume: bool = False,
             time_limit_s: Optional[float] = None, samples: int = 0,
             sample_steps: int = 20, min_chunk_s: float = 30.0,
-            arms: Sequence[str] = ARMS) -> Dict[str, Any]:
+            arms: Sequence[str] = ARMS, init: Optional[str] = None) -> Dict[str, Any]:
     """Train ``cfg`` with full attention and with DSV into ``out_dir``/dense and /dsv, then write
     the report (see the module docstring). Returns the report dict; ``res["complete"]`` is False
     when ``time_limit_s`` ran out first (then only the checkpoints are written: call again with
@@ -149,7 +149,9 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
     ``arms``: train only these of "dense" / "dsv" (e.g. one per GPU, two processes on the same
     ``out_dir``); the report is written by the call that finds both runs finished, so a call for
     one arm reports only when the other is already done (else it returns incomplete, keeping the
-    checkpoints that the sample strip needs)."""
+    checkpoints that the sample strip needs). ``init``: both runs start from this checkpoint's
+    weights (and the DSV run from its predictors, where it has them: ``train(init=...)``), e.g. a
+    comparison on longer clips than a model was trained on."""
     import time
 
     arms = tuple(arms)
@@ -175,7 +177,7 @@ def compare(cfg: Dict[str, Any], out_dir: str, steps: Optional[int] = None,
             break
         ck = os.path.join(run_dir, "ckpt_last.pt") if state == "partial" else None
         runs[att] = train(cfg, out_dir=run_dir, steps=target, attention=att, device=device,
-                          progress=progress, resume=ck, time_limit_s=left)
+                          progress=progress, resume=ck, time_limit_s=left, init=init)
         stopped = runs[att]["summary"].get("stopped_by")
         if stopped:  # SIGINT / SIGTERM: keep the checkpoint, run nothing more
             raise KeyboardInterrupt(f"{stopped}: the {att} run stopped at step "
@@ -405,6 +407,7 @@ def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[st
         "dense": dict(d, final_val_loss=final_d, tokens_per_s=tps["dense"], train_time_s=total_t["dense"]),
         "dsv": dict(s, final_val_loss=final_s, tokens_per_s=tps["dsv"], train_time_s=total_t["dsv"]),
         "switch_step": switch if switch is not None else sw,
+        "init_from": d.get("init_from") or s.get("init_from"),
         "val_loss_rel_gap": None if gap_at is None else gap_at["rel_gap"],
         "val_loss_gap_step": None if gap_at is None else gap_at["step"],
         "val_at_equal_steps": equal,
@@ -556,7 +559,9 @@ def write_table(res: Dict[str, Any], path: str) -> None:
     L = [f"# Full attention vs DSV: `{res['config']}`", "",
          f"{steps_txt}, {res['tokens_per_sample']} tokens per video, "
          f"batch {d['batch_size']}, device `{res['device']}`"
-         + (f" ({res['card']})" if res.get("card") else "") + "; same model init, data, noise "
+         + (f" ({res['card']})" if res.get("card") else "") + "; same model init"
+         + (f" (the weights of `{os.path.basename(res['init_from'])}`)" if res.get("init_from") else "")
+         + ", data, noise "
          f"and seed. DSV switched to stage 2 at step {fmt(res['switch_step'])}. {_provenance_line(res)}", "",
          "| | full attention | DSV |", "|---|---|---|"] + val_rows + [
          f"| final training loss (last log window) | {fmt(d['final_train_loss'])} | {fmt(s['final_train_loss'])} |",
@@ -735,6 +740,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "both runs finished writes the report")
     p.add_argument("--val-videos", type=int, default=None,
                    help="validation videos (overrides train.val_videos; each at every train.val_timesteps)")
+    p.add_argument("--init", default=None, metavar="CKPT",
+                   help="both runs start from this checkpoint's weights (the DSV run also from its "
+                        "predictors; python -m dsv_ext.app.train --init), e.g. with --set data.frames=32 "
+                        "after a model trained on 16 frames")
     a = p.parse_args(argv)
 
     def body() -> int:
@@ -762,12 +771,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             r = compare_seeds(cfg, out, a.seeds, steps=a.steps, device=a.device,
                               progress=not a.no_progress, keep_checkpoints=a.keep_checkpoints,
                               resume=a.resume, time_limit_s=a.time_limit, samples=a.samples,
-                              sample_steps=a.sample_steps)
+                              sample_steps=a.sample_steps, init=a.init)
             return report(r, out, "compare_seeds.md")
         res = compare(cfg, out, steps=a.steps, device=a.device, progress=not a.no_progress,
                       keep_checkpoints=a.keep_checkpoints, resume=a.resume,
                       time_limit_s=a.time_limit, samples=a.samples, sample_steps=a.sample_steps,
-                      arms=arms)
+                      arms=arms, init=a.init)
         return report(res, out, "compare.md")
 
     def report(res, out: str, md: str) -> int:

@@ -2,6 +2,8 @@
 
     python -m dsv_ext.app.train --config configs/tiny.yaml [--out DIR] [--steps N] [--resume CKPT]
                             [--attention dense|dsv] [--device cpu|cuda] [--set train.lr=1e-4 ...]
+    python -m dsv_ext.app.train --config configs/tiny.yaml --init runs/tiny-dsv/ckpt_last.pt \
+                            --set data.frames=16 --out runs/tiny-dsv-16      # progressive training
 
 The config file has four sections: ``model`` (dsv_ext.app.models.DiTConfig), ``data``
 (dsv_ext.app.data.make_dataset), ``train`` (:class:`TrainConfig` below) and ``dsv``
@@ -300,6 +302,46 @@ def _resume_from(path, dev, cfg, attention, model, opt, controller, log, ema=Non
     return ck
 
 
+def _init_from(path, dev, model, controller, log, ema=None) -> Dict[str, Any]:
+    """Start a new run from a checkpoint's weights (progressive training: e.g. on longer clips
+    than the checkpoint saw): the model gets the weights evaluation uses (the moving average
+    where kept; a slim copy works), a DSV run also the checkpoint's trained predictors; the
+    optimizer, the step count, the weight average and the DSV stage start fresh, and the data
+    section may differ (the position embedding follows the clip shape; the weights do not
+    depend on it). One-line error where the model does not fit."""
+    from .checkpoint import CheckpointError, load_checkpoint
+
+    ck = load_checkpoint(path, map_location=dev, required=("model", "config"))
+    try:
+        # a DSV model's state holds its predictors (".predictor."); between a dense and a DSV
+        # model only those may be missing or left over
+        res = model.load_state_dict(inference_state_dict(ck), strict=False)
+        off = [k for k in list(res.missing_keys) + list(res.unexpected_keys) if ".predictor." not in k]
+        if off:
+            raise ValueError(f"{len(res.missing_keys)} weights missing, {len(res.unexpected_keys)} not in "
+                             f"this model (e.g. {off[0]})")
+        cs = ck.get("controller")
+        if controller is not None and cs is not None:  # the controller's copy of the predictors
+            names = [n for n, _ in controller.modules]
+            if list(cs.get("names", [])) != names:
+                raise ValueError(f"its DSV blocks {cs.get('names')} are not this model's {names}")
+            for n, m in controller.modules:
+                m.predictor.load_state_dict(cs["predictors"][n])
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
+        why = next((l for l in lines if l.startswith("size mismatch")), lines[0] if lines else type(e).__name__)
+        raise CheckpointError(f"init: {path} does not fit this model: {why}") from None
+    trained = controller is not None and not any(".predictor." in k for k in res.missing_keys)
+    what = "weights and DSV predictors" if trained else "weights"
+    if controller is not None and not trained:
+        log(f"note: init: {path} was trained with attention={ck.get('attention')}: "
+            "the DSV predictors start untrained")
+    if ema is not None:
+        ema.shadow = [p_.detach().float().clone() for p_ in ema.params]
+    log(f"init: {what} of {path} (step {ck.get('step')}); optimizer, step count and DSV stage start fresh")
+    return ck
+
+
 def _with_defaults(cfg: Dict[str, Any]) -> Dict[str, Any]:
     """The train and dsv sections with their defaults filled in (for comparing configs)."""
     from ..config import DSVConfig
@@ -319,7 +361,8 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
           device: Optional[str] = None, progress: bool = True,
           log: Callable[[str], None] = None, context_parallel: bool = False,
           time_limit_s: Optional[float] = None,
-          on_step: Optional[Callable[[int, Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+          on_step: Optional[Callable[[int, Dict[str, Any]], None]] = None,
+          init: Optional[str] = None) -> Dict[str, Any]:
     """Run (or resume) a training run. Returns ``{"history": [...], "val": [...], "summary": {...}}``.
 
     ``cfg`` is a dict from :func:`load_config`; ``steps`` overrides ``train.steps`` (the total
@@ -331,6 +374,9 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     resuming from that checkpoint continues exactly (for jobs cut into time-limited chunks).
     ``on_step(step, info)``: called after each optimizer step (``step`` counts from 1; ``info``
     has ``loss``, ``stage``, ``step_time_s`` and ``controller``), e.g. by benchmarks/soak.py.
+    ``init``: a checkpoint (or its slim copy) whose weights, and DSV predictors, a new run starts
+    from (:func:`_init_from`: progressive training, e.g. continuing on longer clips); ignored
+    when resuming (the resumed run started from it).
     """
     log = log or (lambda s: print(s, file=sys.stderr))
     cp_rank, cp_world = 0, 1
@@ -412,6 +458,9 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     history: List[Dict[str, Any]] = []
     vals: List[Dict[str, Any]] = []
     log_window = None
+    init_step = None
+    if init and not resume:
+        init_step = _init_from(init, dev, model, controller, log, ema).get("step")
     if resume:
         ck = _resume_from(resume, dev, cfg, attention, model, opt, controller, log, ema)
         start = int(ck["step"])
@@ -620,6 +669,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     summary = {
         "name": name, "attention": attention, "device": str(dev), "steps": tcfg.steps,
         "resumed_from": start if resume else None,
+        "init_from": init or None,
         "complete": stopped_at is None, "last_step": final_step,
         "stopped_by": stop.signal if stopped_at is not None else None,
         "stopped_at_step": stopped_at,
@@ -656,6 +706,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", default=None, help="output folder (default runs/<name>-<attention>)")
     p.add_argument("--steps", type=int, default=None, help="total training steps (overrides train.steps)")
     p.add_argument("--resume", default=None, help="checkpoint to resume from (e.g. OUT/ckpt_last.pt)")
+    p.add_argument("--init", default=None, metavar="CKPT",
+                   help="start a new run from this checkpoint's weights and DSV predictors (or its --slim "
+                        "copy): fresh optimizer, step count and DSV stage; the data section may differ "
+                        "(progressive training, e.g. --set data.frames=32 after 16)")
     p.add_argument("--attention", choices=("dense", "dsv"), default=None,
                    help="attention kind (overrides model.attention; default dsv)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
@@ -680,7 +734,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             res = train(cfg, out_dir=a.out, steps=a.steps, resume=a.resume, attention=a.attention,
                         device=device, progress=not a.no_progress, context_parallel=a.context_parallel,
-                        time_limit_s=a.time_limit)
+                        time_limit_s=a.time_limit, init=a.init)
         finally:
             if a.context_parallel:
                 import torch.distributed as dist
