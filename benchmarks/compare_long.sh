@@ -20,7 +20,9 @@
 #                  side when the machine has two GPUs)
 #          RESERVE seconds kept for the final validation, checkpoint, samples and packing (90)
 #          CONFIG (configs/long-video.yaml), RUN (runs/compare-long-video), STEPS (the config's),
-#          ARGS    more compare arguments, e.g. "--set dsv.k_margin=0.05"
+#          ARGS    more compare arguments, e.g. "--set dsv.k_margin=0.05"; longer clips from a
+#                  finished run's weights: ARGS="--init runs/init/dsv-slim.pt --set data.frames=32"
+#                  with the SLIM copy below saved under runs/init/ here and runs/init carried
 #          STASH   where each arm's last state is kept outside $RUN on the machine
 #                  (~/.cache/dsv-compare-long/NAME; none: not kept)
 #          SLIM    1 (default): each arm's last checkpoint also comes back as its weights-only
