@@ -26,8 +26,8 @@
 #          STASH   where each arm's last state is kept outside $RUN on the machine
 #                  (~/.cache/dsv-compare-long/NAME; none: not kept)
 #          SLIM    1 (default): each arm's last checkpoint also comes back as its weights-only
-#                  bf16 copy $OUT/ARM-slim.pt (python -m dsv_ext.app.checkpoint --slim; a fifth of
-#                  the checkpoint: 10 MB for long-video-narrow), e.g. for
+#                  bf16 copy $OUT/ARM-slim.pt (python -m dsv_ext.app.checkpoint --slim; an eighth
+#                  of the checkpoint: 10 MB for long-video-narrow), e.g. for
 #                  benchmarks/bench_equal_recall.py --checkpoint; 0: none
 # Runs that cannot finish (device time out) are still reported: python -m dsv_ext.app.compare
 # --config CONFIG --out RUN --report-only (compares them at the last step both validated).

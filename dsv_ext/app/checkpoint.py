@@ -24,8 +24,8 @@ stop; a second signal aborts).
 
 :func:`slim_checkpoint` keeps what evaluation, sampling and attention analysis read (the weights
 they use -- the moving average where the run kept one --, the trained predictors, the config,
-the step), in bfloat16 by default: a quarter of a checkpoint with its optimizer state, small
-enough to copy between machines. It cannot resume training.
+the step), in bfloat16 by default: 2 bytes a parameter against 16 in a checkpoint with AdamW
+state and a weight average, small enough to copy between machines. It cannot resume training.
 """
 from __future__ import annotations
 
@@ -223,12 +223,10 @@ def slim_checkpoint(src: str, dst: str, dtype: Optional[torch.dtype] = torch.bfl
     (``build_model`` then ``load_state_dict`` casts the weights back); ``"slim": True`` marks it."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype: expected a floating-point torch.dtype or None, got {dtype!r}")
+    from .common import inference_state_dict
+
     ck = load_checkpoint(src, map_location="cpu")
-    sd = dict(ck["model"])
-    ema = ck.get("ema")
-    if ema:
-        for n, t in ema["params"].items():
-            sd[n] = t
+    sd = inference_state_dict(ck)
     cast = (lambda t: t.to(dtype) if dtype is not None and torch.is_tensor(t) and t.is_floating_point() else t)
     state = {"step": ck["step"], "model": {n: cast(t) for n, t in sd.items()},
              "controller": ck.get("controller"), "ema": None, "config": ck["config"],
