@@ -156,6 +156,18 @@ def test_end_to_end_on_the_cpu(tmp_path):
         assert sum(per_t["0.9"]["densities"]) / 4 == pytest.approx(per_t["0.9"]["mean_density"])
     assert res["analysis"]["cube"] == [4, 4, 4]  # --cube over the checkpoint's [2, 4, 4]
     assert "cube 4x4x4" in (out / "equal_recall.md").read_text()
+    # the slim copy (bf16 weights, the predictors): the same methods, densities within the bf16
+    # rounding of the weights (a few keys of 256)
+    from dsv_ext.app.checkpoint import slim_checkpoint
+
+    slim_checkpoint(str(ck_dir / "ckpt_last.pt"), str(tmp_path / "slim.pt"))
+    out_s = tmp_path / "er_slim"
+    assert ER.main(["--checkpoint", str(tmp_path / "slim.pt"), "--videos", "1", "--timesteps", "0.5",
+                    "--device", "cpu", "--out", str(out_s), "--cube", "4", "4", "4", "--no-per-query"]) == 0
+    ms = json.load(open(out_s / "equal_recall.json"))["analysis"]["methods"]
+    assert set(ms) == set(m) - {"token"}
+    for name, per_t in ms.items():
+        assert abs(per_t["0.9"]["mean_density"] - m[name]["0.9"]["mean_density"]) <= 0.05, name
     # --analysis: a later run reuses the curves (e.g. to time them) without the checkpoint
     out2 = tmp_path / "er2"
     assert ER.main(["--analysis", str(out / "equal_recall.json"), "--device", "cpu", "--out", str(out2)]) == 0
