@@ -80,7 +80,7 @@ if [ "${ngpu:-0}" -ge 2 ] && [ -z "${DEVICE:-}" ]; then
   for arm in dense dsv; do
     dev=cuda:0; [ $arm = dsv ] && dev=cuda:1
     timeout $(( left + RESERVE - 15 )) python3 -m dsv_ext.app.compare --config "$CONFIG" --device $dev \
-      --out "$RUN" --arms $arm --resume --time-limit "$left" --no-progress $steps_arg ${ARGS:-} \
+      --out "$RUN" --arms $arm --resume --time-limit "$left" --no-progress --keep-checkpoints $steps_arg ${ARGS:-} \
       > "$OUT/compare_$arm.log" 2>&1 &
   done
   wait
@@ -88,7 +88,7 @@ if [ "${ngpu:-0}" -ge 2 ] && [ -z "${DEVICE:-}" ]; then
   cat "$OUT/compare_dense.log" "$OUT/compare_dsv.log" > "$OUT/compare.log"
 else
   timeout $(( left + RESERVE - 15 )) python3 -m dsv_ext.app.compare --config "$CONFIG" --device "${DEVICE:-cuda}" --out "$RUN" \
-    --resume --time-limit "$left" --no-progress $steps_arg ${ARGS:-} > "$OUT/compare.log" 2>&1
+    --resume --time-limit "$left" --no-progress --keep-checkpoints $steps_arg ${ARGS:-} > "$OUT/compare.log" 2>&1
   rc=$?
 fi
 echo "compare rc=$rc"; grep -v "^\s*$" "$OUT/compare.log" | tail -45
