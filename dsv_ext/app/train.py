@@ -458,9 +458,8 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
     history: List[Dict[str, Any]] = []
     vals: List[Dict[str, Any]] = []
     log_window = None
-    init_step = None
     if init and not resume:
-        init_step = _init_from(init, dev, model, controller, log, ema).get("step")
+        _init_from(init, dev, model, controller, log, ema)
     if resume:
         ck = _resume_from(resume, dev, cfg, attention, model, opt, controller, log, ema)
         start = int(ck["step"])
