@@ -160,7 +160,8 @@ case " $STEPS " in *" soak "*)
   echo "soak rc=$?"; tail -20 "$OUT/soak.log";;
 esac
 case " $STEPS " in *" profstep "*)  # one training step's profile, full attention and DSV stage 1
-  # (benchmarks/profile_step.py; PROF_CONFIG, PROF_ARGS e.g. "--set train.compile=true")
+  # (benchmarks/profile_step.py; PROF_CONFIG, PROF_ARGS e.g. "--set train.compile=true", or
+  # "--checkpoint runs/init/dsv-slim.pt": that run's weights and DSV state, a stage-2 step)
   for att in dense dsv; do
     timeout ${PROF_LIMIT:-150} python3 benchmarks/profile_step.py --config ${PROF_CONFIG:-configs/long-video-narrow.yaml} \
       --attention $att ${PROF_ARGS:-} --json "$OUT/profstep_$att.json" > "$OUT/profstep_$att.log" 2>&1

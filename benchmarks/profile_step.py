@@ -4,10 +4,16 @@
     python benchmarks/profile_step.py --config configs/long-video-narrow.yaml
     python benchmarks/profile_step.py --config configs/long-video-narrow.yaml --attention dsv
     python benchmarks/profile_step.py --config configs/long-video-narrow.yaml --set train.compile=true
+    python benchmarks/profile_step.py --checkpoint runs/x/dsv/ckpt_last.pt --attention dsv
 
 The config's model on random latents of its shape, stepped as the trainer steps it: bf16 autocast
 (train.precision), forward, backward, gradient clipping, AdamW; with --attention dsv also the DSV
-controller's step (stage 1: dense attention plus predictor training). --warmup steps, then
+controller's step (stage 1: dense attention plus predictor training). With --checkpoint (a
+training checkpoint or its slim copy, python -m dsv_ext.app.checkpoint --slim) the model has the
+checkpoint's weights and config (--config / --set change it) and, with --attention dsv, the
+controller its saved state: a run past the switch profiles a stage-2 step with the sparse blocks
+and per-head K it chose (the predictors keep training every dsv.train_every_stage2 steps as in
+training; the optimizer moments start fresh). --warmup steps, then
 --steps profiled. Prints the kernels (operators on the CPU) by total time and the step's share
 in attention (names matching ATTENTION: cuDNN / FlashAttention SDPA, the pack's attention
 kernels), in DSV's side work (SIDE: predictor training, top-K estimation, profiling) and in the
@@ -22,7 +28,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dsv_ext.app.common import autocast, build_model, flow_matching_loss, load_config, resolve_device  # noqa: E402
+from dsv_ext.app.common import (autocast, build_model, flow_matching_loss, inference_state_dict,  # noqa: E402
+                                load_config, resolve_device)
 
 SIDE = ("predictor", "topk", "profile_attn", "profile_attention")
 ATTENTION = ("flash", "fmha", "sdpa", "cudnn", "attn", "attention")
@@ -43,14 +50,21 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def profile_step(cfg, attention: str, device: str, warmup: int, steps: int):
-    """Profile ``steps`` training steps after ``warmup``; returns (rows, totals): rows of
-    (name, kind, microseconds per step) sorted by time, totals per kind in microseconds per step."""
+def profile_step(cfg, attention: str, device: str, warmup: int, steps: int, ck=None):
+    """Profile ``steps`` training steps after ``warmup`` (``ck``: a loaded checkpoint whose weights
+    and DSV controller state start them); returns (rows, totals, stage): rows of (name, kind,
+    microseconds per step) sorted by time, totals per kind in microseconds per step, the DSV stage
+    profiled (None: dense)."""
     from torch.profiler import ProfilerActivity, profile
 
     dev = resolve_device(device)
     torch.manual_seed(0)
     model, dsv_cfg = build_model(cfg, attention, dev)
+    if ck is not None:
+        res = model.load_state_dict(inference_state_dict(ck), strict=False)
+        off = [k for k in list(res.missing_keys) + list(res.unexpected_keys) if ".predictor." not in k]
+        if off:
+            raise ValueError(f"--checkpoint: its weights do not fit this model (e.g. {off[0]})")
     params = model.dit_parameters()
     tc = cfg["train"]
     opt = torch.optim.AdamW(params, lr=float(tc.get("lr", 1e-4)), fused=(dev.type == "cuda") or None)
@@ -59,6 +73,8 @@ def profile_step(cfg, attention: str, device: str, warmup: int, steps: int):
         from dsv_ext.control.controller import DSVController
 
         controller = DSVController(model, dsv_cfg)
+        if ck is not None and isinstance(ck.get("controller"), dict):
+            controller.load_state_dict(ck["controller"])
     fwd = torch.compile(model) if tc.get("compile") and dev.type == "cuda" else model
     shape = (int(tc.get("batch_size", 1)), model.cfg.in_channels, *model.cfg.latent_size)
     g = torch.Generator().manual_seed(0)
@@ -96,12 +112,14 @@ def profile_step(cfg, attention: str, device: str, warmup: int, steps: int):
             rows.append((e.key, kind_of(e.key), us))
     rows.sort(key=lambda r: -r[2])
     totals = {k: sum(r[2] for r in rows if r[1] == k) for k in KINDS}
-    return rows, totals
+    return rows, totals, None if controller is None else controller.stage
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True)
+    ap.add_argument("--config", default=None, help="the config (default with --checkpoint: the checkpoint's)")
+    ap.add_argument("--checkpoint", default=None,
+                    help="start from this training checkpoint's weights and DSV controller state")
     ap.add_argument("--set", action="append", default=[], metavar="SEC.KEY=VALUE")
     ap.add_argument("--attention", choices=("dense", "dsv"), default="dense")
     ap.add_argument("--device", default=None)
@@ -112,11 +130,19 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.steps < 1 or a.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
-    cfg = load_config(a.config, a.set)
-    rows, totals = profile_step(cfg, a.attention, a.device, a.warmup, a.steps)
+    if a.config is None and a.checkpoint is None:
+        ap.error("--config or --checkpoint is required")
+    ck = None
+    if a.checkpoint is not None:
+        from dsv_ext.app.checkpoint import load_checkpoint
+
+        ck = load_checkpoint(a.checkpoint, map_location="cpu", required=("model", "config"))
+    cfg = load_config(a.config, a.set, base=None if a.config else ck["config"])
+    rows, totals, stage = profile_step(cfg, a.attention, a.device, a.warmup, a.steps, ck)
     total = sum(totals.values())
     unit = "device" if (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") else "CPU"
-    print(f"{cfg['name']}, attention={a.attention}: {total / 1000:.2f} ms of {unit} time per step")
+    what = f"attention={a.attention}" + ("" if stage is None else f" (DSV stage {stage})")
+    print(f"{cfg['name']}, {what}: {total / 1000:.2f} ms of {unit} time per step")
     for k, v in totals.items():
         print(f"  {k:13s} {v / 1000:8.2f} ms  {100 * v / max(total, 1e-9):5.1f}%")
     print(f"\n{'ms/step':>8s}  {'kind':13s}  name")
@@ -124,7 +150,8 @@ def main(argv=None) -> int:
         print(f"{us / 1000:8.3f}  {kind:13s}  {name[:100]}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"config": cfg["name"], "attention": a.attention, "unit": unit,
+            json.dump({"config": cfg["name"], "attention": a.attention, "dsv_stage": stage,
+                       "checkpoint": a.checkpoint, "unit": unit,
                        "ms_per_step": {k: v / 1000 for k, v in totals.items()},
                        "top": [{"name": n, "kind": k, "ms": u / 1000} for n, k, u in rows[:a.top]]},
                       f, indent=1)

@@ -43,3 +43,33 @@ def test_profile_of_the_tiny_config(tmp_path, capsys, attention):
 def test_bad_arguments():
     with pytest.raises(SystemExit):
         PS.main(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--steps", "0"])
+
+
+def test_profile_of_a_checkpoint_past_the_switch(tmp_path, capsys):
+    """--checkpoint: the model's weights and the controller's saved state (stage 2, its sparse
+    blocks): the profiled step runs the top-K estimation and the sparse kernels; the slim copy
+    and the checkpoint's own config work as well."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_train import micro_config  # noqa: E402
+
+    from dsv_ext.app.checkpoint import load_checkpoint, slim_checkpoint
+    from dsv_ext.app.train import train
+
+    train(micro_config(), out_dir=str(tmp_path / "a"), attention="dsv", device="cpu", progress=False)
+    src = str(tmp_path / "a" / "ckpt_last.pt")
+    assert load_checkpoint(src)["controller"]["stage"] == 2
+    slim = str(tmp_path / "slim.pt")
+    slim_checkpoint(src, slim)
+    for ck in (src, slim):
+        out = tmp_path / "p.json"
+        assert PS.main(["--checkpoint", ck, "--device", "cpu", "--attention", "dsv", "--warmup", "0",
+                        "--steps", "1", "--top", "200", "--json", str(out)]) == 0
+        got = json.loads(out.read_text())
+        assert got["dsv_stage"] == 2 and got["config"] == "micro" and got["checkpoint"] == ck
+        names = " ".join(r["name"] for r in got["top"])
+        assert "topk_estimate" in names and "sparse_attention" in names, names
+        assert "attention=dsv (DSV stage 2)" in capsys.readouterr().out
+    # dense attention from a DSV checkpoint: its weights without the predictors
+    assert PS.main(["--checkpoint", slim, "--device", "cpu", "--warmup", "0", "--steps", "1"]) == 0
+    with pytest.raises(SystemExit):
+        PS.main(["--steps", "1"])  # neither --config nor --checkpoint
