@@ -237,6 +237,15 @@ def summary_rows():
          f"{TARGETS['train_real_video']:g}x (at >= 64k tokens)",
          lv_x >= TARGETS["train_real_video"], "#long-sequences-on-real-video"),
     ]
+    nr = _load("compare-long-video-narrow-128k/compare.json")
+    nr_x = nr["dsv_tokens_per_s_after_switch"] / nr["dense_tokens_per_s_after_switch"]
+    rows.append((f"training on real video, a model trained sparse for 3000 steps at 64k ({nr['config']}), "
+                 f"continued at {nr['tokens_per_sample'] // 1024}k tokens for {nr['steps']} steps: DSV vs full attention after "
+                 f"the switch ({nr['card']})",
+                 f"**{nr_x:.2f}x** ({_long_video_sparse_blocks(nr)}; validation loss {_pct(nr['val_loss_rel_gap'])})",
+                 f"{TARGETS['train_real_video']:g}x, within {TARGETS['quality_pct']:g}%",
+                 nr_x >= TARGETS["train_real_video"] and abs(nr["val_loss_rel_gap"]) <= TARGETS["quality_pct"] / 100,
+                 "#a-narrow-model-trained-longer"))
     return rows
 
 
@@ -1058,6 +1067,66 @@ run's, at its lower loss, show the first colour structure:
 {_long_video_repeats()}"""
 
 
+def section_long_video_narrow():
+    """configs/long-video-narrow.yaml: the DSV arm's 3000 steps at 64k, a stage-2 step's profile,
+    and both arms continued at 128k from its weights."""
+    run = _load("long-video-narrow-dsv/summary.json")
+    meta = _load("long-video-narrow-dsv/meta.json")
+    with open(os.path.join(RESULTS, "long-video-narrow-dsv", "metrics.jsonl")) as f:
+        recs = [json.loads(l) for l in f]
+    tr = [r for r in recs if r["kind"] == "train"]
+    last = tr[-1]
+    S = run["tokens_per_sample"]
+    dense2 = [r["step_time_ms"] for r in tr if r["stage"] == 2 and not r.get("sparse_blocks") and r["step"] > run["dsv_switch_step"] + 50]
+    dense_ms = statistics.median(dense2)
+    stage1_ms = statistics.median(r["step_time_ms"] for r in tr[1:] if r["stage"] == 1)
+    heads = _table(["block", "sparsity (theta 0.9) per head", "K per head (S = dense)", "runs sparse"],
+                   [(i, ", ".join(f"{x:.3f}" for x in b["head_sparsity"]),
+                     ", ".join("S" if k >= S else str(k) for k in b["head_k"]), "yes" if b["sparse"] else "no")
+                    for i, b in enumerate(last["blocks"])])
+    prof = {n: _load(f"profile-step-narrow/{n}.json") for n in ("dense", "dsv", "dense_compile", "dsv_compile")}
+    tot = {n: sum(v["ms_per_step"].values()) for n, v in prof.items()}
+    prow = [(label, _ms(prof[n]["ms_per_step"]["attention"], 1), _ms(prof[n]["ms_per_step"]["dsv side work"], 1) if "dsv" in n else "-",
+             _ms(prof[n]["ms_per_step"]["matmul"] + prof[n]["ms_per_step"]["other"], 1), _ms(tot[n], 1),
+             _x(tot[n.replace("dsv", "dense")] / tot[n]))
+            for n, label in (("dense", "full attention"), ("dsv", "DSV stage 2"),
+                             ("dense_compile", "full attention, `train.compile`"), ("dsv_compile", "DSV stage 2, `train.compile`"))]
+    n_dense = sum(sum(k >= S for k in b["head_k"]) for b in last["blocks"])
+    n_heads = sum(len(b["head_k"]) for b in last["blocks"])
+    d = _load("compare-long-video-narrow-128k/compare.json")
+    dn, sn = d["dense_tokens_per_s_after_switch"], d["dsv_tokens_per_s_after_switch"]
+    se = max(d[a]["final_val_loss_se"] for a in ("dense", "dsv"))
+    return f"""### A narrow model trained longer
+
+`configs/long-video-narrow.yaml`: the shape of the long run ({S // 1024}k tokens, heads of dim 128) in 4
+blocks of width 256 (2 heads each), whose step is almost all attention, trained 3000 steps with DSV
+(`results/long-video-narrow-dsv/`, the full-attention arm not yet run). {_prov(meta['date_utc'] + ' UTC', meta['commit'], meta['card'])}
+Switch at step {run['dsv_switch_step']}; at step {last['step']} {last['sparse_blocks']} of {len(last['blocks'])} blocks run sparse, validation loss
+{run['final_val_loss']:.4f}; the step {dense_ms:.0f} ms with every block dense (stage 2 before any block ran
+sparse, median of the logged windows) and {last['step_time_ms']:.1f} ms at the end ({_x(dense_ms / last['step_time_ms'])}); stage 1 {stage1_ms:.0f} ms ({_pct(stage1_ms / dense_ms - 1, 1)}).
+Per head at step {last['step']}:
+
+{heads}
+
+{n_dense} of the {n_heads} heads run full attention: those whose predicted lists need more than
+`recall_max_density` (0.5) of the keys for `recall_target` (0.95), also inside sparse blocks. One
+step of this model, profiled (`benchmarks/profile_step.py --checkpoint`, `results/profile-step-narrow/`,
+device time per step in ms; the DSV rows run the saved controller):
+
+{_table(["step", "attention", "top-K estimation", "the rest", "total", "vs full attention"], prow)}
+
+Continued at 131072 tokens (32 frames; `--init` from the run's slim copy, both arms from the same
+weights, DSV from its predictors; `results/compare-long-video-narrow-128k/`, {d['steps']} steps, switch at step
+{d['switch_step']}). {_prov(d['date_utc'] + ' UTC', _load('compare-long-video-narrow-128k/meta.json')['commit'], d['card'])} DSV {sn:.0f} tokens/s after the switch against
+{dn:.0f} (**{_x(sn / dn)}**; {_long_video_sparse_blocks(d)}, the same heads dense), stage 1
+{_pct(d['stage1_overhead'], 1)} step time, validation loss {d['dsv']['final_val_loss']:.4f} against {d['dense']['final_val_loss']:.4f}
+({_pct(d['val_loss_rel_gap'])}, standard error {se:.4f} over the held-out clips of one file, after
+{d['steps'] - d['switch_step']} sparse steps). With half of the heads dense the step cannot reach 2x; the 1.8x
+target needs those heads sparse (a lower recall target: 0.9 measured within the seed-to-seed noise
+on `small-video`, "Quality" below) or longer sequences.
+"""
+
+
 def _long_video_divergence(d):
     """When the last gap is far outside the validation's error: how far the two runs' training
     losses had parted (same batches in both runs: the trajectories, not the data, differ)."""
@@ -1326,7 +1395,7 @@ kernel numbers came about: [benchmarks/PERF_LOG.md](../benchmarks/PERF_LOG.md).
 
 {summary_table('')}
 """, section_kernels(), section_bwd(), section_topk(), section_det(), section_train(), section_sampling(), section_cp(),
-             section_equal_recall(), section_where_sparse_pays(), section_long_video(), section_quality(), section_soak(), section_cpu()]
+             section_equal_recall(), section_where_sparse_pays(), section_long_video(), section_long_video_narrow(), section_quality(), section_soak(), section_cpu()]
     return "\n".join(parts)
 
 
