@@ -97,9 +97,10 @@ case " $STEPS " in *" topkvar "*)  # csrc/dev top-K variants (TOPK_VARIANT, one 
   done; done;;
 esac
 case " $STEPS " in *" topk "*)  # top-K estimation under kernel tunings (TOPK_TUNINGS), interleaved
+  # (TOPK_HEADS: 24 by default; 1 or 2 for the grids of models with few heads, PERF_LOG v45)
   mkdir -p "$OUT/topk"
   for r in 1 2; do for grp in ${TOPK_GROUPS:-128 64}; do for t in ${TOPK_TUNINGS:-tk_split=1 tk_split=2}; do
-    DSV_KERNEL_TUNING=$t timeout ${TOPK_LIMIT:-60} python3 benchmarks/bench_topk.py --heads 24 --group $grp \
+    DSV_KERNEL_TUNING=$t timeout ${TOPK_LIMIT:-60} python3 benchmarks/bench_topk.py --heads ${TOPK_HEADS:-24} --group $grp \
       --shapes ${TOPK_SHAPES:-65536:0.1,65536:0.46,16384:0.1,131072:0.1} --json "$OUT/topk/g${grp}_${t}_$r.json" \
       > "$OUT/topk_g${grp}_${t}_$r.log" 2>&1
     echo "topk G=$grp $t run $r rc=$?"; grep -v "^\s*$" "$OUT/topk_g${grp}_${t}_$r.log" | tail -4 | cut -c1-100

@@ -18,7 +18,8 @@
 #              top-K estimation with 16 groups per warp: the small shapes take 8 by default)
 #              runs the ops section under memcheck and racecheck, tk_sample=0 (radix passes
 #              only) under memcheck, tk_split=2 (clusters of two CTAs, distributed shared
-#              memory) under memcheck and racecheck, tk_band=2 (the band pass without its
+#              memory) under memcheck and racecheck, tk_split=4 / 8 (clusters of four under
+#              memcheck, of eight under racecheck), tk_band=2 (the band pass without its
 #              histogram, built from the stored keys) under both, and in clusters,
 #              tk_compact=1 with tk_band=2 (the compaction from the band pass's key masks, its
 #              staged list stores: the driver's 32k case takes that path) under both
@@ -50,7 +51,7 @@ for step in $STEPS; do
                km_ratio=0,merge=1,bwd_ranges=1 km_ratio=0,merge=1,bwd_ranges=3 \
                km_ratio=0,merge=1,merge_window=64 racecheck:km_ratio=0,merge=1 \
                wg256=0 racecheck:wg256=0 \
-               tk_gpw=16 racecheck:tk_gpw=16 tk_sample=0 tk_split=2 racecheck:tk_split=2 \
+               tk_gpw=16 racecheck:tk_gpw=16 tk_sample=0 tk_split=2 racecheck:tk_split=2 tk_split=4 racecheck:tk_split=8 \
                tk_band=2 racecheck:tk_band=2 tk_band=2,tk_split=2 tk_compact=1,tk_band=2,tk_split=1 \
                racecheck:tk_compact=1,tk_band=2,tk_split=1}; do
         sec=sparse_attention tool=memcheck extra="--leak-check no"

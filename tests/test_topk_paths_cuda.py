@@ -1,7 +1,7 @@
 """The top-K estimation's paths on the GPU give the same lists, entry for entry: the sampled
 threshold band (kernel tuning tk_sample = 1, the default) and the radix passes from the full key
 range (tk_sample = 0), each with 16 and 8 query groups per warp (tk_gpw 16 / 8), clusters of two
-CTAs that split the keys (tk_split = 2), the band pass with and without its histogram (tk_band
+CTAs that split the keys (tk_split = 2, also 4 and 8), the band pass with and without its histogram (tk_band
 0 / 2: the histogram from the stored band keys, or a counting pass where a buffer overflowed),
 the compaction from the band pass's key masks (tk_compact = 1) and the default tuning (tk_gpw =
 0: automatic). All compute bit-identical fp32 scores and select exactly, so no tolerance applies
@@ -76,6 +76,11 @@ SETTINGS = [
     ("tk_split=2,tk_gpw=16", {"tk_sample": 1, "tk_gpw": 16, "tk_split": 2}),
     ("tk_split=2,tk_sample=0", {"tk_sample": 0, "tk_gpw": 0, "tk_split": 2}),
     ("tk_split=1", {"tk_sample": 1, "tk_gpw": 0, "tk_split": 1}),  # one CTA per set of groups
+    # clusters of four and eight (ranges of one tile or none where S is small)
+    ("tk_split=4,tk_gpw=8", {"tk_sample": 1, "tk_gpw": 8, "tk_split": 4}),
+    ("tk_split=4,tk_sample=0,tk_gpw=16", {"tk_sample": 0, "tk_gpw": 16, "tk_split": 4}),
+    ("tk_split=8,tk_gpw=8", {"tk_sample": 1, "tk_gpw": 8, "tk_split": 8}),
+    ("tk_split=8,tk_band=2,tk_gpw=16", {"tk_band": 2, "tk_gpw": 16, "tk_split": 8}),
     # the band pass: always counting; without its histogram wherever its keys are stored
     # (buffers that overflow take the counting pass after all), alone and in clusters
     ("tk_band=0", {"tk_sample": 1, "tk_band": 0}),
@@ -194,7 +199,7 @@ def test_bad_topk_tuning_is_refused(tmp_path):
             "q = torch.randn(1, 64, 1, 16, device='cuda', dtype=torch.bfloat16)\n"
             "c = torch.tensor([[8]], dtype=torch.int32, device='cuda')\n"
             "torch.ops.dsv.topk_estimate(q, q, c, 16, 8)\n")
-    for bad in ("tk_gpw=12", "tk_sample=2", "tk_split=3", "tk_band=3", "tk_compact=2"):
+    for bad in ("tk_gpw=12", "tk_sample=2", "tk_split=3", "tk_split=16", "tk_band=3", "tk_compact=2"):
         env = dict(os.environ, DSV_KERNEL_TUNING=bad, DSV_ROOT=ROOT)
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                            timeout=300, cwd=ROOT)

@@ -223,7 +223,7 @@ def check(keys, K):
     radix, rpasses = select(keys, K, sample=False)
     assert torch.equal(radix, ref), f"S={keys.numel()} K={K}: list without the sample differs"
     assert rpasses <= MAX_PASSES - 1  # generic passes from the full range + one collect
-    for CL, smp in ((2, True), (2, False), (3, True)):
+    for CL, smp in ((2, True), (2, False), (3, True), (4, True), (8, True), (8, False)):
         got, _ = select(keys, K, sample=smp, CL=CL)
         assert torch.equal(got, ref), f"S={keys.numel()} K={K}: a cluster of {CL} differs"
     return passes

@@ -57,10 +57,11 @@
  *    At S = 64k and K = 10% a group takes ~2 passes of all scores (band, compaction; the collect
  *    step reads the band buffer; the radix select alone: 4 histogram passes + the compaction).
  *    Times: benchmarks/PERF_LOG.md (v12, v16, v17, v23).
- *  - Clusters (tuning tk_split = 2, sm_90): two CTAs share a set of groups, each scoring half
- *    of the keys; after every pass each adds the other's histograms (distributed shared memory)
- *    and takes the same decisions, and its own counts above / in the window place its half of
- *    every list (dsv_tk_find_split, dsv_tk_resolve; PERF_LOG v18).
+ *  - Clusters (tuning tk_split = 2, 4 or 8, sm_90): CL CTAs share a set of groups, each scoring
+ *    its part of the keys (whole tiles, the CTAs in order); after every pass each adds the
+ *    others' histograms (distributed shared memory) and takes the same decisions, and its own
+ *    counts above / in the window place its part of every list (dsv_tk_find_split,
+ *    dsv_tk_resolve; PERF_LOG v18; 4 and 8, for grids of one or two heads, v45).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -1512,6 +1513,12 @@ static int dsv_topk_launch_gpw(const dsv_topk_args& a, int gpw, int split, int64
   if (split == 2)
     return gpw == 8 ? dsv_topk_launch_v<T, RP, TWO, 8, 2>(a, grid, st)
                     : dsv_topk_launch_v<T, RP, TWO, 16, 2>(a, grid, st);
+  if (split == 4)
+    return gpw == 8 ? dsv_topk_launch_v<T, RP, TWO, 8, 4>(a, grid, st)
+                    : dsv_topk_launch_v<T, RP, TWO, 16, 4>(a, grid, st);
+  if (split == 8)
+    return gpw == 8 ? dsv_topk_launch_v<T, RP, TWO, 8, 8>(a, grid, st)
+                    : dsv_topk_launch_v<T, RP, TWO, 16, 8>(a, grid, st);
   return gpw == 8 ? dsv_topk_launch_v<T, RP, TWO, 8, 1>(a, grid, st)
                   : dsv_topk_launch_v<T, RP, TWO, 16, 1>(a, grid, st);
 }
@@ -1533,7 +1540,9 @@ static int dsv_topk_dispatch(const dsv_topk_args& a, int RP, int gpw, int split,
 /* Groups per warp and CTAs per set of groups: the tuning's, or automatic: where 16 groups per
  * warp would leave the grid under two CTAs per SM, the estimation is bound by each warp's chain
  * of passes, not by issue: 8 groups per warp, and clusters of two CTAs that each score half of
- * the keys (compute capability 9.0 and up; kernels v16 and v18 in PERF_LOG.md). */
+ * the keys (compute capability 9.0 and up; kernels v16 and v18 in PERF_LOG.md). Clusters of 4
+ * and 8 CTAs only when the tuning asks for them (v45: to be measured on grids of one or two
+ * heads). */
 static void dsv_topk_layout(const dsv_lowrank_shape* p, const dsv_tuning* tun, int* gpw,
                             int* split) {
   const int64_t BH = p->batch * p->heads;
@@ -1541,7 +1550,7 @@ static void dsv_topk_layout(const dsv_lowrank_shape* p, const dsv_tuning* tun, i
   *gpw = tun->tk_gpw;
   if (*gpw != 8 && *gpw != 16) *gpw = small ? 8 : 16;
   *split = tun->tk_split;
-  if (*split != 1 && *split != 2) *split = small ? 2 : 1;
+  if (*split != 1 && *split != 2 && *split != 4 && *split != 8) *split = small ? 2 : 1;
   if (tun->cc < 90) *split = 1;
 }
 

@@ -39,10 +39,10 @@
  *                           workspace of S / 4 bytes per query group, up to 1 GiB), where every
  *                           group's threshold lies in its band (the default); 0 it rescores
  *                           the keys
- *   tk_split                top-K estimation: 1 CTA per set of groups, or 2: a cluster of two,
- *                           each scoring half of the keys; 0: automatic (2 where 16 groups per
- *                           warp gives fewer than two CTAs per SM, from compute capability 9.0;
- *                           the default)
+ *   tk_split                top-K estimation: 1 CTA per set of groups, or a cluster of 2, 4 or
+ *                           8 CTAs, each scoring its part of the keys; 0: automatic (2 where 16
+ *                           groups per warp gives fewer than two CTAs per SM, from compute
+ *                           capability 9.0; the default; 4 and 8 only when asked for)
  */
 #include <errno.h>
 #include <pthread.h>
@@ -133,8 +133,8 @@ int apply_one(dsv_tuning* t, const char* key, size_t klen, const char* val, size
     if (n != 0 && n != 1) return DSV_ERR_TUNING;
     t->tk_compact = (int)n;
   } else if (DSV_KEY("tk_split")) {
-    if (n != 0 && n != 1 && n != 2) return DSV_ERR_TUNING;
-    t->tk_split = (int)n; /* 2 takes effect from compute capability 9.0 (clusters) */
+    if (n != 0 && n != 1 && n != 2 && n != 4 && n != 8) return DSV_ERR_TUNING;
+    t->tk_split = (int)n; /* > 1 takes effect from compute capability 9.0 (clusters) */
   } else {
     return DSV_ERR_TUNING; /* unknown key */
   }

@@ -70,10 +70,11 @@ typedef struct dsv_tuning {
                        a workspace of up to 1 GiB) and the band's stored keys instead of
                        rescoring every key, where every group's threshold lies in its band (one
                        CTA per set of groups); 0 = it rescores them (same lists) */
-  int tk_split;     /* top-K estimation: CTAs per set of groups, 1 or 2 (a thread-block cluster,
-                       each CTA scoring half of the keys: twice the CTAs and half the chain of
-                       passes per warp; same lists); 0: automatic (the default), 2 where 16
-                       groups per warp would give fewer than two CTAs per SM */
+  int tk_split;     /* top-K estimation: CTAs per set of groups, 1, 2, 4 or 8 (a thread-block
+                       cluster, each CTA scoring its part of the keys: n times the CTAs and
+                       1 / n of the chain of passes per warp; same lists); 0: automatic (the
+                       default), 2 where 16 groups per warp would give fewer than two CTAs per
+                       SM */
 } dsv_tuning;
 
 /* The tuning of `device` (filled on first use, then cached): DSV_OK, DSV_ERR_CUDA when the
