@@ -149,6 +149,32 @@ def test_compare_report_fields_and_sample_strip(tmp_path):
     assert res["samples"]["dsv_mode"] in ("dsv", "dense")
     saved = json.load(open(tmp_path / "compare.json"))
     assert saved["samples"]["path"] == "compare_samples.png"
+    # the paired difference at the last step: the videos' differences average to the gap
+    pg = res["val_loss_paired"]
+    assert pg["step"] == 6 and pg["videos"] == 2
+    gap = res["dsv"]["final_val_loss"] - res["dense"]["final_val_loss"]
+    assert abs(pg["diff"] - gap) < 1e-6 and abs(pg["rel"] - pg["diff"] / res["dense"]["final_val_loss"]) < 1e-9
+    assert "video by video (step 6, 2 videos)" in md
+
+
+def test_paired_gap_of_per_video_losses():
+    """compare's paired difference: mean and standard error of DSV minus full attention over the
+    videos, relative to full attention's loss; none without per-video losses or with one video."""
+    from dsv_ext.app.compare import _paired_gap
+
+    val = {"dense": [{"step": 5, "val_loss_per_video": [1.0, 2.0, 3.0]}],
+           "dsv": [{"step": 5, "val_loss_per_video": [1.1, 2.0, 3.2]}]}
+    pg = _paired_gap(val, 5)
+    d = [0.1, 0.0, 0.2]
+    m = sum(d) / 3
+    se = (sum((x - m) ** 2 for x in d) / 2 / 3) ** 0.5
+    assert pg["videos"] == 3 and abs(pg["diff"] - m) < 1e-12 and abs(pg["diff_se"] - se) < 1e-12
+    assert abs(pg["rel"] - m / 2.0) < 1e-12 and abs(pg["rel_se"] - se / 2.0) < 1e-12
+    assert _paired_gap(val, 4) is None and _paired_gap(val, None) is None
+    one = {a: [{"step": 5, "val_loss_per_video": [1.0]}] for a in ("dense", "dsv")}
+    assert _paired_gap(one, 5) is None
+    old = {a: [{"step": 5, "val_loss": 1.0}] for a in ("dense", "dsv")}  # runs before the field
+    assert _paired_gap(old, 5) is None
 
 
 @needs_dsv

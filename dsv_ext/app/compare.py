@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
@@ -354,6 +355,24 @@ def compare_seeds(cfg: Dict[str, Any], out_dir: str, seeds: int, steps: Optional
     return res
 
 
+def _paired_gap(val: Dict[str, List[Dict[str, Any]]], step: Optional[int]) -> Optional[Dict[str, Any]]:
+    """DSV minus full attention, video by video, at the validation of ``step`` (both runs saw
+    the same held-out clips, timesteps and noise): the mean difference relative to full
+    attention's loss and its standard error over the videos, which leaves out how much the
+    videos differ from each other (the same in both runs). None where a run did not record its
+    per-video losses or there is one video."""
+    rec = {a: next((r for r in val[a] if r["step"] == step), None) for a in ("dense", "dsv")}
+    pv = {a: (r or {}).get("val_loss_per_video") for a, r in rec.items()}
+    if step is None or not pv["dense"] or not pv["dsv"] or len(pv["dense"]) != len(pv["dsv"]) or len(pv["dense"]) < 2:
+        return None
+    diff = [b - a for a, b in zip(pv["dense"], pv["dsv"])]
+    n, base = len(diff), sum(pv["dense"]) / len(pv["dense"])
+    mean = sum(diff) / n
+    se = math.sqrt(sum((x - mean) ** 2 for x in diff) / (n - 1) / n)
+    return {"step": step, "videos": n, "diff": mean, "diff_se": se,
+            "rel": mean / base if base else None, "rel_se": se / base if base else None}
+
+
 def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """The numbers of ``compare.json`` from the two runs' folders (metrics of every chunk)."""
     hist, val = {}, {}
@@ -381,6 +400,7 @@ def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[st
     # the gap at the last step both runs validated (their final step once both are complete)
     gap_at = equal[-1] if equal else (
         {"step": None, "rel_gap": final_s / final_d - 1} if final_d and final_s is not None else None)
+    paired = _paired_gap(val, None if gap_at is None else gap_at["step"])
     last = {a: x.get("last_step", x.get("steps")) for a, x in (("dense", d), ("dsv", s))}
     complete = all(x.get("complete", True) and x.get("last_step", x.get("steps")) == x.get("steps") for x in (d, s))
     # wall-clock (training steps) until the validation loss reaches full attention's final one
@@ -410,6 +430,7 @@ def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[st
         "init_from": d.get("init_from") or s.get("init_from"),
         "val_loss_rel_gap": None if gap_at is None else gap_at["rel_gap"],
         "val_loss_gap_step": None if gap_at is None else gap_at["step"],
+        "val_loss_paired": paired,
         "val_at_equal_steps": equal,
         "dense_tokens_per_s_before_switch": before["dense"],
         "dsv_tokens_per_s_before_switch": before["dsv"],
@@ -581,10 +602,14 @@ def write_table(res: Dict[str, Any], path: str) -> None:
          f"| training time to full attention's final validation loss (s) | "
          + " | ".join(_reach(res, a) for a in ("dense", "dsv")) + " |",
          f"| validation loss standard error (over videos) | {fmt(d.get('final_val_loss_se'))} "
-         f"| {fmt(s.get('final_val_loss_se'))} |",
-         f"| mean sparsity (EMA, theta=0.9) | - | {fmt(scalar(s.get('dsv_sparsity')), 3)} |",
-         f"| predictor recall | - | {fmt(scalar(s.get('dsv_recall')), 3)} |",
-         ""]
+         f"| {fmt(s.get('final_val_loss_se'))} |"]
+    pg = res.get("val_loss_paired")
+    if pg and pg.get("rel") is not None:
+        L.append(f"| validation loss, DSV minus full attention video by video (step {pg['step']}, "
+                 f"{pg['videos']} videos) | - | {100 * pg['rel']:+.2f}% +- {100 * pg['rel_se']:.2f}% "
+                 "(standard error of the paired difference) |")
+    L += [f"| mean sparsity (EMA, theta=0.9) | - | {fmt(scalar(s.get('dsv_sparsity')), 3)} |",
+          f"| predictor recall | - | {fmt(scalar(s.get('dsv_recall')), 3)} |", ""]
     equal = res.get("val_at_equal_steps") or []
     if equal:
         L += ["Validation loss at equal steps:", "", "| step | full attention | DSV | DSV vs full |",

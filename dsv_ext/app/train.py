@@ -509,7 +509,13 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
             per = validation_losses(fwd_model, valset, dev, tcfg.precision, tcfg.val_batch_size)
         v = float(per.mean()) if per.numel() else 0.0
         val_se[0] = validation_se(per, len(tcfg.val_timesteps))
+        nt = len(tcfg.val_timesteps)
+        # each held-out video's loss (its timesteps averaged): runs validated on the same clips
+        # and noise compare video by video (dsv_ext.app.compare's paired difference)
+        per_video = ([round(float(x), 7) for x in per.double().view(-1, nt).mean(1)]
+                     if nt and per.numel() and per.numel() % nt == 0 else None)
         rec = {"kind": "val", "step": step, "val_loss": v, "val_loss_se": val_se[0],
+               "val_loss_per_video": per_video,
                "val_weights": "ema" if ema is not None else "live",
                "val_time_s": time.perf_counter() - t0, **_controller_stats(controller)}
         vals.append(rec)
