@@ -48,14 +48,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from .cli import check_numeric_args, run_command
 from .common import load_config
-from .evaluate import provenance
+from .evaluate import paired_stats, provenance
 from .report import fmt, scalar
 from .seeds import gap_verdict, seed_stats, write_seeds_table
 from .train import train
@@ -365,12 +364,10 @@ def _paired_gap(val: Dict[str, List[Dict[str, Any]]], step: Optional[int]) -> Op
     pv = {a: (r or {}).get("val_loss_per_video") for a, r in rec.items()}
     if step is None or not pv["dense"] or not pv["dsv"] or len(pv["dense"]) != len(pv["dsv"]) or len(pv["dense"]) < 2:
         return None
-    diff = [b - a for a, b in zip(pv["dense"], pv["dsv"])]
-    n, base = len(diff), sum(pv["dense"]) / len(pv["dense"])
-    mean = sum(diff) / n
-    se = math.sqrt(sum((x - mean) ** 2 for x in diff) / (n - 1) / n)
-    return {"step": step, "videos": n, "diff": mean, "diff_se": se,
-            "rel": mean / base if base else None, "rel_se": se / base if base else None}
+    import torch
+
+    st = paired_stats(torch.tensor(pv["dense"], dtype=torch.float64), torch.tensor(pv["dsv"], dtype=torch.float64), 1)
+    return {"step": step, **{k: st[k] for k in ("videos", "diff", "diff_se", "rel", "rel_se")}}
 
 
 def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
