@@ -1,8 +1,9 @@
 """The top-K estimation's paths on the GPU give the same lists, entry for entry: the sampled
 threshold band (kernel tuning tk_sample = 1, the default) and the radix passes from the full key
-range (tk_sample = 0), each with 16 and 8 query groups per warp (tk_gpw 16 / 8), clusters of two
-CTAs that split the keys (tk_split = 2, also 4 and 8), the band pass with and without its histogram (tk_band
-0 / 2: the histogram from the stored band keys, or a counting pass where a buffer overflowed),
+range (tk_sample = 0), each with 16 and 8 query groups per warp (tk_gpw 16 / 8), clusters of two,
+four and eight CTAs that split the keys (tk_split = 2 / 4 / 8), the band pass with and without
+its histogram (tk_band 0 / 2: the histogram from the stored band keys, or a counting pass where
+a buffer overflowed),
 the compaction from the band pass's key masks (tk_compact = 1) and the default tuning (tk_gpw =
 0: automatic). All compute bit-identical fp32 scores and select exactly, so no tolerance applies
 between them; every list is also checked against float64 scores
