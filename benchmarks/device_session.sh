@@ -137,8 +137,8 @@ case " $STEPS " in *" train "*)
   timeout ${TRAIN_LIMIT:-330} python3 benchmarks/bench_train.py --out "$OUT/results" $prof ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1
   echo "bench_train rc=$?"; tail -15 "$OUT/train.log";;
 esac
-case " $STEPS " in *" er "*)  # equal-recall timings of the committed capture (no training; ~5 min)
-  timeout ${ER_LIMIT:-420} python3 benchmarks/bench_equal_recall.py --analysis benchmarks/results/equal_recall/equal_recall.json \
+case " $STEPS " in *" er "*)  # equal-recall timings of a committed capture (ER_ANALYSIS; no training; ~5 min)
+  timeout ${ER_LIMIT:-420} python3 benchmarks/bench_equal_recall.py --analysis ${ER_ANALYSIS:-benchmarks/results/equal_recall/equal_recall.json} \
     --time --out "$OUT/equal_recall" > "$OUT/er.log" 2>&1
   echo "equal recall rc=$?"; grep -E "^Recall|dense heads \| 0.9 |^\| auto" "$OUT/equal_recall/equal_recall.md";;
 esac

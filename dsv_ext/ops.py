@@ -114,7 +114,7 @@ def kernel_tuning(device=None) -> dict:
     keys from the band pass's key masks, with a workspace of S / 4 bytes per query group, up to
     1 GiB; 0: it rescores every key), ``tk_split``
     (1: one CTA per set of query groups; 2, 4, 8: clusters of that many CTAs, each scoring its part
-    of the keys; 0, the default: automatic, 1 or 2).
+    of the keys; 0, the default: automatic, 1, or 2 to 8 where the grid is small).
     It is chosen once per device; the environment variable
     ``DSV_KERNEL_TUNING="key=value,..."`` overrides keys for experiments.
     A build without CUDA kernels gives ``{"cuda_kernels": 0}``.

@@ -1540,9 +1540,9 @@ static int dsv_topk_dispatch(const dsv_topk_args& a, int RP, int gpw, int split,
 /* Groups per warp and CTAs per set of groups: the tuning's, or automatic: where 16 groups per
  * warp would leave the grid under two CTAs per SM, the estimation is bound by each warp's chain
  * of passes, not by issue: 8 groups per warp, and clusters of two CTAs that each score half of
- * the keys (compute capability 9.0 and up; kernels v16 and v18 in PERF_LOG.md). Clusters of 4
- * and 8 CTAs only when the tuning asks for them (v45: to be measured on grids of one or two
- * heads). */
+ * the keys (compute capability 9.0 and up; kernels v16 and v18 in PERF_LOG.md), of four or
+ * eight where clusters of two still leave fewer CTAs than SMs and each CTA keeps at least 16
+ * tiles of keys (models with few heads, short sequences; v45). */
 static void dsv_topk_layout(const dsv_lowrank_shape* p, const dsv_tuning* tun, int* gpw,
                             int* split) {
   const int64_t BH = p->batch * p->heads;
@@ -1550,7 +1550,14 @@ static void dsv_topk_layout(const dsv_lowrank_shape* p, const dsv_tuning* tun, i
   *gpw = tun->tk_gpw;
   if (*gpw != 8 && *gpw != 16) *gpw = small ? 8 : 16;
   *split = tun->tk_split;
-  if (*split != 1 && *split != 2 && *split != 4 && *split != 8) *split = small ? 2 : 1;
+  if (*split != 1 && *split != 2 && *split != 4 && *split != 8) {
+    const int64_t sets = BH * dsv_cdiv64(p->num_groups, (int64_t)TK_WARPS * *gpw);
+    *split = small ? 2 : 1;
+    /* doubled while the grid stays under one CTA per SM and each CTA keeps >= 16 key tiles */
+    while (small && *split < 8 && sets * *split < tun->sm_count &&
+           p->seqlen >= (int64_t)TK_TILE * 16 * (*split * 2))
+      *split *= 2;
+  }
   if (tun->cc < 90) *split = 1;
 }
 
