@@ -4,6 +4,8 @@ then the attention time of each at that density.
     python benchmarks/bench_equal_recall.py --checkpoint runs/x/dsv/ckpt_last.pt [--out DIR]
     python benchmarks/bench_equal_recall.py --train-steps 800        # trains configs/small-video.yaml first
     python benchmarks/bench_equal_recall.py --analysis DIR/equal_recall.json --time   # times an earlier analysis
+    python benchmarks/bench_equal_recall.py --checkpoint CKPT --locality 16 --timesteps 0.1 0.5 0.9
+        # per timestep and head: lists of 128 queries against each query's own, on sampled rows
 
 1. **Capture.** The reference DiT of a checkpoint (a DSV run on real video, so its predictors are
    trained) runs on held-out clips at a few timesteps; a hook keeps the q and k that each
@@ -79,21 +81,30 @@ def _group_curve(p: torch.Tensor, rows_per_list: int, key_block: int = 1) -> tor
 def head_curves(q: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, scale: float,
                 groups: Sequence[int] = (32, 64, 128), blocks: Sequence[int] = (16, 64),
                 block_groups: Sequence[int] = (64, 128), tile: int = 128, per_query: bool = True,
-                chunk: int = 1024) -> Dict[str, Tuple[int, torch.Tensor]]:
+                chunk: int = 1024, sample: int = 0) -> Dict[str, Tuple[int, torch.Tensor]]:
     """Mean recall curves of one head: name -> (keys per item, float64 [n_items] curve), where
     curve[i] is the mean over all S rows of the mass covered by i+1 items.
 
     q, k: [S, D] in raster order; perm: int64 [S], raster position of each cube-order position
     (``dsv_ext.grouping.cube_permutation(grid)[0]``); S must be a multiple of every group size,
     block size, block group and ``tile``. Block lists of groups of 64 queries are named
-    ``block b=<b>``, of other group sizes ``block b=<b> G=<g>``."""
+    ``block b=<b>``, of other group sizes ``block b=<b> G=<g>``. ``sample`` > 0: the mean over
+    that many evenly spaced runs of max(groups, block groups, tile) rows instead of all S (whole
+    groups and tiles: the same lists, a fraction of the work)."""
     S, D = q.shape
     for n, v in [("groups", g) for g in groups] + [("blocks", b) for b in blocks] + \
                 [("block_groups", g) for g in block_groups] + [("tile", tile)]:
         if v < 1 or S % v:
             raise ValueError(f"{n}: {v} does not divide the sequence length {S}")
     step = max(tile, *block_groups, *groups)
+    if sample < 0 or any(step % v for v in (tile, *block_groups, *groups)):
+        raise ValueError(f"sample: {sample}; needs sample >= 0 and group sizes that divide {step}")
     chunk = max(step, chunk // step * step)
+    rows = None  # all rows, else the sampled ones (whole runs of `step` rows)
+    if sample:
+        runs = torch.linspace(0, S // step - 1, min(sample, S // step)).round().long().unique()
+        rows = (runs[:, None] * step + torch.arange(step)).flatten().to(q.device)
+    R = S if rows is None else rows.numel()
     f32 = torch.float32
     qr, kr = q.to(f32), k.to(f32)
     qc, kc = qr.index_select(0, perm), kr.index_select(0, perm)
@@ -105,9 +116,10 @@ def head_curves(q: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, scale: flo
         else:
             acc[name] = (keys_per_item, part.clone())
 
-    for i in range(0, S, chunk):
+    for i in range(0, R, chunk):
+        sel = slice(i, i + chunk) if rows is None else rows[i:i + chunk]
         # cube order: per-query oracle, token groups, key blocks
-        p = torch.softmax(scale * (qc[i:i + chunk] @ kc.T), dim=-1)
+        p = torch.softmax(scale * (qc[sel] @ kc.T), dim=-1)
         if per_query:
             add("token", 1, p.sort(dim=-1, descending=True).values.cumsum(-1, dtype=torch.float64).sum(0))
         for g in groups:
@@ -117,10 +129,10 @@ def head_curves(q: torch.Tensor, k: torch.Tensor, perm: torch.Tensor, scale: flo
                 add(f"block b={b}" + ("" if bg == 64 else f" G={bg}"), b, _group_curve(p, bg, b))
         del p
         # raster order: FlexAttention's tiles
-        p = torch.softmax(scale * (qr[i:i + chunk] @ kr.T), dim=-1)
+        p = torch.softmax(scale * (qr[sel] @ kr.T), dim=-1)
         add(f"flex {tile}x{tile}", tile, _group_curve(p, tile, tile))
         del p
-    return {n: (kpi, c / S) for n, (kpi, c) in acc.items()}
+    return {n: (kpi, c / R) for n, (kpi, c) in acc.items()}
 
 
 def density_for(curve: torch.Tensor, keys_per_item: int, seq_len: int, target: float) -> float:
@@ -180,8 +192,9 @@ def capture_qk(model, x: torch.Tensor, t: torch.Tensor, noise: torch.Tensor):
 
 
 def analyse(captures, cube=(4, 4, 4), groups=(32, 64, 128), blocks=(16, 64), targets=TARGETS,
-            per_query=True, predictor_rows=2048, log=print) -> Dict:
-    """Densities per method, block and head for each target, averaged over the captures."""
+            per_query=True, predictor_rows=2048, sample=0, log=print) -> Dict:
+    """Densities per method, block and head for each target, averaged over the captures
+    (``sample``: head_curves on that many runs of rows)."""
     from dsv_ext.grouping import cube_permutation
 
     curves: Dict[Tuple[str, int, str], Tuple[int, torch.Tensor]] = {}
@@ -195,7 +208,7 @@ def analyse(captures, cube=(4, 4, 4), groups=(32, 64, 128), blocks=(16, 64), tar
         for b in range(B):
             for h in range(H):
                 for m, (kpi, c) in head_curves(q[b, :, h], k[b, :, h], perm, scale, groups, blocks,
-                                               per_query=per_query).items():
+                                               per_query=per_query, sample=sample).items():
                     key = (name, h, m)
                     curves[key] = (kpi, curves[key][1] + c) if key in curves else (kpi, c)
                     counts[key] = counts.get(key, 0) + 1
@@ -209,7 +222,8 @@ def analyse(captures, cube=(4, 4, 4), groups=(32, 64, 128), blocks=(16, 64), tar
                         counts[key] = counts.get(key, 0) + 1
         log(f"  capture {ci + 1}/{len(captures)} ({name}, S={S}): {time.perf_counter() - t0:.0f} s")
     methods = sorted({m for (_, _, m) in curves})
-    res = {"seq_len": S, "targets": list(targets), "methods": {}}
+    res = {"seq_len": S, "targets": list(targets), "methods": {},
+           "head_names": [f"{n}:{h}" for (n, h, m) in curves if m == methods[0]]}  # densities' order
     for m in methods:
         per_t = {}
         for tg in targets:
@@ -456,8 +470,9 @@ def write_outputs(res: Dict, out: str) -> None:
     fig.savefig(os.path.join(out, "equal_recall.png"), dpi=110)
 
 
-def capture_and_analyse(a, ap, dev) -> Dict:
-    """Train (--train-steps) or load --checkpoint, capture q / k on held-out clips, analyse."""
+def load_and_capture(a, ap, dev):
+    """Train (--train-steps) or load --checkpoint, capture q / k on held-out clips: (source,
+    number of clips x timesteps, captures, each capture's timestep, cube)."""
     from dsv_ext.app.checkpoint import load_checkpoint
     from dsv_ext.app.common import ValidationSet, TrainConfig, build_model, inference_state_dict, load_config
     from dsv_ext.app.train import train
@@ -483,18 +498,70 @@ def capture_and_analyse(a, ap, dev) -> Dict:
         DSVController(model, dsv_cfg).load_state_dict(ck["controller"])
     model.eval()
     vs = ValidationSet(cfg, TrainConfig.from_dict(cfg["train"]))
-    captures = []
+    captures, ts = [], []
     for i in range(vs.x.shape[0]):
         sl = slice(i, i + 1)
-        captures += capture_qk(model, vs.x[sl].to(dev), vs.t[sl].to(dev), vs.noise[sl].to(dev))
+        got = capture_qk(model, vs.x[sl].to(dev), vs.t[sl].to(dev), vs.noise[sl].to(dev))
+        captures += got
+        ts += [round(float(vs.t[i]), 6)] * len(got)
     print(f"captured {len(captures)} attention inputs; recall curves ...", flush=True)
     cube = tuple(a.cube) if a.cube is not None else tuple(dsv_cfg.cube)
     if len(cube) != 3 or min(cube) < 1:
         ap.error(f"--cube: expected three positive integers, got {list(cube)}")
+    return f"{cfg.get('name')} step {ck.get('step')}", vs.x.shape[0], captures, ts, cube
+
+
+def capture_and_analyse(a, ap, dev) -> Dict:
+    """Capture (load_and_capture) and analyse every method over all captures."""
+    source, n, captures, _, cube = load_and_capture(a, ap, dev)
     analysis = analyse(captures, cube=cube, per_query=not a.no_per_query)
     analysis["cube"] = list(cube)
     del captures
-    return {"source": f"{cfg.get('name')} step {ck.get('step')}", "captures": vs.x.shape[0], "analysis": analysis}
+    return {"source": source, "captures": n, "analysis": analysis}
+
+
+def locality(a, ap, dev) -> Dict:
+    """--locality N: per timestep, per block and head, the density that token lists of G = 128
+    queries (DSV's default group) and of each query alone need for every target, from N
+    sampled runs of 128 rows per head: how much a head's breadth is the group's (its queries
+    attend to different keys) and how much its own, and how it changes with the noise level."""
+    source, n, captures, ts, cube = load_and_capture(a, ap, dev)
+    res = {"source": source, "captures": n, "cube": list(cube), "sample_rows": a.locality * 128,
+           "timesteps": {}}
+    for t in sorted(set(ts)):
+        part = [c for c, tc in zip(captures, ts) if tc == t]
+        res["timesteps"][f"{t:g}"] = analyse(part, cube=cube, groups=(128,), blocks=(), predictor_rows=0,
+                                             sample=a.locality)
+    return res
+
+
+def write_locality(res: Dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "locality.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    prov = res.get("provenance", {})
+    ts = list(res["timesteps"])
+    first = res["timesteps"][ts[0]]
+    names = [n.replace(".attn.attn_core", "") for n in first["head_names"]]
+    rows = []
+    for i in range(len(names)):
+        cells = []
+        for t in ts:
+            m = res["timesteps"][t]["methods"]
+            cells.append(f"{m['token G=128']['0.9']['densities'][i]:.3f} / {m['token']['0.9']['densities'][i]:.3f}")
+        rows.append(f"| {names[i]} | " + " | ".join(cells) + " |")
+    L = ["# Locality of each head by timestep", "",
+         f"Measured {prov.get('date', '?')}, commit {prov.get('commit', '?')}, {prov.get('card', '?')}. "
+         f"`{res['source']}`, {res['captures']} captures (clips x timesteps), {res['sample_rows']} sampled "
+         f"query rows per head (runs of 128 in cube order {'x'.join(map(str, res['cube']))}), S = {first['seq_len']}.",
+         "",
+         "The density each head needs for recall 0.9 with token lists of G = 128 queries (DSV's default "
+         "group) / with each query's own list (the per-query oracle), at each timestep (noise level t: "
+         "x_t = (1 - t) x + t e); head: attention block:head. Recall 0.8 and 0.95 in `locality.json`.", "",
+         "| head | " + " | ".join(f"t = {t}" for t in ts) + " |",
+         "|---|" + "---|" * len(ts)] + rows
+    with open(os.path.join(out, "locality.md"), "w") as f:
+        f.write("\n".join(L) + "\n")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -510,6 +577,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--cube", type=int, nargs=3, default=None, metavar=("T", "H", "W"),
                     help="query / key order for the curves (default: the checkpoint's DSV cube)")
     ap.add_argument("--no-per-query", action="store_true", help="skip the per-query oracle (one sort per row)")
+    ap.add_argument("--locality", type=int, default=0, metavar="N",
+                    help="instead: per timestep, each head's density with lists of 128 queries and per "
+                         "query, on N sampled runs of 128 rows (locality.json / .md)")
     ap.add_argument("--time", action="store_true", help="time every method at --S/--H/--D (CUDA)")
     ap.add_argument("--S", type=int, default=65536)
     ap.add_argument("--H", type=int, default=24)
@@ -519,6 +589,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "equal_recall"))
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
+    from bench_common import provenance
+
+    if a.locality:
+        if a.locality < 0 or a.analysis is not None or a.time:
+            ap.error("--locality: N >= 1 runs of rows, from --checkpoint or --train-steps (no --analysis, --time)")
+        res = locality(a, ap, dev)
+        p = provenance()
+        res["provenance"] = {"date": p.get("date"), "commit": os.environ.get("DSV_COMMIT") or p.get("commit"),
+                             "card": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+        write_locality(res, a.out)
+        print(open(os.path.join(a.out, "locality.md")).read())
+        return 0
     if a.analysis is not None:
         with open(a.analysis) as f:
             old = json.load(f)
@@ -531,8 +613,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.time:
         res["time_shape"] = {"S": a.S, "H": a.H, "D": a.D}
         res["timing"] = time_methods(res["analysis"], a.S, a.H, a.D, a.reps)
-    from bench_common import provenance
-
     p = provenance()
     res["provenance"] = {"date": p.get("date"), "commit": os.environ.get("DSV_COMMIT") or p.get("commit"),
                          "csrc": p.get("csrc"), "card": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}

@@ -125,6 +125,33 @@ def test_auto_choice():
         ER.auto_choice({1: [0.1], 64: [0.1, 0.2]}, 0.5, 128)
 
 
+def test_sampled_rows_match_a_brute_force_count():
+    """head_curves(sample=N): the curves over N evenly spaced runs of 128 rows (here runs 0 and
+    3 of 4) equal a float64 count over those rows alone; sample=all runs gives the full curves."""
+    q, k, perm, scale = _inputs(grid=(4, 8, 16))  # S = 512: 4 runs of 128 rows
+    S = q.shape[0]
+    cur = ER.head_curves(q, k, perm, scale, groups=(32, 128), blocks=(16,), sample=2)
+    rows = torch.cat([torch.arange(0, 128), torch.arange(384, 512)])
+    qd, kd = q.double(), k.double()
+    pc = torch.softmax(scale * qd[perm][rows] @ kd[perm].T, -1)   # cube order, sampled rows
+    pr = torch.softmax(scale * qd[rows] @ kd.T, -1)               # raster order, same positions
+    for name, p, per, blk in (("token G=32", pc, 32, 1), ("token G=128", pc, 128, 1),
+                              ("block b=16", pc, 64, 16), ("flex 128x128", pr, 128, 128)):
+        kpi, c = cur[name]
+        for n in (1, 3, c.numel() // 2, c.numel()):
+            assert c[n - 1].item() == pytest.approx(_brute(p, per, blk, n), abs=2e-5), (name, n)
+    kpi, c = cur["token"]
+    for n in (1, 9, S // 3):
+        assert c[n - 1].item() == pytest.approx(float(pc.sort(-1, descending=True).values[:, :n].sum(1).mean()),
+                                                abs=2e-5)
+    full = ER.head_curves(q, k, perm, scale, groups=(32, 128), blocks=(16,))
+    every = ER.head_curves(q, k, perm, scale, groups=(32, 128), blocks=(16,), sample=99)
+    for name in full:
+        assert torch.allclose(full[name][1], every[name][1], atol=1e-9), name
+    with pytest.raises(ValueError, match="sample"):
+        ER.head_curves(q, k, perm, scale, sample=-1)
+
+
 def test_sizes_that_do_not_divide_are_refused():
     q, k, perm, scale = _inputs(grid=(2, 4, 12))  # S = 96: no 64-query groups, no 128 tiles
     with pytest.raises(ValueError, match="does not divide"):
@@ -156,6 +183,25 @@ def test_end_to_end_on_the_cpu(tmp_path):
         assert sum(per_t["0.9"]["densities"]) / 4 == pytest.approx(per_t["0.9"]["mean_density"])
     assert res["analysis"]["cube"] == [4, 4, 4]  # --cube over the checkpoint's [2, 4, 4]
     assert "cube 4x4x4" in (out / "equal_recall.md").read_text()
+    assert [n.split(":")[1] for n in res["analysis"]["head_names"]] == ["0", "1", "0", "1"]
+    # --locality: per timestep, G = 128 lists and per-query lists on sampled rows (here all 2 runs)
+    out_l = tmp_path / "loc"
+    assert ER.main(["--checkpoint", str(ck_dir / "ckpt_last.pt"), "--videos", "1", "--timesteps", "0.3", "0.7",
+                    "--device", "cpu", "--out", str(out_l), "--cube", "4", "4", "4", "--locality", "2"]) == 0
+    loc = json.load(open(out_l / "locality.json"))
+    assert sorted(loc["timesteps"]) == ["0.3", "0.7"] and loc["sample_rows"] == 256
+    for t, an in loc["timesteps"].items():
+        assert set(an["methods"]) == {"token", "token G=128", "flex 128x128"}
+        for meth in ("token", "token G=128"):
+            d9 = an["methods"][meth]["0.9"]["densities"]
+            assert len(d9) == 4 and all(0 < x <= 1 for x in d9)
+        # a query's own list never needs more keys than its group's
+        assert all(a <= b + 1e-9 for a, b in zip(an["methods"]["token"]["0.9"]["densities"],
+                                                 an["methods"]["token G=128"]["0.9"]["densities"]))
+    md = (out_l / "locality.md").read_text()
+    assert "| t = 0.3 | t = 0.7 |" in md and md.count("\n| blocks.") == 4
+    with pytest.raises(SystemExit):
+        ER.main(["--analysis", str(out / "equal_recall.json"), "--locality", "2", "--out", str(out_l)])
     # the slim copy (bf16 weights, the predictors): the same methods, densities within the bf16
     # rounding of the weights (a few keys of 256)
     from dsv_ext.app.checkpoint import slim_checkpoint
