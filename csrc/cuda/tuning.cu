@@ -42,7 +42,9 @@
  *   tk_split                top-K estimation: 1 CTA per set of groups, or a cluster of 2, 4 or
  *                           8 CTAs, each scoring its part of the keys; 0: automatic (2 where 16
  *                           groups per warp gives fewer than two CTAs per SM, from compute
- *                           capability 9.0; the default; 4 and 8 only when asked for)
+ *                           capability 9.0; the default; 4 or 8 where clusters of two
+ *                           still leave fewer CTAs than SMs and each CTA keeps >= 16 key
+ *                           tiles)
  */
 #include <errno.h>
 #include <pthread.h>

@@ -74,7 +74,7 @@ typedef struct dsv_tuning {
                        cluster, each CTA scoring its part of the keys: n times the CTAs and
                        1 / n of the chain of passes per warp; same lists); 0: automatic (the
                        default), 2 where 16 groups per warp would give fewer than two CTAs per
-                       SM */
+                       SM, 4 or 8 where two still leave fewer CTAs than SMs (v45) */
 } dsv_tuning;
 
 /* The tuning of `device` (filled on first use, then cached): DSV_OK, DSV_ERR_CUDA when the
