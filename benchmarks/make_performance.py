@@ -239,6 +239,15 @@ def summary_rows():
          f"{TARGETS['train_real_video']:g}x (at >= 64k tokens)",
          lv_x >= TARGETS["train_real_video"], "#long-sequences-on-real-video"),
     ]
+    n64 = _load("compare-long-video-narrow/compare.json")
+    n64_x = n64["dsv_tokens_per_s_after_switch"] / n64["dense_tokens_per_s_after_switch"]
+    rows.append((f"training on real video, {n64['tokens_per_sample'] // 1024}k tokens, a narrow model trained "
+                 f"{n64['steps']} steps ({n64['config']}): DSV vs full attention after the switch ({n64['card']})",
+                 f"**{n64_x:.2f}x** over stage 2 ({_long_video_sparse_blocks(n64)} at the end); validation loss "
+                 f"{_pct(n64['val_loss_rel_gap'])} at equal steps",
+                 f"{TARGETS['train_real_video']:g}x, within {TARGETS['quality_pct']:g}%",
+                 n64_x >= TARGETS["train_real_video"] and abs(n64["val_loss_rel_gap"]) <= TARGETS["quality_pct"] / 100,
+                 "#a-narrow-model-trained-longer"))
     nr = _load("compare-long-video-narrow-128k/compare.json")
     nr_x = nr["dsv_tokens_per_s_after_switch"] / nr["dense_tokens_per_s_after_switch"]
     rows.append((f"training on real video, a model trained sparse for 3000 steps at 64k ({nr['config']}), "
@@ -1105,52 +1114,79 @@ run's, at its lower loss, show the first colour structure:
 
 
 def section_long_video_narrow():
-    """configs/long-video-narrow.yaml: the DSV arm's 3000 steps at 64k, a stage-2 step's profile,
-    and both arms continued at 128k from its weights."""
-    run = _load("long-video-narrow-dsv/summary.json")
-    meta = _load("long-video-narrow-dsv/meta.json")
-    with open(os.path.join(RESULTS, "long-video-narrow-dsv", "metrics.jsonl")) as f:
+    """configs/long-video-narrow.yaml: both arms' 3000 steps at 64k, a stage-2 step's profile, and
+    both arms continued at 128k from the DSV run's weights."""
+    c = _load("compare-long-video-narrow/compare.json")
+    meta = _load("compare-long-video-narrow/meta.json")
+    run = c["dsv"]
+    with open(os.path.join(RESULTS, "compare-long-video-narrow", "dsv", "metrics.jsonl")) as f:
         recs = [json.loads(l) for l in f]
     tr = [r for r in recs if r["kind"] == "train"]
     last = tr[-1]
-    S = run["tokens_per_sample"]
+    S = c["tokens_per_sample"]
     dense2 = [r["step_time_ms"] for r in tr if r["stage"] == 2 and not r.get("sparse_blocks") and r["step"] > run["dsv_switch_step"] + 50]
     dense_ms = statistics.median(dense2)
     stage1_ms = statistics.median(r["step_time_ms"] for r in tr[1:] if r["stage"] == 1)
+    with open(os.path.join(RESULTS, "compare-long-video-narrow", "dense", "metrics.jsonl")) as f:
+        drecs = [json.loads(l) for l in f]
+    full_ms = statistics.median(r["step_time_ms"] for r in drecs if r["kind"] == "train" and r["step"] > 50)
+    n_val = len([r for r in drecs if r["kind"] == "val"][-1]["val_loss_per_video"])
     heads = _table(["block", "sparsity (theta 0.9) per head", "K per head (S = dense)", "runs sparse"],
                    [(i, ", ".join(f"{x:.3f}" for x in b["head_sparsity"]),
                      ", ".join("S" if k >= S else str(k) for k in b["head_k"]), "yes" if b["sparse"] else "no")
                     for i, b in enumerate(last["blocks"])])
-    prof = {n: _load(f"profile-step-narrow/{n}.json") for n in ("dense", "dsv", "dense_compile", "dsv_compile")}
+    vals = _table(["step", "full attention", "DSV", "DSV vs full"],
+                  [(r["step"], f"{r['dense']:.4f}", f"{r['dsv']:.4f}", _pct(r["rel_gap"]))
+                   for r in c["val_at_equal_steps"]])
+    names = ("dense", "dsv", "dense_compile", "dsv_compile", "dense_v45", "dsv_v45")
+    prof = {n: _load(f"profile-step-narrow/{n}.json") for n in names}
     tot = {n: sum(v["ms_per_step"].values()) for n, v in prof.items()}
     prow = [(label, _ms(prof[n]["ms_per_step"]["attention"], 1), _ms(prof[n]["ms_per_step"]["dsv side work"], 1) if "dsv" in n else "-",
              _ms(prof[n]["ms_per_step"]["matmul"] + prof[n]["ms_per_step"]["other"], 1), _ms(tot[n], 1),
              _x(tot[n.replace("dsv", "dense")] / tot[n]))
             for n, label in (("dense", "full attention"), ("dsv", "DSV stage 2"),
-                             ("dense_compile", "full attention, `train.compile`"), ("dsv_compile", "DSV stage 2, `train.compile`"))]
+                             ("dense_compile", "full attention, `train.compile`"), ("dsv_compile", "DSV stage 2, `train.compile`"),
+                             ("dense_v45", "full attention (the estimation of v45, below)"),
+                             ("dsv_v45", "DSV stage 2, the estimation of v45"))]
     n_dense = sum(sum(k >= S for k in b["head_k"]) for b in last["blocks"])
     n_heads = sum(len(b["head_k"]) for b in last["blocks"])
     d = _load("compare-long-video-narrow-128k/compare.json")
     dn, sn = d["dense_tokens_per_s_after_switch"], d["dsv_tokens_per_s_after_switch"]
     se = max(d[a]["final_val_loss_se"] for a in ("dense", "dsv"))
+    se64 = max(c[a]["final_val_loss_se"] for a in ("dense", "dsv"))
+    x_after = c["dsv_tokens_per_s_after_switch"] / c["dense_tokens_per_s_after_switch"]
     return f"""### A narrow model trained longer
 
 `configs/long-video-narrow.yaml`: the shape of the long run ({S // 1024}k tokens, heads of dim 128) in 4
-blocks of width 256 (2 heads each), whose step is almost all attention, trained 3000 steps with DSV
-(`results/long-video-narrow-dsv/`, the full-attention arm not yet run). {_prov(meta['date_utc'] + ' UTC', meta['commit'], meta['card'])}
-Switch at step {run['dsv_switch_step']}; at step {last['step']} {last['sparse_blocks']} of {len(last['blocks'])} blocks run sparse, validation loss
-{run['final_val_loss']:.4f}; the step {dense_ms:.0f} ms with every block dense (stage 2 before any block ran
-sparse, median of the logged windows) and {last['step_time_ms']:.1f} ms at the end ({_x(dense_ms / last['step_time_ms'])}); stage 1 {stage1_ms:.0f} ms ({_pct(stage1_ms / dense_ms - 1, 1)}).
-Per head at step {last['step']}:
+blocks of width 256 (2 heads each), whose step is almost all attention, trained 3000 steps with full
+attention and with DSV (`results/compare-long-video-narrow/`: table, plot, sampled frames of both).
+Both arms on an {c['card']}, {meta['date_utc']} UTC; DSV trained at commit {meta['dsv']['commit']}, full attention at
+{meta['dense']['commit']} (the kernels do not change the numbers, only the time). Validation loss
+(exponential moving average of the weights, {n_val} held-out clips, 5 noise levels) at equal steps:
+
+{vals}
+
+At step {c['steps']} DSV is at {_pct(c['val_loss_rel_gap'])} of full attention (standard error over the clips
+{se64:.4f}, ~5% of the loss: the two arms are equal within what this validation resolves). Speed:
+DSV {c['dsv_tokens_per_s_after_switch']:.0f} tokens/s after the switch (step {run['dsv_switch_step']}) against {c['dense_tokens_per_s_after_switch']:.0f}
+(**{_x(x_after)}** averaged over stage 2, in which the blocks turn sparse one by one; full attention's
+step {full_ms:.0f} ms); DSV's step {dense_ms:.0f} ms with every block dense (stage 2 before any block ran
+sparse) and {last['step_time_ms']:.1f} ms at the end ({_x(full_ms / last['step_time_ms'])} against full attention);
+stage 1 {stage1_ms:.0f} ms ({_pct(stage1_ms / dense_ms - 1, 1)}). Per head at step {last['step']}:
 
 {heads}
 
 {n_dense} of the {n_heads} heads run full attention: those whose predicted lists need more than
 `recall_max_density` (0.5) of the keys for `recall_target` (0.95), also inside sparse blocks. One
 step of this model, profiled (`benchmarks/profile_step.py --checkpoint`, `results/profile-step-narrow/`,
-device time per step in ms; the DSV rows run the saved controller):
+device time per step in ms; the DSV rows run the saved controller; the last two rows with the
+top-K estimation of v45, clusters of up to 8 CTAs where a block has few heads):
 
 {_table(["step", "attention", "top-K estimation", "the rest", "total", "vs full attention"], prow)}
+
+The step as trained is slower than its profile ({last['step_time_ms']:.1f} against ~{tot['dsv']:.0f} ms): stage 2
+also trains the predictors every 10 steps and profiles every 50 (`dsv.train_every_stage2`,
+`dsv.profile_every`), which the profiled steps leave out.
 
 Continued at 131072 tokens (32 frames; `--init` from the run's slim copy, both arms from the same
 weights, DSV from its predictors; `results/compare-long-video-narrow-128k/`, {d['steps']} steps, switch at step

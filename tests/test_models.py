@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from dsv_ext.app.models import DiTConfig, VideoDiT, dsv_attention_available
-from dsv_ext.app.models.dit import sincos_pos_embed_3d
+from dsv_ext.app.models.dit import Rope3D, rope_3d_tables, sincos_pos_embed_3d
 
 needs_dsv = pytest.mark.skipif(not dsv_attention_available(), reason="DSVAttention not importable")
 
@@ -66,8 +66,9 @@ def test_init_is_seeded_and_trains():
     assert losses[-1] < losses[0] - 0.05, losses
 
 
-def test_grad_checkpointing_same_gradients():
-    m = VideoDiT(_cfg(), seed=0)
+@pytest.mark.parametrize("position", ["sincos", "rope"])
+def test_grad_checkpointing_same_gradients(position):
+    m = VideoDiT(_cfg(position=position), seed=0)
     _perturb(m)
     x, t = torch.randn(2, 4, 4, 8, 8), torch.rand(2)
     grads = []
@@ -87,12 +88,65 @@ def test_pos_embed():
     assert torch.count_nonzero(sincos_pos_embed_3d(38, (2, 3, 4))[:, 36:]) == 0
 
 
+def test_rope_scores_depend_on_displacement_only():
+    """q . k after the 3D rotary embedding: for one q and one k vector at every position of a
+    (3, 4, 5) grid, each score is a function of the displacement between the two tokens alone,
+    norms are kept, and a displacement along w turns only w's channel pairs (Wan's split: t 22
+    pairs, h and w 21 each at D = 128)."""
+    grid, D = (3, 4, 5), 128
+    S = 60
+    rope = Rope3D(D, grid).double()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(D, generator=g, dtype=torch.float64).expand(1, S, 1, D)
+    k = torch.randn(D, generator=g, dtype=torch.float64).expand(1, S, 1, D)
+    qr, kr = rope(q, k)
+    torch.testing.assert_close(qr.norm(dim=-1), q.norm(dim=-1), rtol=1e-6, atol=0)
+    scores = qr[0, :, 0] @ kr[0, :, 0].T  # [S, S]
+    pos = torch.stack(torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij"), -1).reshape(S, 3)
+    by_disp = {}
+    for i in range(S):
+        for j in range(S):
+            by_disp.setdefault(tuple((pos[j] - pos[i]).tolist()), []).append(float(scores[i, j]))
+    assert len(by_disp) == 5 * 7 * 9
+    for d, v in by_disp.items():
+        assert max(v) - min(v) <= 1e-5 * (1 + abs(v[0])), (d, min(v), max(v))
+    assert len({round(v[0], 6) for v in by_disp.values()}) > 100  # and the function is not flat
+    cos, sin = rope_3d_tables(D, grid)
+    assert cos.shape == (S, D // 2)
+    moved = (sin[1] != 0).nonzero().flatten().tolist()  # raster position 1 = one step along w
+    assert moved == list(range(43, 64))
+    assert (sin[5] != 0).nonzero().flatten().tolist() == list(range(22, 43))  # one step along h
+    assert (sin[20] != 0).nonzero().flatten().tolist() == list(range(0, 22))  # one step along t
+    with pytest.raises(ValueError, match="^q"):
+        rope(q[:, :10], k[:, :10])
+
+
+def test_rope_model():
+    """position: rope: no added embedding, the rotary hook in every block; outputs differ from the
+    sincos model's and the config refuses head dims it cannot split."""
+    m = VideoDiT(_cfg(position="rope"), seed=0)
+    assert m.pos_embed is None and isinstance(m.rope, Rope3D)
+    assert "rope.cos" not in m.state_dict() and "pos_embed" not in m.state_dict()
+    _perturb(m)
+    ref = VideoDiT(_cfg(), seed=0)
+    ref.load_state_dict(m.state_dict())
+    x, t = torch.randn(2, 4, 4, 8, 8), torch.rand(2)
+    y = m(x, t)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    assert not torch.allclose(y, ref(x, t))
+    with pytest.raises(ValueError, match="^model.position"):
+        _cfg(position="rope", hidden=8, heads=2)  # head dim 4
+    with pytest.raises(ValueError, match="^model.position"):
+        _cfg(position="alibi")
+
+
 @needs_dsv
-def test_dsv_model_matches_dense_in_stage1():
+@pytest.mark.parametrize("position", ["sincos", "rope"])
+def test_dsv_model_matches_dense_in_stage1(position):
     from dsv_ext.modules.attention import DSVAttention
 
-    dense = VideoDiT(_cfg(), seed=5)
-    dsv = VideoDiT(_cfg(attention="dsv"), seed=5)
+    dense = VideoDiT(_cfg(position=position), seed=5)
+    dsv = VideoDiT(_cfg(attention="dsv", position=position), seed=5)
     assert isinstance(dsv.blocks[0].attn, DSVAttention)
     dsd = dict(dsv.named_parameters())
     for n, p in dense.named_parameters():

@@ -279,7 +279,7 @@ def test_compare_reports_the_actual_switch_step(tmp_path):
     assert "stage 2 at step 3." in open(tmp_path / "compare.md").read()
 
 
-def _cp_train_worker(rank, world, init_file, out_root, result_file):
+def _cp_train_worker(rank, world, init_file, out_root, result_file, position="sincos"):
     import importlib
 
     import torch.distributed as dist
@@ -288,7 +288,7 @@ def _cp_train_worker(rank, world, init_file, out_root, result_file):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        res = train(micro_config(steps=6), out_dir=os.path.join(out_root, f"rank{rank}"), attention="dsv",
+        res = train(_micro_position(position), out_dir=os.path.join(out_root, f"rank{rank}"), attention="dsv",
                     device="cpu", progress=False, context_parallel=True)
         if rank == 0:
             with open(result_file, "w") as f:
@@ -300,17 +300,26 @@ def _cp_train_worker(rank, world, init_file, out_root, result_file):
         dist.destroy_process_group()
 
 
+def _micro_position(position):
+    d = micro_dict(steps=6)
+    d["model"]["position"] = position
+    return load_config(base=d)
+
+
 @needs_dsv
-def test_context_parallel_training_matches_single_process(tmp_path):
+@pytest.mark.parametrize("position", ["sincos", "rope"])
+def test_context_parallel_training_matches_single_process(tmp_path, position):
     """train(context_parallel=True) on 2 gloo ranks (each sequence split in two) logs the losses,
-    stage switch and validation loss of the single-process run; only rank 0 writes files."""
+    stage switch and validation loss of the single-process run; only rank 0 writes files. With
+    the rotary embedding each rank turns its shard's tokens by their own positions."""
     import torch.multiprocessing as mp
 
-    ref = train(micro_config(steps=6), out_dir=str(tmp_path / "single"), attention="dsv", device="cpu",
+    ref = train(_micro_position(position), out_dir=str(tmp_path / "single"), attention="dsv", device="cpu",
                 progress=False)
     out = tmp_path / "cp"
     result = tmp_path / "cp.json"
-    mp.spawn(_cp_train_worker, args=(2, str(tmp_path / "init"), str(out), str(result)), nprocs=2, join=True)
+    mp.spawn(_cp_train_worker, args=(2, str(tmp_path / "init"), str(out), str(result), position), nprocs=2,
+             join=True)
     with open(result) as f:
         got = json.load(f)
     assert got["summary"]["context_parallel_ranks"] == 2

@@ -5,7 +5,8 @@ Shape of the computation (one training step of flow matching calls ``model(x_t, 
     latents x [B, C, T, H, W]
       -> 3D patch embedding (Conv3d, kernel = stride = patch (pt, ph, pw))  -> tokens [B, S, hidden]
          with S = (T/pt) * (H/ph) * (W/pw), tokens in raster (t, h, w) order
-      -> + fixed 3D sin-cos position embedding
+      -> + fixed 3D sin-cos position embedding (model.position: sincos), or none and a 3D
+         rotary embedding of q and k in every attention layer instead (position: rope, as Wan)
       -> depth x DiTBlock: adaLN-zero conditioned on the timestep embedding,
            x = x + gate1 * Attn(modulate(LN(x)))     (self-attention over all S tokens)
            x = x + gate2 * MLP(modulate(LN(x)))
@@ -21,6 +22,7 @@ predictors, so a dense and a DSV model built with the same seed start from ident
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import asdict, dataclass, field, fields
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["DiTConfig", "VideoDiT", "DiTBlock", "SelfAttention", "timestep_embedding",
-           "sincos_pos_embed_3d", "dsv_attention_available"]
+           "sincos_pos_embed_3d", "Rope3D", "dsv_attention_available"]
 
 
 def _triple(v) -> Tuple[int, int, int]:
@@ -53,6 +55,9 @@ class DiTConfig:
     ``latent_size`` is the (T, H, W) latent grid the model is built for (the position embedding
     and DSV's token grid follow from it; inputs must match it). ``patch`` is the 3D patch size.
     ``attention`` is ``dsv`` or ``dense``; ``attention_kwargs`` go to DSVAttention unchanged.
+    ``position`` is how tokens know where they are: ``sincos`` (a fixed 3D sin-cos embedding
+    added to the patch tokens) or ``rope`` (a 3D rotary embedding of q and k in every attention
+    layer, the scheme of Wan and HunyuanVideo: scores depend on relative positions).
     """
 
     in_channels: int = 4
@@ -64,6 +69,7 @@ class DiTConfig:
     mlp_ratio: float = 4.0
     qk_norm: bool = True
     attention: str = "dsv"
+    position: str = "sincos"
     grad_checkpointing: bool = False
     attention_kwargs: Dict[str, Any] = field(default_factory=dict)
 
@@ -76,6 +82,7 @@ class DiTConfig:
         for n in ("qk_norm", "grad_checkpointing"):
             check_bool("model", n, getattr(self, n))
         check_choice("model", "attention", self.attention, ("dsv", "dense"))
+        check_choice("model", "position", self.position, ("sincos", "rope"))
         if not isinstance(self.attention_kwargs, dict):
             raise ValueError(f"model.attention_kwargs: expected a mapping, got {self.attention_kwargs!r}")
         for n in ("latent_size", "patch"):
@@ -88,6 +95,9 @@ class DiTConfig:
                 raise ValueError(f"model.{n}: expected positive integers, got {getattr(self, n)!r}")
         if self.hidden % self.heads:
             raise ValueError(f"model.hidden: {self.hidden} is not divisible by heads={self.heads}")
+        if self.position == "rope" and (self.head_dim % 2 or self.head_dim < 6):
+            raise ValueError(f"model.position: rope needs an even head dim of at least 6 (hidden / heads), "
+                             f"got {self.head_dim}")
         for n, (a, p) in zip("THW", zip(self.latent_size, self.patch)):
             if a % p:
                 raise ValueError(f"model.latent_size: {n}={a} is not divisible by patch {p}")
@@ -170,6 +180,51 @@ def sincos_pos_embed_3d(dim: int, grid: Sequence[int]) -> torch.Tensor:
     return out.reshape(t * h * w, dim)
 
 
+def rope_3d_tables(head_dim: int, grid: Sequence[int], theta: float = 10000.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[T*H*W, head_dim // 2]`` (float32, raster (t, h, w) order) of the 3D rotary
+    embedding: the head dim's pairs of channels (2i, 2i + 1) go to the axes as in Wan (h and w
+    2 * (head_dim // 6) channels each, t the rest) and pair j of an axis with n channels turns by
+    position * theta ** (-2 j / n)."""
+    per = 2 * (head_dim // 6)
+    coords = torch.meshgrid(*(torch.arange(n, dtype=torch.float64) for n in grid), indexing="ij")
+    ang = []
+    for c, n in zip(coords, (head_dim - 2 * per, per, per)):
+        freq = theta ** (-torch.arange(0, n, 2, dtype=torch.float64) / n)
+        ang.append(c.reshape(-1, 1) * freq)
+    a = torch.cat(ang, 1)
+    return torch.cos(a).float(), torch.sin(a).float()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D] with each pair (2i, 2i + 1) turned by its angle (cos / sin [S, D / 2]), in
+    float32 at least; returned in x's dtype."""
+    wd = torch.promote_types(x.dtype, torch.float32)
+    xr = x.to(wd).unflatten(-1, (-1, 2))
+    a, b = xr[..., 0], xr[..., 1]
+    c, s = cos.to(wd)[:, None], sin.to(wd)[:, None]
+    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).to(x.dtype)
+
+
+class Rope3D(nn.Module):
+    """The 3D rotary embedding of q and k (``model.position: rope``): ``rope(q, k) -> (q, k)`` on
+    ``[B, S, H, D]`` tokens of ``grid`` in raster order (the rotary hook of DSVAttention), so
+    that q . k depends on the two tokens' positions only through their difference.
+    ``index`` (a LongTensor of S positions) rotates tokens taken from those raster positions
+    (a context-parallel shard in cube order)."""
+
+    def __init__(self, head_dim: int, grid: Sequence[int], theta: float = 10000.0):
+        super().__init__()
+        cos, sin = rope_3d_tables(head_dim, grid, theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, index: Optional[torch.Tensor] = None):
+        cos, sin = (self.cos, self.sin) if index is None else (self.cos[index], self.sin[index])
+        if q.shape[1] != cos.shape[0]:
+            raise ValueError(f"q: expected {cos.shape[0]} tokens for the rotary embedding, got {q.shape[1]}")
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
 class TimestepEmbedder(nn.Module):
     def __init__(self, hidden: int, freq_dim: int = 256):
         super().__init__()
@@ -201,10 +256,12 @@ class SelfAttention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.proj = nn.Linear(hidden, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).unbind(2)
         q, k = self.q_norm(q), self.k_norm(k)
+        if rotary is not None:  # (q, k) -> (q, k), after the QK norm as in DSVAttention
+            q, k = rotary(q, k)
         if q.is_cuda and _dense_core is not None:
             o = _dense_core(q, k, v, None, "auto")  # [B, S, H, D]
         else:
@@ -277,9 +334,10 @@ class DiTBlock(nn.Module):
         self.mlp = Mlp(h, cfg.mlp_ratio)
         self.ada = nn.Sequential(nn.SiLU(), nn.Linear(h, 6 * h))
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c: torch.Tensor, rotary=None) -> torch.Tensor:
         sh1, sc1, g1, sh2, sc2, g2 = self.ada(c).chunk(6, dim=-1)
-        x = x + g1[:, None] * self.attn(modulate(self.norm1(x), sh1, sc1))
+        h = modulate(self.norm1(x), sh1, sc1)
+        x = x + g1[:, None] * (self.attn(h) if rotary is None else self.attn(h, rotary=rotary))
         x = x + g2[:, None] * self.mlp(modulate(self.norm2(x), sh2, sc2))
         return x
 
@@ -306,7 +364,9 @@ class VideoDiT(nn.Module):
         self.cfg = cfg
         c, h = cfg.in_channels, cfg.hidden
         self.patch_embed = nn.Conv3d(c, h, kernel_size=cfg.patch, stride=cfg.patch)
-        self.register_buffer("pos_embed", sincos_pos_embed_3d(h, cfg.grid), persistent=False)
+        sincos = cfg.position == "sincos"
+        self.register_buffer("pos_embed", sincos_pos_embed_3d(h, cfg.grid) if sincos else None, persistent=False)
+        self.rope = None if sincos else Rope3D(cfg.head_dim, cfg.grid)
         self.t_embed = TimestepEmbedder(h)
         self.blocks = nn.ModuleList([DiTBlock(cfg, dsv_config) for _ in range(cfg.depth)])
         pt, ph, pw = cfg.patch
@@ -391,9 +451,12 @@ class VideoDiT(nn.Module):
                              f"{', '.join(map(str, self.cfg.latent_size))}], got {tuple(x.shape)}")
         if t.dim() != 1 or t.shape[0] != x.shape[0]:
             raise ValueError(f"t: expected shape [{x.shape[0]}], got {tuple(t.shape)}")
-        tok = self.patchify(x) + self.pos_embed.to(x.dtype)
+        tok = self.patchify(x)
+        if self.pos_embed is not None:
+            tok = tok + self.pos_embed.to(x.dtype)
         c = self.t_embed(t)
         inv = None
+        rot = self.rope
         if self._cp is not None:
             from dsv_ext.grouping import cube_permutation
             from dsv_ext.parallel.comm import group_size_rank
@@ -404,12 +467,15 @@ class VideoDiT(nn.Module):
                 raise ValueError(f"context parallelism: {S} tokens do not split over {n} ranks")
             perm, inv = cube_permutation(self.cfg.grid, self._cp[1], S, tok.device)
             L = S // n
-            tok = tok.index_select(1, perm[p * L:(p + 1) * L])  # this rank's shard, cube order
+            shard = perm[p * L:(p + 1) * L]
+            tok = tok.index_select(1, shard)  # this rank's shard, cube order
+            if rot is not None:
+                rot = functools.partial(self.rope, index=shard)
         for blk in self.blocks:
             if self.grad_checkpointing and self.training and torch.is_grad_enabled():
-                tok = checkpoint(blk, tok, c, use_reentrant=False)
+                tok = checkpoint(blk, tok, c, rot, use_reentrant=False)
             else:
-                tok = blk(tok, c)
+                tok = blk(tok, c, rot)
         y = self.final(tok, c)
         if inv is not None:
             from dsv_ext.parallel.module import gather_sequence
