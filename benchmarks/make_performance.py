@@ -1184,9 +1184,12 @@ top-K estimation of v45, clusters of up to 8 CTAs where a block has few heads):
 
 {_table(["step", "attention", "top-K estimation", "the rest", "total", "vs full attention"], prow)}
 
-The step as trained is slower than its profile ({last['step_time_ms']:.1f} against ~{tot['dsv']:.0f} ms): stage 2
-also trains the predictors every 10 steps and profiles every 50 (`dsv.train_every_stage2`,
-`dsv.profile_every`), which the profiled steps leave out.
+As trained, both arms' steps take longer than their profiles (full attention {full_ms:.0f} against
+{tot['dense']:.0f}-{tot['dense_v45']:.0f} ms, DSV {last['step_time_ms']:.1f} against ~{tot['dsv']:.0f}): the profile counts device
+time only, not data loading, the moving average of the weights and other host work; DSV's
+stage 2 also trains its predictors every 10 steps and profiles every 50 (`dsv.train_every_stage2`,
+`dsv.profile_every`: ~1.6 ms a step on average here, `results/side_tasks/` scaled to 2 heads),
+which the profiled steps leave out.
 
 Continued at 131072 tokens (32 frames; `--init` from the run's slim copy, both arms from the same
 weights, DSV from its predictors; `results/compare-long-video-narrow-128k/`, {d['steps']} steps, switch at step

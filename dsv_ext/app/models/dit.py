@@ -214,11 +214,13 @@ class Rope3D(nn.Module):
 
     def __init__(self, head_dim: int, grid: Sequence[int], theta: float = 10000.0):
         super().__init__()
-        cos, sin = rope_3d_tables(head_dim, grid, theta)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        # float32 tables kept out of the module's buffers: a model cast to bf16 / fp16 keeps
+        # exact angles (they follow the inputs' device on first use)
+        self.cos, self.sin = rope_3d_tables(head_dim, grid, theta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, index: Optional[torch.Tensor] = None):
+        if self.cos.device != q.device:
+            self.cos, self.sin = self.cos.to(q.device), self.sin.to(q.device)
         cos, sin = (self.cos, self.sin) if index is None else (self.cos[index], self.sin[index])
         if q.shape[1] != cos.shape[0]:
             raise ValueError(f"q: expected {cos.shape[0]} tokens for the rotary embedding, got {q.shape[1]}")
