@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the CUDA extension here (no GPU needed: torch with CUDA + nvcc) and put it in .devso/
-# (git-excluded) for device calls, xz-compressed (_C.abi3.so.xz, about 8 MB of 20: it fits the
+# (git-excluded) for device calls, xz-compressed (_C.abi3.so.xz, about 14 MB of 26: it fits the
 # carry beside the video wheels): carry ".devso" and the device scripts (benchmarks/device_ext.sh)
 # use it when it loads there and was built from the same csrc/ and setup.py (checked by a hash),
 # else they build on the device. About 1.5-3 min on 2 cores.

