@@ -155,6 +155,24 @@ def test_compare_report_fields_and_sample_strip(tmp_path):
     gap = res["dsv"]["final_val_loss"] - res["dense"]["final_val_loss"]
     assert abs(pg["diff"] - gap) < 1e-6 and abs(pg["rel"] - pg["diff"] / res["dense"]["final_val_loss"]) < 1e-9
     assert "video by video (step 6, 2 videos)" in md
+    # the last tenth of the steps: tokens/s of those windows alone, in each arm
+    assert res["end_steps"] == [6, 6]
+    for a in ("dense", "dsv"):
+        w = [r for r in res["history"][a] if r["step"] == 6]
+        assert res[f"{a}_tokens_per_s_end"] == pytest.approx(w[0]["tokens_per_s"])
+    assert "last tenth of the steps (tokens/s; steps 6-6)" in md
+    # each run records what it trained on; a report made again (elsewhere) keeps them and the strip
+    import torch
+
+    from dsv_ext.app.compare import report_runs
+    assert res["dense"]["torch"] == torch.__version__ and res["dense"]["card"] is None and res["card"] is None
+    for a in ("dense", "dsv"):
+        sm = json.load(open(tmp_path / a / "summary.json"))
+        sm["torch"] = "9.9.9"
+        json.dump(sm, open(tmp_path / a / "summary.json", "w"))
+    again = report_runs(cfg, str(tmp_path))
+    assert again["torch"] == "9.9.9" and again["samples"] == res["samples"]
+    assert "compare_samples.png" in open(tmp_path / "compare.md").read()
 
 
 def test_paired_gap_of_per_video_losses():
@@ -223,3 +241,21 @@ def test_train_time_limit_stops_with_a_checkpoint_and_resumes_exactly(tmp_path):
     a, b = _read(tmp_path / "full" / "metrics.jsonl"), _read(tmp_path / "part" / "metrics.jsonl")
     key = lambda r: (r["kind"], r["step"], r.get("loss"), r.get("val_loss"))  # noqa: E731
     assert [key(r) for r in a] == [key(r) for r in b]
+
+
+def test_card_and_torch_of_the_runs(tmp_path):
+    """The report names the card and torch the runs trained with: their summaries' (both, when
+    they differ), else the run folder's meta.json, else an earlier report's; never the
+    reporting machine's card for CPU runs."""
+    from dsv_ext.app.compare import _trained_on
+
+    a, b = {"device": "cuda", "card": "H200", "torch": "2.11"}, {"device": "cuda", "card": "H100", "torch": "2.11"}
+    assert _trained_on(str(tmp_path), a, b, "card") == "H100 / H200"
+    assert _trained_on(str(tmp_path), a, b, "torch") == "2.11"
+    old = {"device": "cuda"}  # runs written before the fields
+    json.dump({"card": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"}, open(tmp_path / "compare.json", "w"))
+    assert _trained_on(str(tmp_path), old, old, "card") == "NVIDIA H100 80GB HBM3"
+    json.dump({"card": "NVIDIA H200"}, open(tmp_path / "meta.json", "w"))
+    assert _trained_on(str(tmp_path), old, old, "card") == "NVIDIA H200"  # meta.json first
+    assert _trained_on(str(tmp_path), old, old, "torch") == "2.11.0+cu130"
+    assert _trained_on(str(tmp_path), {"device": "cpu"}, {"device": "cpu"}, "card") is None

@@ -10,7 +10,8 @@ Trains the config twice with :func:`dsv_ext.app.train.train` (``attention=dense`
 
 - ``compare.md``: validation loss of both runs (final and at every step both validated) and
   their relative gap, throughput (tokens/s over the whole run, before the switch: DSV's stage-1
-  overhead, and after it: DSV's stage-2 steps against the dense run's same steps), training time
+  overhead, after it: DSV's stage-2 steps against the dense run's same steps, and over the last
+  tenth of the steps, once DSV's blocks have turned sparse), training time
   until each run's validation loss reaches full attention's final one, per-block sparsity,
   predictor loss, recall and dispatch decision (sparse or dense) of the DSV run;
 - ``compare_samples.png`` (``--samples N``, default 2): frames of held-out clips and of both
@@ -277,8 +278,15 @@ def write_report(res: Dict[str, Any], out_dir: str) -> None:
 def report_runs(cfg: Dict[str, Any], out_dir: str) -> Dict[str, Any]:
     """The report of the two runs in out_dir as they stand, finished or not (``--report-only``):
     an unfinished pair is compared at the last step both validated (``res["complete"]`` False);
-    no training, no samples, checkpoints kept."""
+    no training, no samples (an earlier report's strip is kept), checkpoints kept."""
     res = build_report(cfg, out_dir, _summaries(out_dir))
+    try:
+        with open(os.path.join(out_dir, "compare.json")) as f:
+            old = json.load(f).get("samples")
+    except (OSError, ValueError):
+        old = None
+    if old and os.path.exists(os.path.join(out_dir, old.get("path", "compare_samples.png"))):
+        res["samples"] = old
     write_report(res, out_dir)
     return res
 
@@ -370,6 +378,31 @@ def _paired_gap(val: Dict[str, List[Dict[str, Any]]], step: Optional[int]) -> Op
     return {"step": step, **{k: st[k] for k in ("videos", "diff", "diff_se", "rel", "rel_se")}}
 
 
+def _trained_on(out_dir: str, d: Dict[str, Any], s: Dict[str, Any], key: str) -> Optional[str]:
+    """``card`` or ``torch`` of the two runs' training: their summaries' (runs of this version;
+    two values: both), else the run folder's meta.json (benchmarks/compare_long.sh) or an earlier
+    report's, else this machine's (a card only where it reports on CUDA runs on CUDA)."""
+    vals = {x.get(key) for x in (d, s) if x.get(key)}
+    if vals:
+        return " / ".join(sorted(vals))
+    cuda_runs = str(d.get("device", "")).startswith("cuda")
+    if key == "card" and not cuda_runs:
+        return None
+    for f in ("meta.json", "compare.json"):
+        try:
+            with open(os.path.join(out_dir, f)) as fh:
+                v = json.load(fh).get(key)
+        except (OSError, ValueError):
+            continue
+        if v:
+            return v
+    import torch
+
+    if key == "torch":
+        return torch.__version__
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
 def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """The numbers of ``compare.json`` from the two runs' folders (metrics of every chunk)."""
     hist, val = {}, {}
@@ -387,6 +420,12 @@ def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[st
     s1_steps = [r["step"] for r in hist["dsv"] if r.get("stage", 1) == 1][1:]
     before = {a: _tps([r for r in hist[a] if r["step"] in s1_steps]) for a in ("dense", "dsv")}
     after = {a: _tps_after(hist[a], sw) for a in ("dense", "dsv")}
+    # the last tenth of the steps both runs logged: stage 2 once the blocks have turned sparse
+    # (the average after the switch also holds the steps before they did)
+    both = min((hist[a][-1]["step"] for a in ("dense", "dsv") if hist[a]), default=0) if all(hist.values()) else 0
+    end_from = int(0.9 * both) if sw is not None and int(0.9 * both) >= sw else None
+    end = {a: (_tps([r for r in hist[a] if end_from < r["step"] <= both]) if end_from is not None else None)
+           for a in ("dense", "dsv")}
     # validation loss at the steps both runs validated
     vd = {r["step"]: r["val_loss"] for r in val["dense"]}
     vs = {r["step"]: r["val_loss"] for r in val["dsv"]}
@@ -407,17 +446,14 @@ def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[st
         reach[a] = None if hit is None else {"step": hit["step"], "time_s": _time_at(ctime[a], hit["step"])}
     import time
 
-    import torch
-
     res = {
         "config": cfg.get("name"),
         "complete": complete,
         "last_steps": last,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "commits": {"dense": d.get("commit"), "dsv": s.get("commit")},
-        "card": (torch.cuda.get_device_name() if str(d.get("device", "")).startswith("cuda")
-                 and torch.cuda.is_available() else None),
-        "torch": torch.__version__,
+        "card": _trained_on(out_dir, d, s, "card"),
+        "torch": _trained_on(out_dir, d, s, "torch"),
         "steps": d["steps"],
         "device": d["device"],
         "tokens_per_sample": d["tokens_per_sample"],
@@ -435,6 +471,9 @@ def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[st
                             else before["dense"] / before["dsv"] - 1),
         "dense_tokens_per_s_after_switch": after["dense"],
         "dsv_tokens_per_s_after_switch": after["dsv"],
+        "end_steps": None if end_from is None else [end_from + 1, both],
+        "dense_tokens_per_s_end": end["dense"],
+        "dsv_tokens_per_s_end": end["dsv"],
         "time_to_dense_final_val": reach,
         "blocks": (hist["dsv"][-1].get("blocks") if hist["dsv"] else None) or [],
         "dispatch": {k: (cfg.get("dsv") or {}).get(k) for k in
@@ -593,6 +632,10 @@ def write_table(res: Dict[str, Any], path: str) -> None:
          f"| speed-up after the switch | 1.00x | "
          + (f"{res['dsv_tokens_per_s_after_switch'] / res['dense_tokens_per_s_after_switch']:.2f}x |"
             if res["dsv_tokens_per_s_after_switch"] and res["dense_tokens_per_s_after_switch"] else "- |"),
+         ] + ([f"| throughput over the last tenth of the steps (tokens/s; steps {res['end_steps'][0]}-"
+               f"{res['end_steps'][1]}) | {fmt(res['dense_tokens_per_s_end'], 0)} | {fmt(res['dsv_tokens_per_s_end'], 0)} "
+               f"({res['dsv_tokens_per_s_end'] / res['dense_tokens_per_s_end']:.2f}x) |"]
+              if res.get("dsv_tokens_per_s_end") and res.get("dense_tokens_per_s_end") else []) + [
          "| training time (s) | " + " | ".join(
              fmt(x["train_time_s"], 1) + (f" ({last.get(a)} steps)" if partial else "")
              for a, x in (("dense", d), ("dsv", s))) + " |",

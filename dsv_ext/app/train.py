@@ -694,6 +694,7 @@ def train(cfg: Dict[str, Any], out_dir: Optional[str] = None, steps: Optional[in
         # the code this run (its last chunk, when resumed) trained with: the provenance of a
         # comparison whose runs were trained at different times
         "commit": source_commit(), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "card": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "torch": torch.__version__,
         **{f"dsv_{k}": v for k, v in st.items()},
     }
     if writer:
