@@ -614,3 +614,38 @@ def test_step_plan_contract_checks_and_round_trip():
     assert calls == [m] and torch.equal(out, q * 0) and m.context_parallel is not None
     m.set_context_parallel(None)
     assert m.context_parallel is None
+
+
+def test_rms_norm_keeps_the_fused_kernel_under_autocast(monkeypatch):
+    """DSVAttention's QK norm: nn.RMSNorm's numbers in float64 (the same parameter and state_dict);
+    with bf16 inputs and an fp32 weight (autocast) it calls rms_norm with the weight in bf16 (the
+    condition of the fused CUDA kernel: nn.RMSNorm falls back to its composite form otherwise), a
+    bf16 result within bf16 rounding of the float64 norm, and the weight's gradient in fp32."""
+    from dsv_ext.modules import RMSNorm
+
+    torch.manual_seed(0)
+    ours, ref = RMSNorm(64, eps=1e-6), torch.nn.RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+    ref.load_state_dict(ours.state_dict())
+    assert list(ours.state_dict()) == ["weight"]
+    x = torch.randn(3, 5, 64, dtype=torch.float64)
+    assert torch.equal(ours.double()(x), ref.double()(x))
+    ours.float()
+    seen = []
+    real = F.rms_norm
+
+    def spy(inp, shape, weight=None, eps=None):
+        seen.append((inp.dtype, None if weight is None else weight.dtype))
+        return real(inp, shape, weight, eps)
+
+    monkeypatch.setattr(F, "rms_norm", spy)
+    xb = torch.randn(2, 7, 3, 64).bfloat16().requires_grad_()
+    y = ours(xb)
+    assert seen == [(torch.bfloat16, torch.bfloat16)] and y.dtype == torch.bfloat16
+    want = ref.double()(xb.detach().double())
+    assert (y.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+    y.float().square().sum().backward()
+    assert ours.weight.grad.dtype == torch.float32 and torch.isfinite(ours.weight.grad).all()
+    ref.float()(xb.detach())
+    assert seen[-1] == (torch.bfloat16, torch.float32)  # what nn.RMSNorm passes: no fused kernel

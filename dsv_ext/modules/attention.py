@@ -41,6 +41,9 @@ class DSVAttention(nn.Module):   # full self-attention layer for new models
         the optional QK RMSNorm and before attention.
     .qkv (Linear dim -> 3*H*D), .q_norm/.k_norm (RMSNorm over D or Identity), .proj, .attn_core
 
+class RMSNorm(nn.RMSNorm):       # DSVAttention's QK norm: the weight in the input's dtype, so
+                                 # that bf16 autocast keeps the fused kernel
+
 class DenseAttention(nn.Module): # plain SDPA core with the same call signature; convert()
     DenseAttention(num_heads, head_dim)   # swaps any `.attn_core` of this type for SparseAttention
     forward(q, k, v, grid=None, scale=None) -> out   # [B, S, H, D]
@@ -52,6 +55,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..config import DSVConfig
 from ..config import KV_BLOCKS
@@ -616,6 +620,17 @@ class SparseAttention(nn.Module):
 
 # ------------------------------------------------------------------------------------------------
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` whose weight takes the input's dtype in forward: under bf16 autocast q and k
+    are bf16 while the weight stays fp32, and ``nn.RMSNorm`` then falls back from the fused kernel
+    to its composite form (a handful of element-wise and reduction kernels each way, and a
+    warning). Same parameter, same state_dict; the product in the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return F.rms_norm(x, self.normalized_shape, None if w is None else w.to(x.dtype), self.eps)
+
+
 class DSVAttention(nn.Module):
     """Self-attention layer for new models: qkv projection, optional QK RMSNorm, rotary hook,
     DSV attention core (SparseAttention) and output projection. x: [B, S, dim] -> [B, S, dim]."""
@@ -636,8 +651,8 @@ class DSVAttention(nn.Module):
         self.dim, self.num_heads, self.head_dim = dim, num_heads, head_dim
         inner = num_heads * head_dim
         self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias)
-        self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else nn.Identity()
         self.rotary = rotary
         self.attn_core = SparseAttention(num_heads, head_dim, grid=grid, config=config)
         self.proj = nn.Linear(inner, dim, bias=out_bias)

@@ -134,6 +134,10 @@ try:  # the SDPA call of DSV's stage 1 (cuDNN first on CUDA); plain SDPA without
     from dsv_ext.functional.attention import dense_core as _dense_core
 except Exception:  # pragma: no cover
     _dense_core = None
+try:  # DSVAttention's QK norm (fused under autocast), so that both layers compute the same
+    from dsv_ext.modules.attention import RMSNorm as _RMSNorm
+except Exception:  # pragma: no cover
+    _RMSNorm = nn.RMSNorm
 
 
 def dsv_attention_available() -> bool:
@@ -254,8 +258,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.hidden, self.heads, self.head_dim = hidden, heads, hidden // heads
         self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.q_norm = _RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = _RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.proj = nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
