@@ -491,8 +491,14 @@ def load_and_capture(a, ap, dev):
     cfg["train"]["val_timesteps"] = list(a.timesteps)
     torch.manual_seed(0)
     model, dsv_cfg = build_model(cfg, "dsv", dev)
-    model.load_state_dict(inference_state_dict(ck))
-    if ck.get("controller") is not None:  # the trained predictors
+    # a model trained with full attention (attention: dense) has no predictors: its attention is
+    # captured as well, without the trained-predictor rows
+    got = model.load_state_dict(inference_state_dict(ck), strict=False)
+    bad = [k for k in got.missing_keys if ".predictor." not in k] + list(got.unexpected_keys)
+    if bad:
+        raise RuntimeError(f"--checkpoint {ckpt}: does not fit the model of its config ({bad[:4]} ...)")
+    trained = not got.missing_keys and ck.get("controller") is not None
+    if trained:  # the trained predictors
         from dsv_ext.control.controller import DSVController
 
         DSVController(model, dsv_cfg).load_state_dict(ck["controller"])
@@ -502,7 +508,7 @@ def load_and_capture(a, ap, dev):
     for i in range(vs.x.shape[0]):
         sl = slice(i, i + 1)
         got = capture_qk(model, vs.x[sl].to(dev), vs.t[sl].to(dev), vs.noise[sl].to(dev))
-        captures += got
+        captures += [c if trained else c[:4] + (None,) for c in got]
         ts += [round(float(vs.t[i]), 6)] * len(got)
     print(f"captured {len(captures)} attention inputs; recall curves ...", flush=True)
     cube = tuple(a.cube) if a.cube is not None else tuple(dsv_cfg.cube)

@@ -214,6 +214,15 @@ def test_end_to_end_on_the_cpu(tmp_path):
     assert set(ms) == set(m) - {"token"}
     for name, per_t in ms.items():
         assert abs(per_t["0.9"]["mean_density"] - m[name]["0.9"]["mean_density"]) <= 0.05, name
+    # a model trained with full attention: the same capture, no trained-predictor rows
+    dn_dir = tmp_path / "dense"
+    train(load_config(base=d), out_dir=str(dn_dir), attention="dense", device="cpu", progress=False)
+    out_d = tmp_path / "er_dense"
+    assert ER.main(["--checkpoint", str(dn_dir / "ckpt_last.pt"), "--videos", "1", "--timesteps", "0.5",
+                    "--device", "cpu", "--out", str(out_d), "--cube", "4", "4", "4", "--no-per-query"]) == 0
+    md_ = json.load(open(out_d / "equal_recall.json"))["analysis"]["methods"]
+    assert set(md_) == set(m) - {"token"} - {x for x in m if x.startswith("predictor")}
+    assert md_["token G=128"]["0.9"]["heads"] == 4
     # --analysis: a later run reuses the curves (e.g. to time them) without the checkpoint
     out2 = tmp_path / "er2"
     assert ER.main(["--analysis", str(out / "equal_recall.json"), "--device", "cpu", "--out", str(out2)]) == 0
