@@ -422,7 +422,7 @@ def build_report(cfg: Dict[str, Any], out_dir: str, summaries: Dict[str, Dict[st
     after = {a: _tps_after(hist[a], sw) for a in ("dense", "dsv")}
     # the last tenth of the steps both runs logged: stage 2 once the blocks have turned sparse
     # (the average after the switch also holds the steps before they did)
-    both = min((hist[a][-1]["step"] for a in ("dense", "dsv") if hist[a]), default=0) if all(hist.values()) else 0
+    both = min(hist[a][-1]["step"] for a in ("dense", "dsv")) if hist["dense"] and hist["dsv"] else 0
     end_from = int(0.9 * both) if sw is not None and int(0.9 * both) >= sw else None
     end = {a: (_tps([r for r in hist[a] if end_from < r["step"] <= both]) if end_from is not None else None)
            for a in ("dense", "dsv")}
