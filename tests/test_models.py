@@ -95,8 +95,8 @@ def test_rope_scores_depend_on_displacement_only():
     pairs, h and w 21 each at D = 128)."""
     grid, D = (3, 4, 5), 128
     S = 60
-    rope = Rope3D(D, grid).to(torch.bfloat16)  # the tables stay float32 whatever the module's dtype
-    assert rope.cos.dtype == torch.float32
+    rope = Rope3D(D, grid).to(torch.bfloat16)  # the turns stay complex64 whatever the module's dtype
+    assert rope.freqs.dtype == torch.complex64
     g = torch.Generator().manual_seed(0)
     q = torch.randn(D, generator=g, dtype=torch.float64).expand(1, S, 1, D)
     k = torch.randn(D, generator=g, dtype=torch.float64).expand(1, S, 1, D)
@@ -120,6 +120,39 @@ def test_rope_scores_depend_on_displacement_only():
     assert (sin[20] != 0).nonzero().flatten().tolist() == list(range(0, 22))  # one step along t
     with pytest.raises(ValueError, match="^q"):
         rope(q[:, :10], k[:, :10])
+
+
+def test_rope_turn_and_gradient():
+    """Rope3D against the rotation written on real pairs in float64 with the same angles: outputs
+    and the gradients of q and k (the backward turns back by the conjugate) equal to float64's
+    rounding, inputs that are views of a wider tensor (q and k split from qkv) included; bf16
+    inputs within bf16's rounding of the float64 result."""
+    grid, D = (2, 3, 4), 64
+    S = 24
+    rope = Rope3D(D, grid)
+    cos, sin = (t.double()[:, None] for t in rope_3d_tables(D, grid))
+
+    def ref(x):
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
+
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(2, S, 3, 2 * D, generator=g, dtype=torch.float64)
+    gq, gk = (torch.randn(2, S, 3, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q, k = (t.requires_grad_() for t in qkv.clone().split(D, -1))  # views: not contiguous
+    qr, kr = rope(q, k)
+    q0, k0 = (t.detach().clone().requires_grad_() for t in (q, k))
+    r0 = (ref(q0), ref(k0))
+    torch.autograd.backward((qr, kr), (gq, gk))
+    torch.autograd.backward(r0, (gq, gk))
+    for got, want in ((qr, r0[0]), (kr, r0[1]), (q.grad, q0.grad), (k.grad, k0.grad)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)  # float64 rounding, |x| < 10
+    qb, kb = q.detach().bfloat16(), k.detach().bfloat16()
+    qbr, kbr = rope(qb, kb)
+    assert qbr.dtype == torch.bfloat16
+    for got, x in ((qbr, qb), (kbr, kb)):  # float32 arithmetic, one bf16 rounding at the end
+        want = ref(x.double())
+        torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-6)
 
 
 def test_rope_model():

@@ -199,14 +199,28 @@ def rope_3d_tables(head_dim: int, grid: Sequence[int], theta: float = 10000.0) -
     return torch.cos(a).float(), torch.sin(a).float()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, S, H, D] with each pair (2i, 2i + 1) turned by its angle (cos / sin [S, D / 2]), in
-    float32 at least; returned in x's dtype."""
+def _turn(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D] with each pair (2i, 2i + 1) taken as a complex number and multiplied by f
+    ([S, D / 2], complex): in float32 at least, returned in x's dtype."""
     wd = torch.promote_types(x.dtype, torch.float32)
-    xr = x.to(wd).unflatten(-1, (-1, 2))
-    a, b = xr[..., 0], xr[..., 1]
-    c, s = cos.to(wd)[:, None], sin.to(wd)[:, None]
-    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).to(x.dtype)
+    z = torch.view_as_complex(x.to(wd).reshape(*x.shape[:-1], -1, 2).contiguous())
+    return torch.view_as_real(z * f[:, None]).flatten(-2).to(x.dtype)
+
+
+class _Rotate(torch.autograd.Function):
+    """The rotary turn of x by the unit complex numbers f, whose gradient is the turn back by
+    their conjugates: three element-wise kernels each way (cast, complex product, cast) where
+    the same arithmetic on real pairs records about three times as many for autograd."""
+
+    @staticmethod
+    def forward(ctx, x, f):
+        ctx.save_for_backward(f)
+        return _turn(x, f)
+
+    @staticmethod
+    def backward(ctx, g):
+        (f,) = ctx.saved_tensors
+        return _turn(g, f.conj()), None
 
 
 class Rope3D(nn.Module):
@@ -218,17 +232,17 @@ class Rope3D(nn.Module):
 
     def __init__(self, head_dim: int, grid: Sequence[int], theta: float = 10000.0):
         super().__init__()
-        # float32 tables kept out of the module's buffers: a model cast to bf16 / fp16 keeps
-        # exact angles (they follow the inputs' device on first use)
-        self.cos, self.sin = rope_3d_tables(head_dim, grid, theta)
+        # the turns as complex64 (float32 angles) kept out of the module's buffers: a model cast
+        # to bf16 / fp16 keeps exact angles (they follow the inputs' device on first use)
+        self.freqs = torch.complex(*rope_3d_tables(head_dim, grid, theta))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, index: Optional[torch.Tensor] = None):
-        if self.cos.device != q.device:
-            self.cos, self.sin = self.cos.to(q.device), self.sin.to(q.device)
-        cos, sin = (self.cos, self.sin) if index is None else (self.cos[index], self.sin[index])
-        if q.shape[1] != cos.shape[0]:
-            raise ValueError(f"q: expected {cos.shape[0]} tokens for the rotary embedding, got {q.shape[1]}")
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.freqs.device != q.device:
+            self.freqs = self.freqs.to(q.device)
+        f = self.freqs if index is None else self.freqs[index]
+        if q.shape[1] != f.shape[0]:
+            raise ValueError(f"q: expected {f.shape[0]} tokens for the rotary embedding, got {q.shape[1]}")
+        return _Rotate.apply(q, f), _Rotate.apply(k, f)
 
 
 class TimestepEmbedder(nn.Module):
