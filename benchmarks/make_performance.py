@@ -895,7 +895,24 @@ other half DSV's token lists need 2.6-5x fewer keys than FlexAttention's tiles, 
 FlexAttention there is the last column (cuDNN's time for the dense heads taken out of both).
 
 {t}
+
+{_equal_recall_long_dense(d)}
 """
+
+
+def _equal_recall_long_dense(dsv):
+    """Densities on the full-attention arm's capture (equal_recall_narrow_dense/, not yet timed)
+    beside those of the DSV-trained model `dsv`."""
+    d = _load("equal_recall_narrow_dense/equal_recall.json")
+    m, md = d["analysis"]["methods"], dsv["analysis"]["methods"]
+    tok, flex = m["token G=128"]["0.9"], m["flex 128x128"]["0.9"]
+    broad = sum(x > 0.5 for x in tok["densities"])
+    return f"""Attention of a model trained with full attention, as a pretrained model brings it (the
+full-attention arm of the same config, [results/equal_recall_narrow_dense/](../benchmarks/results/equal_recall_narrow_dense/README.md),
+captured on the CPU the same way): for recall 0.9 token lists of 128 queries need {tok['mean_density']:.3f} of the
+keys and FlexAttention's tiles {flex['mean_density']:.3f} ({_x(flex['mean_density'] / tok['mean_density'])}; the DSV-trained
+model {md['token G=128']['0.9']['mean_density']:.3f} and {md['flex 128x128']['0.9']['mean_density']:.3f}). {broad} of its {len(tok['densities'])} heads need more than half of the
+keys even with exact lists of 128 queries. Not yet timed (`--analysis ... --time`)."""
 
 
 def section_where_sparse_pays():
