@@ -74,6 +74,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--group", type=int, default=128, help="queries per list (G)")
     ap.add_argument("--rows", type=int, default=2048, help="sampled query rows per capture")
     ap.add_argument("--targets", type=float, nargs="+", default=[0.9, 0.95])
+    ap.add_argument("--fit-timesteps", type=float, nargs="+", default=None,
+                    help="fit on the captures at these timesteps only and measure on the others "
+                         "(out of sample; default: fit and measure on all)")
     ap.add_argument("--cube", type=int, nargs=3, default=None, metavar=("T", "H", "W"))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "predictor_rank"))
@@ -87,9 +90,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     a.no_per_query, a.train_steps, a.config = True, 0, None
     source, n_clips, captures, ts, cube = load_and_capture(a, ap, torch.device(a.device))
-    # second moments per (block, head) over all of the block's captures
+    fit_ts = None if a.fit_timesteps is None else {round(t, 6) for t in a.fit_timesteps}
+    if fit_ts is not None and (not fit_ts <= set(ts) or fit_ts >= set(ts)):
+        ap.error(f"--fit-timesteps: a part of --timesteps {a.timesteps}, not all of them")
+    fit_on = [fit_ts is None or t in fit_ts for t in ts]
+    # second moments per (block, head) over the block's captures to fit on
     moments: Dict[str, List[torch.Tensor]] = {}
-    for name, q, k, grid, mod in captures:
+    for (name, q, k, grid, mod), use in zip(captures, fit_on):
+        if not use:
+            continue
         B, S, H, D = q.shape
         qd, kd = q.double().reshape(-1, H, D), k.double().reshape(-1, H, D)
         m = [torch.einsum("nhd,nhe->hde", qd, qd), torch.einsum("nhd,nhe->hde", kd, kd), qd.shape[0]]
@@ -105,6 +114,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     counts: Dict[str, int] = {}
     t0 = time.perf_counter()
     for ci, (name, q, k, grid, mod) in enumerate(captures):
+        if fit_ts is not None and fit_on[ci]:
+            continue  # measured out of sample only
         B, S, H, D = q.shape
         if S % a.group:
             ap.error(f"--group: {a.group} does not divide the sequence length {S}")
@@ -137,6 +148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dens = density_table(curves, a.targets, S, 16)
     p = provenance()
     res = {"source": source, "checkpoint": a.checkpoint, "clips": n_clips, "timesteps": a.timesteps,
+           "fit_timesteps": a.fit_timesteps,
            "group": a.group, "rows": a.rows, "cube": list(cube), "seq_len": S, "heads": list(curves),
            "densities": dens, "provenance": {"date": p.get("date"), "commit": p.get("commit"),
                                              "device": a.device}}
@@ -149,8 +161,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              "",
              f"{res['provenance']['date']}, commit {res['provenance']['commit']}, {a.device}; {n_clips} held-out "
              f"clip(s) x timesteps {a.timesteps}; lists of G = {a.group} queries (cube {list(cube)}), "
-             f"{rows.numel()} sampled rows per capture; S = {S}. Density: listed keys / S for the mean "
-             "recall to reach the target (1.000: not reached).", ""]
+             f"{rows.numel()} sampled rows per capture; S = {S}. Fits "
+             + ("on all captures" if fit_ts is None else f"on the captures at timesteps {a.fit_timesteps}, "
+                "measured on the others (out of sample)")
+             + ". Density: listed keys / S for the mean recall to reach the target (1.000: not reached).", ""]
     for tg in a.targets:
         lines += [f"Recall {tg}:", "", "| head | " + " | ".join(methods) + " |",
                   "|---|" + "---|" * len(methods)]

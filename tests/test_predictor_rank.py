@@ -66,3 +66,15 @@ def test_end_to_end_on_the_cpu(tmp_path):
         if m != "exact":  # a predictor's lists cover at most what the exact ones do (16-key steps)
             assert all(e <= x + 16 / 256 for e, x in zip(dens["exact"]["0.95"], hi)), m
     assert "| head | exact | trained r=4 | fit r=2 | fit r=8 |" in (out / "predictor_rank.md").read_text()
+    # out of sample: fitted on the timestep 0.3 captures, measured on those at 0.7 only
+    out2 = tmp_path / "pr2"
+    args = ["--checkpoint", str(ck / "ckpt_last.pt"), "--timesteps", "0.3", "0.7", "--ranks", "8", "--group", "32",
+            "--rows", "64", "--cube", "2", "4", "4", "--out", str(out2)]
+    assert PR.main(args + ["--fit-timesteps", "0.3"]) == 0
+    res2 = json.load(open(out2 / "predictor_rank.json"))
+    assert res2["fit_timesteps"] == [0.3] and len(res2["heads"]) == 4
+    assert "out of sample" in (out2 / "predictor_rank.md").read_text()
+    assert res2["densities"]["trained r=4"] != dens["trained r=4"]  # the 0.7 captures alone
+    for bad in (["0.3", "0.7"], ["0.5"]):
+        with pytest.raises(SystemExit):
+            PR.main(args + ["--fit-timesteps", *bad])
