@@ -241,35 +241,27 @@ def summary_rows():
          f"{TARGETS['train_real_video']:g}x (at >= 64k tokens)",
          lv_x >= TARGETS["train_real_video"], "#long-sequences-on-real-video"),
     ]
-    n64 = _load("compare-long-video-narrow/compare.json")
-    n64_x = n64["dsv_tokens_per_s_after_switch"] / n64["dense_tokens_per_s_after_switch"]
-    rows.append((f"training on real video, {n64['tokens_per_sample'] // 1024}k tokens, a narrow model trained "
-                 f"{n64['steps']} steps ({n64['config']}): DSV vs full attention after the switch ({n64['card']})",
-                 f"**{n64_x:.2f}x** over stage 2, {_x(n64['dsv_tokens_per_s_end'] / n64['dense_tokens_per_s_end'])} over the last "
-                 f"tenth of the steps ({_long_video_sparse_blocks(n64)} at the end); validation loss "
-                 f"{_pct(n64['val_loss_rel_gap'])} at equal steps",
-                 f"{TARGETS['train_real_video']:g}x, within {TARGETS['quality_pct']:g}%",
-                 n64_x >= TARGETS["train_real_video"] and abs(n64["val_loss_rel_gap"]) <= TARGETS["quality_pct"] / 100,
-                 "#a-narrow-model-trained-longer"))
-    n64r = _load("compare-long-video-narrow-rope/compare.json")
-    n64r_x = n64r["dsv_tokens_per_s_after_switch"] / n64r["dense_tokens_per_s_after_switch"]
-    rows.append((f"the same with rotary positions (`model.position: rope`), {n64r['tokens_per_sample'] // 1024}k tokens, "
-                 f"{n64r['steps']} steps ({n64r['card']})",
-                 f"**{n64r_x:.2f}x** over stage 2, {_x(n64r['dsv_tokens_per_s_end'] / n64r['dense_tokens_per_s_end'])} over the last "
-                 f"tenth ({_long_video_sparse_blocks(n64r)}); validation loss {_pct(n64r['val_loss_rel_gap'])} at equal steps "
-                 f"(one pair of runs)",
-                 f"{TARGETS['train_real_video']:g}x, within {TARGETS['quality_pct']:g}%",
-                 n64r_x >= TARGETS["train_real_video"] and abs(n64r["val_loss_rel_gap"]) <= TARGETS["quality_pct"] / 100,
-                 "#a-narrow-model-trained-longer"))
-    nr = _load("compare-long-video-narrow-128k/compare.json")
-    nr_x = nr["dsv_tokens_per_s_after_switch"] / nr["dense_tokens_per_s_after_switch"]
-    rows.append((f"training on real video, a model trained sparse for 3000 steps at 64k ({nr['config']}), "
-                 f"continued at {nr['tokens_per_sample'] // 1024}k tokens for {nr['steps']} steps: DSV vs full attention after "
-                 f"the switch ({nr['card']})",
-                 f"**{nr_x:.2f}x** ({_long_video_sparse_blocks(nr)}; validation loss {_pct(nr['val_loss_rel_gap'])})",
-                 f"{TARGETS['train_real_video']:g}x, within {TARGETS['quality_pct']:g}%",
-                 nr_x >= TARGETS["train_real_video"] and abs(nr["val_loss_rel_gap"]) <= TARGETS["quality_pct"] / 100,
-                 "#a-narrow-model-trained-longer"))
+    for run, what, measured in (
+            ("compare-long-video-narrow", lambda d: f"training on real video, {d['tokens_per_sample'] // 1024}k tokens, a "
+             f"narrow model trained {d['steps']} steps ({d['config']}): DSV vs full attention after the switch",
+             lambda d, x: f"**{x:.2f}x** over stage 2, {_x(d['dsv_tokens_per_s_end'] / d['dense_tokens_per_s_end'])} over "
+             f"the last tenth of the steps ({_long_video_sparse_blocks(d)} at the end); validation loss "
+             f"{_pct(d['val_loss_rel_gap'])} at equal steps"),
+            ("compare-long-video-narrow-rope", lambda d: f"the same with rotary positions (`model.position: rope`), "
+             f"{d['tokens_per_sample'] // 1024}k tokens, {d['steps']} steps",
+             lambda d, x: f"**{x:.2f}x** over stage 2, {_x(d['dsv_tokens_per_s_end'] / d['dense_tokens_per_s_end'])} over "
+             f"the last tenth ({_long_video_sparse_blocks(d)}); validation loss {_pct(d['val_loss_rel_gap'])} at equal "
+             "steps (one pair of runs)"),
+            ("compare-long-video-narrow-128k", lambda d: f"training on real video, a model trained sparse for 3000 steps "
+             f"at 64k ({d['config']}), continued at {d['tokens_per_sample'] // 1024}k tokens for {d['steps']} steps: DSV "
+             "vs full attention after the switch",
+             lambda d, x: f"**{x:.2f}x** ({_long_video_sparse_blocks(d)}; validation loss {_pct(d['val_loss_rel_gap'])})")):
+        d = _load(f"{run}/compare.json")
+        x = d["dsv_tokens_per_s_after_switch"] / d["dense_tokens_per_s_after_switch"]
+        rows.append((f"{what(d)} ({d['card']})", measured(d, x),
+                     f"{TARGETS['train_real_video']:g}x, within {TARGETS['quality_pct']:g}%",
+                     x >= TARGETS["train_real_video"] and abs(d["val_loss_rel_gap"]) <= TARGETS["quality_pct"] / 100,
+                     "#a-narrow-model-trained-longer"))
     return rows
 
 
