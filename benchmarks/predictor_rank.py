@@ -147,7 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             per[m] /= counts[key]
     dens = density_table(curves, a.targets, S, 16)
     p = provenance()
-    res = {"source": source, "checkpoint": a.checkpoint, "clips": n_clips, "timesteps": a.timesteps,
+    res = {"source": source, "checkpoint": a.checkpoint, "inputs": n_clips, "timesteps": a.timesteps,
            "fit_timesteps": a.fit_timesteps,
            "group": a.group, "rows": a.rows, "cube": list(cube), "seq_len": S, "heads": list(curves),
            "densities": dens, "provenance": {"date": p.get("date"), "commit": p.get("commit"),
@@ -160,7 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lines = [f"# Predictor rank: list density for recall, {source}",
              "",
              f"{res['provenance']['date']}, commit {res['provenance']['commit']}, {a.device}; {n_clips} held-out "
-             f"clip(s) x timesteps {a.timesteps}; lists of G = {a.group} queries (cube {list(cube)}), "
+             f"inputs ({a.videos} clip(s) x timesteps {a.timesteps}); lists of G = {a.group} queries (cube {list(cube)}), "
              f"{rows.numel()} sampled rows per capture; S = {S}. Fits "
              + ("on all captures" if fit_ts is None else f"on the captures at timesteps {a.fit_timesteps}, "
                 "measured on the others (out of sample)")
