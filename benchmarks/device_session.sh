@@ -11,7 +11,7 @@
 #          -d .adoptwheels diffusers huggingface-hub safetensors regex ...` with X.Y the
 #          Python there, about 22 MB)
 #   env:   STEPS="tests bench ncu san" (default; also ab topkab topkvar tun nored compare infer
-#          train grid topk det soak er calib profstep),
+#          train grid topk det soak er calib length profstep),
 #          BUILD_LIMIT, TUNINGS (the tun step's DSV_KERNEL_TUNING settings), AB_ARGS,
 #          TEST_ARGS (e.g. "-m cuda": the GPU tests alone; the CPU ones run in CI),
 #          TEST_LIMIT, BENCH_LIMIT, SAN_STEPS / SAN_PATHS (tests/run_sanitizer.sh), ...
@@ -159,6 +159,11 @@ esac
 case " $STEPS " in *" soak "*)
   timeout ${SOAK_LIMIT:-300} python3 benchmarks/soak.py --device cuda --no-progress --out "$OUT/soak" ${SOAK_ARGS:-} > "$OUT/soak.log" 2>&1
   echo "soak rc=$?"; tail -20 "$OUT/soak.log";;
+esac
+case " $STEPS " in *" length "*)  # DSV's step against full attention by sequence length
+  # (benchmarks/bench_length.py; LEN_ARGS: at least --checkpoint and --frames)
+  timeout ${LEN_LIMIT:-420} python3 benchmarks/bench_length.py ${LEN_ARGS:-} --out "$OUT/length" > "$OUT/length.log" 2>&1
+  echo "length rc=$?"; grep -E "^frames|Error|error" "$OUT/length.log" | head -20;;
 esac
 case " $STEPS " in *" profstep "*)  # one training step's profile, full attention and DSV stage 1
   # (benchmarks/profile_step.py; PROF_CONFIG, PROF_ARGS e.g. "--set train.compile=true", or

@@ -1,0 +1,62 @@
+"""benchmarks/bench_length.py: a tiny DSV run's checkpoint at two lengths on the CPU: the lists'
+densities per head, the step times, the pinned densities in the controller's K."""
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+_spec = importlib.util.spec_from_file_location("bench_length", os.path.join(ROOT, "benchmarks", "bench_length.py"))
+BL = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(BL)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from dsv_ext.app.train import load_config, train
+    from test_train import micro_dict
+
+    d = micro_dict(steps=4, val_videos=1)
+    d["dsv"].update(k_rule="recall", recall_max_density=0.6)
+    run = tmp_path_factory.mktemp("run")
+    train(load_config(base=d), out_dir=str(run), attention="dsv", device="cpu", progress=False)
+    return str(run / "ckpt_last.pt")
+
+
+def test_two_lengths_on_the_cpu(tmp_path, checkpoint):
+    out = tmp_path / "len"
+    assert BL.main(["--checkpoint", checkpoint, "--frames", "8", "16", "--timesteps", "0.5", "--rows", "64",
+                    "--warmup", "1", "--steps", "2", "--stage1-steps", "2", "--device", "cpu",
+                    "--set", "dsv.recall_target=0.6", "--out", str(out)]) == 0
+    res = json.load(open(out / "length.json"))
+    assert [r["seq_len"] for r in res["lengths"]] == [128, 256]  # frames x 4 x 4 tokens
+    for r in res["lengths"]:
+        S = r["seq_len"]
+        assert len(r["blocks"]) == 2 and r["heads"] == 4
+        for b in r["blocks"]:
+            assert b["seq_len"] == S
+            for m in ("predicted", "exact", "flex"):
+                assert len(b[m]) == 2 and all(0 < d <= 1 for d in b[m]), m
+            # the exact lists of the same groups cover at least what the predicted ones do (K grid 16)
+            assert all(e <= p + 16 / S for e, p in zip(b["exact"], b["predicted"]))
+        assert r["dense_heads"] == sum(d > 0.6 for b in r["blocks"] for d in b["predicted"])
+        # the pinned densities set K (multiples of 16, all keys above recall_max_density)
+        for b, ks in zip(r["blocks"], r["head_k"]):
+            for d, k in zip(b["predicted"], ks):
+                assert k == (S if d > 0.6 else min(S, max(-(-round(d * S) // 16) * 16, 0.25 * S)))
+        # a block whose heads all attend to all keys stays dense
+        assert all(not sp for b, sp in zip(r["blocks"], r["sparse_blocks"]) if min(b["predicted"]) > 0.6)
+        assert all(v > 0 for v in r["ms"].values()) and set(r["ms"]) == {"dense", "dsv", "stage1"}
+        assert r["speedup"] == pytest.approx(r["ms"]["dense"] / r["ms"]["dsv"])
+    assert res["recall_target"] == 0.6 and any(res["lengths"][-1]["sparse_blocks"])
+    md = (out / "length.md").read_text()
+    assert "| 8 | 128 |" in md and "| 16 | 256 |" in md and "| 1, 1 |" in md
+
+
+def test_bad_arguments(checkpoint):
+    for bad in (["--frames", "0"], ["--frames", "8", "--steps", "0"], ["--frames", "8", "--stage1-steps", "-1"]):
+        with pytest.raises(SystemExit):
+            BL.main(["--checkpoint", checkpoint, "--device", "cpu"] + bad)
