@@ -4,10 +4,12 @@
 #  - ensure_ext: the prebuilt .devso (benchmarks/build_devso.sh: _C.abi3.so.xz, about 14 MB, so it
 #    fits the carry beside the video wheels) when it was built from this csrc/ and setup.py
 #    (benchmarks/csrc_hash.sh) and loads here; else a build here (incremental on a machine that
-#    built before; minutes on a fresh one). The build log goes to $OUT/build.log.
+#    built before; minutes on a fresh one). The build log goes to $OUT/build.log. A later call on
+#    the same (warm) machine keeps the extension and needs no .devso while csrc/ is unchanged.
 #  - devso_unpack DIR: DIR/_C.abi3.so from DIR/_C.abi3.so.xz (.devso-before for the "ab" step).
 #  - wheels DIR: pip-installs the wheels carried in DIR into /tmp/site (and unpacks there the
-#    wheels that benchmarks/pack_wheels.sh stored as DIR/*.whl.tar.xz) and puts it on PYTHONPATH.
+#    wheels that benchmarks/pack_wheels.sh stored as DIR/*.whl.tar.xz) and puts it on PYTHONPATH
+#    (also when an earlier call on the same machine installed them and DIR is not carried).
 #   env: BUILD_LIMIT seconds for a build (300), OUT
 devso_unpack() {
   [ -f "$1/_C.abi3.so.xz" ] || return 0
@@ -19,9 +21,16 @@ have_ext() { python3 -c "import dsv_ext, sys; sys.exit(0 if dsv_ext.has_cuda_ker
 
 ensure_ext() {
   devso_unpack .devso
-  if [ -f .devso/_C.abi3.so ] && [ "$(cat .devso/csrc.sha256 2>/dev/null)" = "$(bash benchmarks/csrc_hash.sh)" ] &&
+  local h
+  h=$(bash benchmarks/csrc_hash.sh)
+  if [ -f .devso/_C.abi3.so ] && [ "$(cat .devso/csrc.sha256 2>/dev/null)" = "$h" ] &&
      cp .devso/_C.abi3.so dsv_ext/ && have_ext; then
-    echo "using the prebuilt extension (.devso, csrc $(cat .devso/csrc.sha256))"
+    echo "using the prebuilt extension (.devso, csrc $h)"
+    echo "$h" > /tmp/dsv_ext_csrc  # a later call on this machine needs no .devso (the carry stays small)
+    return 0
+  fi
+  if [ ! -f .devso/_C.abi3.so ] && [ "$(cat /tmp/dsv_ext_csrc 2>/dev/null)" = "$h" ] && have_ext; then
+    echo "using the extension an earlier call on this machine installed (csrc $h)"
     return 0
   fi
   local t0 rc
@@ -48,6 +57,7 @@ wheels() {
     [ -f "$a" ] || continue
     mkdir -p /tmp/site && tar xJf "$a" -C /tmp/site && got=1
   done
-  [ $got = 1 ] && export PYTHONPATH=$PWD:/tmp/site
+  # an earlier call on this machine may have installed them (then DIR need not be carried)
+  { [ $got = 1 ] || [ -d /tmp/site ]; } && export PYTHONPATH=$PWD:/tmp/site
   return 0
 }

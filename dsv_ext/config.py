@@ -90,17 +90,26 @@ class DSVConfig:
     while every head of the block takes K = S: its recall is 1)."""
 
     # ---------------------------------------------------------------- stage switch
+    switch_rule: str = "loss"
+    """When stage 2 begins (checked every switch_check_every steps). "loss": once the mean
+    predictor loss over blocks falls below switch_loss (DSV's rule). "dispatch": once the
+    dispatcher would run at least one block sparse at the per-head K's the recall rule measured
+    for the predictors' lists (needs k_rule "recall"): the lists cover recall_target of the
+    attention mass from the first profile on, so the switch waits only until they are short
+    enough to pay. A predictor loss that plateaus above switch_loss (e.g. with rotary positions)
+    then does not hold the run in stage 1."""
     switch_loss: float = 0.01
-    """Switch to stage 2 when the mean predictor loss over blocks falls below this."""
+    """switch_rule "loss": switch to stage 2 when the mean predictor loss over blocks falls below
+    this."""
     loss_ema_alpha: float = 0.9
     """Smoothing of the per-block predictor loss used by the switch criterion
     (ema = alpha * ema + (1 - alpha) * loss; 0 = use the latest loss only)."""
     switch_check_every: int = 25
-    """Evaluate the loss criterion every this many steps (each check is one host sync)."""
+    """Evaluate the switch criterion every this many steps (each check is one host sync)."""
     min_stage1_steps: int = 0
-    """Never switch on the loss criterion before this step."""
+    """Never switch on the switch criterion before this step."""
     force_stage2_step: Optional[int] = None
-    """If set, switch to stage 2 at this step regardless of the loss (None = loss criterion only)."""
+    """If set, switch to stage 2 at this step at the latest (None = the switch criterion only)."""
 
     # ---------------------------------------------------------------- sparse attention
     cube: Tuple[int, int, int] = (4, 4, 4)
@@ -240,6 +249,11 @@ class DSVConfig:
         frac("cos_weight", hi=float("inf"))
         frac("norm_weight", hi=float("inf"))
         frac("switch_loss", hi=float("inf"))
+        if self.switch_rule not in ("loss", "dispatch"):
+            raise ValueError(f"switch_rule: expected 'loss' or 'dispatch', got {self.switch_rule!r}")
+        if self.switch_rule == "dispatch" and self.k_rule != "recall":
+            raise ValueError("switch_rule: 'dispatch' switches on the recall rule's measured lists and needs "
+                             f"k_rule='recall', got k_rule={self.k_rule!r}")
         frac("predictor_lr", hi=float("inf"))
         frac("finetune_lr", hi=float("inf"))
         frac("predictor_weight_decay", hi=float("inf"))

@@ -189,6 +189,47 @@ def test_switch_on_loss_criterion_and_threshold_dispatch():
     assert ctl2.stage == 1
 
 
+@pytest.mark.parametrize("threshold", [0.0, 0.99])
+def test_switch_when_the_dispatcher_would_run_a_block_sparse(threshold):
+    """switch_rule "dispatch": stage 2 begins at the first check step at which the dispatcher,
+    at the K's the recall rule measured, runs some block sparse; never while every head needs
+    more than recall_max_density of the keys (lists of about half the keys against a cap of
+    0.4), whatever the predictor loss (switch_loss 10 would switch at once), nor while the
+    dispatcher keeps every block dense (threshold 0.99)."""
+    from dataclasses import replace
+
+    cfg = _cfg(switch_rule="dispatch", switch_loss=10.0, dispatch_threshold=threshold, recall_target=0.6,
+               recall_max_density=0.4, profile_every=1)
+    model = Tiny(cfg)
+    ctl = DSVController(model)
+    x = _x()
+    for _ in range(6):
+        model(x)
+        ctl.step()
+        assert ctl.stage == 1 and ctl.mean_loss() < 10.0
+        assert all(m.head_k == [S] * H for _, m in ctl.modules)  # every head on all keys
+    # the same lists under a cap of 0.6: some heads run on part of the keys
+    ctl.config = replace(ctl.config, recall_max_density=0.6)
+    for _, m in ctl.modules:
+        m.config = ctl.config
+    model(x)
+    ctl.step()
+    if threshold == 0.0:
+        assert ctl.stage == 2 and ctl.switch_step == 7
+        assert any(m.use_sparse and min(m.head_k) < S for _, m in ctl.modules)
+    else:
+        assert ctl.stage == 1 and any(min(m.head_k) < S for _, m in ctl.modules)
+
+
+def test_switch_rule_config():
+    assert DSVConfig().switch_rule == "loss"
+    for bad in ("Loss", "recall", None, 1):
+        with pytest.raises(ValueError, match=r"^switch_rule: expected 'loss' or 'dispatch'"):
+            DSVConfig(switch_rule=bad)
+    with pytest.raises(ValueError, match=r"^switch_rule: 'dispatch' .* needs k_rule='recall'"):
+        DSVConfig(switch_rule="dispatch", k_rule="theta")
+
+
 def test_stage2_training_schedule_and_profile_rate():
     cfg = _cfg(force_stage2_step=1, train_every_stage2=3, profile_every=2, dispatch_threshold=0.0)
     model = Tiny(cfg, depth=1)

@@ -133,8 +133,12 @@ def _switch_line(controller, step: int) -> str:
     blocks = st.get("blocks", [])
     cfg = getattr(controller, "config", None)
     forced = getattr(cfg, "force_stage2_step", None) is not None and step >= cfg.force_stage2_step
-    why = (f"forced at dsv.force_stage2_step={cfg.force_stage2_step}" if forced else
-           f"predictor loss {_fmt(st.get('pred_loss'), '.4f')} < dsv.switch_loss={getattr(cfg, 'switch_loss', 'n/a')}")
+    if forced:
+        why = f"forced at dsv.force_stage2_step={cfg.force_stage2_step}"
+    elif getattr(cfg, "switch_rule", "loss") == "dispatch":
+        why = "dsv.switch_rule=dispatch: the lists pay in a block"
+    else:
+        why = f"predictor loss {_fmt(st.get('pred_loss'), '.4f')} < dsv.switch_loss={getattr(cfg, 'switch_loss', 'n/a')}"
     return (f"step {step}: switched to stage 2 ({why}): {sum(1 for b in blocks if b['sparse'])}/"
             f"{len(blocks)} blocks sparse, mean sparsity {_fmt(st.get('sparsity'))}, "
             f"recall {_fmt(st.get('recall'))}")

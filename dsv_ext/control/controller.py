@@ -69,8 +69,10 @@ class DSVController:
         (sampled rows; loss + backward inside the forward, grads into the predictor only); step()
         then runs the predictor AdamW. On the profile schedule the forward measures per-head
         sparsity; step() folds it into the EMAs (one host sync per profile step).
-      * the switch: when the mean over blocks of the (smoothed) predictor loss is below
-        `switch_loss` at a check step (one host sync per check), or at `force_stage2_step`.
+      * the switch (config.switch_rule), at a check step (one host sync per check): "loss" when
+        the mean over blocks of the (smoothed) predictor loss is below `switch_loss`; "dispatch"
+        when the dispatcher would run some block sparse at the K's the recall rule measured for
+        the predictors' lists (the lists pay from that step on). Or at `force_stage2_step`.
         Blocks without a sparsity estimate are profiled first (the switch waits one step).
       * stage 2: the dispatcher chooses sparse or dense per block from the EMAs; predictors
         fine-tune at `finetune_lr` every `train_every_stage2` steps; profiling continues (with
@@ -109,6 +111,7 @@ class DSVController:
         self.step_count: int = 0
         self.stage: int = 1
         self._switch_pending: bool = False
+        self._choosing: bool = False  # _dispatch_choice in stage 1: the choice the switch would make
         self.sparsity_ema: List[Optional[List[float]]] = [None] * nb   # host, per block per head
         self.recall: List[Optional[List[float]]] = [None] * nb          # latest measured, host
         # k_rule "recall": per block per head, the (smoothed) fraction of keys the predicted lists
@@ -194,8 +197,15 @@ class DSVController:
         if self.stage == 1:
             due = cfg.force_stage2_step is not None and s + 1 >= cfg.force_stage2_step
             if not due and s + 1 >= cfg.min_stage1_steps and (s + 1) % cfg.switch_check_every == 0:
-                ml = self.mean_loss(sync=True, reduce=True)
-                due = ml is not None and ml < cfg.switch_loss
+                if cfg.switch_rule == "loss":
+                    ml = self.mean_loss(sync=True, reduce=True)
+                    due = ml is not None and ml < cfg.switch_loss
+                elif all(e is not None for e in self.sparsity_ema):  # "dispatch"
+                    self._choosing = True
+                    try:
+                        due = any(self._dispatch_choice())
+                    finally:
+                        self._choosing = False
             if due or self._switch_pending:
                 if all(e is not None for e in self.sparsity_ema):
                     self._do_switch(s + 1)
@@ -382,6 +392,15 @@ class DSVController:
     def _update_dispatch(self) -> None:
         """Per-head K of every block from the EMAs and, in stage 2, the sparse/dense choice of the
         dispatcher (host only). In stage 1 the K's serve the recall measurement."""
+        use = self._dispatch_choice()
+        for (_, m), u in zip(self.modules, use):
+            self._plan(m, mode="sparse" if u and self.stage == 2 else "dense")
+
+    def _dispatch_choice(self) -> List[bool]:
+        """Plan every block's per-head K from the EMAs and return the blocks the dispatcher runs
+        sparse at those K's (in stage 1: would run, once switched; all False while no block
+        has a measurement). A collective where data-parallel (_agree): called at the same steps
+        on every rank."""
         blocks = []
         cfg = self.config
         all_keys = [False] * len(self.modules)  # every head attends to all keys: the block stays dense
@@ -407,10 +426,8 @@ class DSVController:
             blocks.append(dict(sparsity=ema, seq_len=S, heads=m.num_heads, head_dim=m.head_dim, kmax=m.kmax,
                                dtype=dt, batch=w.batch, device=m.kv_count.device, density=kd,
                                kv_block=None if all(b == 1 for b in kb) else list(kb)))
-        if self.stage == 1:
-            for _, m in self.modules:
-                self._plan(m, mode="dense")
-            return
+        if self.stage == 1 and not self._choosing:
+            return [False] * len(self.modules)
         blocks = [b if b is not None and b["seq_len"] > 0 and m.sparse_supported() else None
                   for b, (_, m) in zip(blocks, self.modules)]
         valid = [b for b in blocks if b is not None]
@@ -418,8 +435,7 @@ class DSVController:
             self._auto_calibrate(valid)
         choice = iter(self.dispatcher.plan(valid, valid[0]["device"]) if valid else [])
         use = [bool(next(choice)) and not f if b is not None else False for b, f in zip(blocks, all_keys)]
-        for (_, m), u in zip(self.modules, self._agree(use)):
-            self._plan(m, mode="sparse" if u else "dense")
+        return self._agree(use)
 
     def _agree(self, use: List[bool]) -> List[bool]:
         """A block runs sparse only where every data-parallel rank chose sparse: the memory check
