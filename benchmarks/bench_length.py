@@ -3,6 +3,8 @@ longer clips of the same videos (more frames), its predictors' lists measured at
 one training step timed with full attention and with DSV at those lists.
 
     python benchmarks/bench_length.py --checkpoint runs/x/dsv/ckpt_last.pt --frames 16 32 48 --out DIR
+    python benchmarks/bench_length.py --checkpoint CKPT --frames 16 32 48 --save-clips clips.pt
+        # the held-out clips only (decoded here), for --clips-from clips.pt on a GPU machine
 
 Per length (``--frames`` x the config's latent height x width tokens):
 
@@ -136,15 +138,36 @@ def measure_lists(model, dsv_cfg, vs, dev, rows: int, exact: bool) -> List[Dict]
     return out
 
 
-def run_length(ck: Dict, base_cfg: Dict, frames: int, a, dev: torch.device, log=print) -> Dict:
-    """Lists and step times of the checkpoint's model at ``frames`` frames (module docstring)."""
-    from dsv_ext.app.common import (TrainConfig, ValidationSet, autocast, build_model, inference_state_dict,
-                                    load_config)
-    from dsv_ext.control.controller import DSVController
+def length_config(base_cfg: Dict, frames: int, a) -> Dict:
+    """The checkpoint's config with clips of ``frames`` frames and the run's held-out set."""
+    from dsv_ext.app.common import load_config
 
     cfg = load_config(base=base_cfg, overrides=[f"data.frames={frames}", f"train.val_videos={a.clips}"])
     cfg["train"]["val_timesteps"] = list(a.timesteps)
-    vs = ValidationSet(cfg, TrainConfig.from_dict(cfg["train"]))
+    return cfg
+
+
+def save_clips(base_cfg: Dict, a) -> None:
+    """--save-clips: the held-out clips of every --frames (as run_length builds them), for
+    --clips-from on a machine without the video decoder or the videos."""
+    from dsv_ext.app.common import TrainConfig, ValidationSet
+
+    out = {}
+    for f in a.frames:
+        cfg = length_config(base_cfg, f, a)
+        out[f] = ValidationSet(cfg, TrainConfig.from_dict(cfg["train"])).clips()
+    torch.save(out, a.save_clips)
+    print(f"{a.save_clips}: {sum(len(v) for v in out.values())} clips of {list(out)} frames")
+
+
+def run_length(ck: Dict, base_cfg: Dict, frames: int, a, dev: torch.device, log=print) -> Dict:
+    """Lists and step times of the checkpoint's model at ``frames`` frames (module docstring)."""
+    from dsv_ext.app.common import TrainConfig, ValidationSet, autocast, build_model, inference_state_dict
+    from dsv_ext.control.controller import DSVController
+
+    cfg = length_config(base_cfg, frames, a)
+    saved = None if a.clips_from is None else torch.load(a.clips_from, map_location="cpu")[frames]
+    vs = ValidationSet(cfg, TrainConfig.from_dict(cfg["train"]), clips=saved)
     weights = inference_state_dict(ck)
 
     def model_of(attention: str):
@@ -272,6 +295,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="timed stage-1 steps (a multiple of dsv.profile_every; 0: skip stage 1)")
     ap.add_argument("--set", action="append", default=[], metavar="SEC.KEY=VALUE",
                     help="change the checkpoint's config (e.g. dsv.recall_target=0.9)")
+    ap.add_argument("--save-clips", metavar="FILE",
+                    help="only build the held-out clips of every --frames and save them to FILE")
+    ap.add_argument("--clips-from", metavar="FILE", help="the clips --save-clips saved (no video decoding)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "length"))
     a = ap.parse_args(argv)
@@ -285,6 +311,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dev = resolve_device(a.device)
     ck = load_checkpoint(a.checkpoint, map_location="cpu", required=("model", "config"))
     cfg = load_config(base=ck["config"], overrides=a.set)
+    if a.save_clips:
+        save_clips(cfg, a)
+        return 0
+    if a.clips_from:
+        have = torch.load(a.clips_from, map_location="cpu")
+        if not isinstance(have, dict) or any(f not in have for f in a.frames):
+            ap.error(f"--clips-from: {a.clips_from} holds clips of {sorted(have) if isinstance(have, dict) else '?'} "
+                     f"frames, not of every --frames {a.frames}")
     dsv_cfg = DSVConfig.from_dict(cfg.get("dsv") or {})
     res = {"source": f"{cfg.get('name')} step {ck.get('step')}", "checkpoint": a.checkpoint,
            "provenance": provenance(),

@@ -56,6 +56,21 @@ def test_two_lengths_on_the_cpu(tmp_path, checkpoint):
     assert "| 8 | 128 |" in md and "| 16 | 256 |" in md and "| 1, 1 |" in md
 
 
+def test_saved_clips_give_the_same_lists(tmp_path, checkpoint):
+    """--save-clips then --clips-from: the clips as the config's data makes them, so the same
+    densities (timing left out of the comparison)."""
+    common = ["--checkpoint", checkpoint, "--frames", "8", "--timesteps", "0.3", "0.7", "--rows", "64",
+              "--warmup", "0", "--steps", "1", "--stage1-steps", "0", "--device", "cpu"]
+    clips = tmp_path / "clips.pt"
+    assert BL.main(common + ["--save-clips", str(clips)]) == 0
+    assert BL.main(common + ["--out", str(tmp_path / "a")]) == 0
+    assert BL.main(common + ["--clips-from", str(clips), "--out", str(tmp_path / "b")]) == 0
+    ra, rb = (json.load(open(tmp_path / d / "length.json"))["lengths"][0] for d in ("a", "b"))
+    assert ra["blocks"] == rb["blocks"]
+    with pytest.raises(SystemExit):  # no clips of 16 frames in the file
+        BL.main(common[:3] + ["16"] + common[4:] + ["--clips-from", str(clips)])
+
+
 def test_bad_arguments(checkpoint):
     for bad in (["--frames", "0"], ["--frames", "8", "--steps", "0"], ["--frames", "8", "--stage1-steps", "-1"]):
         with pytest.raises(SystemExit):

@@ -242,15 +242,19 @@ def autocast(device: torch.device, precision: str):
 class ValidationSet:
     """Fixed held-out latents, times and noise (built once)."""
 
-    def __init__(self, cfg: Dict[str, Any], tcfg: TrainConfig):
-        dcfg = dict(cfg["data"])
-        if dcfg.get("source", "procedural") in ("procedural", "video"):
-            dcfg["num_val"] = int(tcfg.val_videos)
-        ds = make_dataset(dcfg, "val", seed=tcfg.seed)
-        n = min(len(ds), int(tcfg.val_videos)) if tcfg.val_videos > 0 else len(ds)
+    def __init__(self, cfg: Dict[str, Any], tcfg: TrainConfig, clips: Optional[Sequence[torch.Tensor]] = None):
+        """``clips``: the held-out latent clips themselves (e.g. ``self.clips()`` of an earlier
+        set, saved), instead of the config's data; times and noise as for the config's."""
+        if clips is None:
+            dcfg = dict(cfg["data"])
+            if dcfg.get("source", "procedural") in ("procedural", "video"):
+                dcfg["num_val"] = int(tcfg.val_videos)
+            ds = make_dataset(dcfg, "val", seed=tcfg.seed)
+            n = min(len(ds), int(tcfg.val_videos)) if tcfg.val_videos > 0 else len(ds)
+            clips = [ds[j] for j in range(n)]
+        self.per_clip = len(tcfg.val_timesteps)
         xs, ts, ns = [], [], []
-        for j in range(n):
-            x = ds[j]
+        for j, x in enumerate(clips):
             g = _generator(tcfg.seed + 7919, j)
             for tv in tcfg.val_timesteps:
                 xs.append(x)
@@ -259,6 +263,10 @@ class ValidationSet:
         self.x = torch.stack(xs)
         self.t = torch.tensor(ts, dtype=torch.float32)
         self.noise = torch.stack(ns)
+
+    def clips(self) -> List[torch.Tensor]:
+        """The held-out clips (one per video; ``x`` repeats each once per timestep)."""
+        return [self.x[i].clone() for i in range(0, self.x.shape[0], max(1, self.per_clip))]
 
 
 @torch.no_grad()
