@@ -275,7 +275,7 @@ def write_markdown(res: Dict, path: str) -> None:
         L += ["", "dsv_<s>_r<N>: the critical keys are estimated on every N-th step only and reused "
               "in between (python -m dsv_ext.app.sample --index-refresh N); the timed steps start with "
               "an estimating one. The reused index lists stay in memory (peak GB)."]
-    L += ["", "Target (issue 8): DSV sampling latency at 64k tokens and sparsity 0.9 at least 2x "
+    L += ["", "Target: DSV sampling latency at 64k tokens and sparsity 0.9 at least 2x "
           "lower than full attention (paper: 2.0-3.5x).", ""]
     with open(path, "w") as f:
         f.write("\n".join(L))

@@ -1,4 +1,4 @@
-"""Kernel benchmark of issue 3: our estimate + sparse attention forward / forward+backward
+"""Kernel benchmark: our estimate + sparse attention forward / forward+backward
 against cuDNN SDPA (dense), FlashAttention via SDPA (dense) and FlexAttention block-sparse at
 the same density, on one GPU.
 

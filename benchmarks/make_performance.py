@@ -262,6 +262,13 @@ def summary_rows():
                      f"{TARGETS['train_real_video']:g}x, within {TARGETS['quality_pct']:g}%",
                      x >= TARGETS["train_real_video"] and abs(d["val_loss_rel_gap"]) <= TARGETS["quality_pct"] / 100,
                      "#a-narrow-model-trained-longer"))
+    ln = _load("length-narrow-rope/length.json")
+    rows.append((f"the rotary model's training step by length (its lists measured at each length; {_card({'run_card': ln['device']})}): "
+                 + " / ".join(f"{r['seq_len'] // 1024}k" for r in ln["lengths"]) + " tokens",
+                 " / ".join(f"**{_x(r['speedup'])}**" for r in ln["lengths"]),
+                 f"{TARGETS['train_real_video']:g}x at some length",
+                 any(r["speedup"] >= TARGETS["train_real_video"] for r in ln["lengths"]),
+                 "#a-narrow-model-trained-longer"))
     return rows
 
 
@@ -861,21 +868,8 @@ def _equal_recall_long():
     the best DSV method against FlexAttention with dense heads, and on the heads both run sparse
     (where both run the same number of heads dense: cuDNN's time for those taken out of both)."""
     d = _load("equal_recall_narrow/equal_recall.json")
-    prov, H = d["provenance"], d["time_shape"]["H"]
-    rows = []
-    for t in sorted({r["target"] for r in d["timing"]}):
-        b = _equal_recall_best(d, t)
-        fd, best = b["flex_dense"], b["best"]
-        hb = best.get("heads_by_kv_block")
-        n = d["analysis"].get("heads") or (sum(hb.values()) if hb else None)
-        same = hb is not None and n and hb.get("dense", 0) * H == fd["dense_heads"] * n
-        dense_ms = fd["cudnn_fwdbwd_ms"] * fd["dense_heads"] / H
-        rest = (f"{fd['total_ms'] - dense_ms:.1f} / {best['total_ms'] - dense_ms:.1f} ms, "
-                f"**{_x((fd['total_ms'] - dense_ms) / (best['total_ms'] - dense_ms))}**" if same else "-")
-        rows.append((f"{t:g}", f"{best['method']}: {best['total_ms']:.1f}", f"{fd['total_ms']:.1f}",
-                     f"{fd['dense_heads']} of {H}", _x(b["speedup_fair"]), rest))
-    t = _table(["recall", "best DSV (ms)", "Flex + dense heads (ms)", "dense heads", "speed-up",
-                "the other heads: Flex / DSV"], rows)
+    prov = d["provenance"]
+    t = _equal_recall_table(d)
     return f"""### At 64k tokens, from a model trained longer
 
 The same benchmark on attention captured at 64k tokens from the 3000-step `long-video-narrow` DSV
@@ -892,10 +886,33 @@ FlexAttention there is the last column (cuDNN's time for the dense heads taken o
 """
 
 
+def _equal_recall_table(d):
+    """Per recall target: the best DSV method against FlexAttention with dense heads, and on the
+    heads both run sparse (where both run the same number of heads dense: cuDNN's time for those
+    taken out of both)."""
+    H = d["time_shape"]["H"]
+    rows = []
+    for t in sorted({r["target"] for r in d["timing"]}):
+        b = _equal_recall_best(d, t)
+        fd, best = b["flex_dense"], b["best"]
+        hb = best.get("heads_by_kv_block")
+        n = d["analysis"].get("heads") or (sum(hb.values()) if hb else None)
+        same = (hb is not None and n and hb.get("dense", 0) * H == fd["dense_heads"] * n) or \
+            best.get("dense_heads") == fd["dense_heads"]
+        dense_ms = fd["cudnn_fwdbwd_ms"] * fd["dense_heads"] / H
+        rest = (f"{fd['total_ms'] - dense_ms:.1f} / {best['total_ms'] - dense_ms:.1f} ms, "
+                f"**{_x((fd['total_ms'] - dense_ms) / (best['total_ms'] - dense_ms))}**" if same else "-")
+        rows.append((f"{t:g}", f"{best['method']}: {best['total_ms']:.1f}", f"{fd['total_ms']:.1f}",
+                     f"{fd['dense_heads']} of {H}", _x(b["speedup_fair"]), rest))
+    return _table(["recall", "best DSV (ms)", "Flex + dense heads (ms)", "dense heads", "speed-up",
+                   "the other heads: Flex / DSV"], rows)
+
+
 def _equal_recall_long_dense(dsv):
-    """Densities on the full-attention arm's capture (equal_recall_narrow_dense/, not yet timed)
-    beside those of the DSV-trained model `dsv`."""
+    """The full-attention arm's capture (equal_recall_narrow_dense/), densities beside those of the
+    DSV-trained model `dsv`, and its times."""
     d = _load("equal_recall_narrow_dense/equal_recall.json")
+    prov = d["provenance"]
     m, md = d["analysis"]["methods"], dsv["analysis"]["methods"]
     tok, flex = m["token G=128"]["0.9"], m["flex 128x128"]["0.9"]
     broad = sum(x > 0.5 for x in tok["densities"])
@@ -904,7 +921,9 @@ full-attention arm of the same config, [results/equal_recall_narrow_dense/](../b
 captured on the CPU the same way): for recall 0.9 token lists of 128 queries need {tok['mean_density']:.3f} of the
 keys and FlexAttention's tiles {flex['mean_density']:.3f} ({_x(flex['mean_density'] / tok['mean_density'])}; the DSV-trained
 model {md['token G=128']['0.9']['mean_density']:.3f} and {md['flex 128x128']['0.9']['mean_density']:.3f}). {broad} of its {len(tok['densities'])} heads need more than half of the
-keys even with exact lists of 128 queries. Not yet timed (`--analysis ... --time`)."""
+keys even with exact lists of 128 queries. Timed the same way: {_prov(prov['date'], prov['commit'], prov['card'])}
+
+{_equal_recall_table(d)}"""
 
 
 def section_where_sparse_pays():
@@ -1040,8 +1059,8 @@ def _long_video_now():
     sp = lambda S, m: r[(S, "dense")]["median_ms"] / r[(S, m)]["median_ms"]
     dens = 1 - sum(r[(65536, "dsv_prof")]["sparsity"]) / len(r[(65536, "dsv_prof")]["sparsity"])
     return f"""
-With the kernels measured since (training step above, 10 blocks of the 2.7B shape, commit
-{t['provenance']['commit'].split(';')[0].split(' ')[0]}), every block run sparse at this run's per-block sparsity (K = (1 - sparsity) S, mean
+With the kernels measured since (training step above, {t['layers']} blocks of the 2.7B shape, commit
+{t['provenance']['commit'].split(';')[0].split(' ')[0]}, {t.get('device', '')}), every block run sparse at this run's per-block sparsity (K = (1 - sparsity) S, mean
 density {dens:.2f}) takes {_x(sp(65536, 'dsv_prof'))} the dense step's speed at 64k ({_x(sp(32768, 'dsv_prof'))} at 32k): sparse
 attention at this sparsity now pays a little where the recall rule lets it run, far from the 1.8x,
 which the same blocks reach at sparsity 0.9 from 32k tokens on ({_x(sp(32768, 'dsv_0.9'))} at 32k, {_x(sp(65536, 'dsv_0.9'))} at 64k)."""
@@ -1161,7 +1180,7 @@ def section_long_video_narrow():
                   [(r["step"], f"{r['dense']:.4f}", f"{r['dsv']:.4f}", _pct(r["rel_gap"]))
                    for r in c["val_at_equal_steps"]])
     names = ("dense", "dsv", "dense_compile", "dsv_compile", "dense_v45", "dsv_v45", "dense_rmsnorm", "dsv_rmsnorm",
-             "dense_rope", "dsv_rope")
+             "dense_rope", "dsv_rope", "dense_rope_turn")
     prof = {n: _load(f"profile-step-narrow/{n}.json") for n in names}
     tot = {n: sum(v["ms_per_step"].values()) for n, v in prof.items()}
     prow = [(label, _ms(prof[n]["ms_per_step"]["attention"], 1), _ms(prof[n]["ms_per_step"]["dsv side work"], 1) if "dsv" in n else "-",
@@ -1174,7 +1193,8 @@ def section_long_video_narrow():
                              ("dense_rmsnorm", "full attention, the QK norm's fused kernel"),
                              ("dsv_rmsnorm", "DSV stage 2, the QK norm's fused kernel"),
                              ("dense_rope", "full attention, the rotary model (next paragraph)"),
-                             ("dsv_rope", "DSV stage 2, the rotary model"))]
+                             ("dsv_rope", "DSV stage 2, the rotary model"),
+                             ("dense_rope_turn", "full attention, the rotary model, its turn as one complex product"))]
     n_dense = sum(sum(k >= S for k in b["head_k"]) for b in last["blocks"])
     n_heads = sum(len(b["head_k"]) for b in last["blocks"])
     d = _load("compare-long-video-narrow-128k/compare.json")
@@ -1211,7 +1231,9 @@ device time per step in ms; the DSV rows run the saved controller; from the fift
 top-K estimation of v45, clusters of up to 8 CTAs where a block has few heads; from the seventh on
 with `dsv_ext.modules.RMSNorm` as the QK norm, whose weight follows the input's dtype so that bf16
 autocast keeps torch's fused kernel (PERF_LOG "The QK norm's fused kernel under autocast"); the last
-two rows profile the rotary model of the next paragraph, with its rotation in real arithmetic):
+three rows profile the rotary model of the next paragraph, with its rotation in real arithmetic and,
+in the last row, as one complex product: PERF_LOG "The rotary embedding's turn as one complex
+product"):
 
 {_table(["step", "attention", "top-K estimation", "the rest", "total", "vs full attention"], prow)}
 
@@ -1234,7 +1256,36 @@ weights, DSV from its predictors; `results/compare-long-video-narrow-128k/`, {d[
 need 0.53-0.64 of the keys even for recall 0.8 (`results/equal_recall_narrow/`, captured at 64k):
 they attend broadly, so at this model's mix of heads the 1.8x target is out of reach at any
 length.
+
+{_narrow_length()}
 """
+
+
+def _narrow_length():
+    """The rotary model's step by sequence length (results/length-narrow-rope/)."""
+    d = _load("length-narrow-rope/length.json")
+    p = d["provenance"]
+    rows, local, broad = [], [], []
+    for r in d["lengths"]:
+        rows.append((r["frames"], r["seq_len"], f"{r['ms']['dense']:.1f}", f"{r['ms']['dsv']:.1f}",
+                     f"**{_x(r['speedup'])}**", f"{sum(r['sparse_blocks'])} of {len(r['sparse_blocks'])}",
+                     f"{r['dense_heads']} of {r['heads']}"))
+        ds = [x for b in r["blocks"] for x in b["predicted"]]
+        local += [x for x in ds if x <= d["recall_max_density"]]
+        broad += [x for x in ds if x > d["recall_max_density"]]
+    t = _table(["frames", "tokens", "full attention ms", "DSV ms", "speed-up", "sparse blocks", "heads on all keys"], rows)
+    return f"""By length, the rotary model as trained at 64k on longer held-out clips
+(`benchmarks/bench_length.py`, [results/length-narrow-rope/](../benchmarks/results/length-narrow-rope/README.md)):
+its predictors' lists measured per head at each length for recall {d['recall_target']}, then one training step
+timed with full attention and with DSV at those lists (mean of {d['steps']} steps).
+{_prov(p['date'], p['commit'], d['device'])}
+
+{t}
+
+The speed-up levels off near 1.6x: every head keeps the same fraction of the keys at every length
+(the local heads {min(local):.2f}-{max(local):.2f}, the broad ones {min(broad):.2f}-{max(broad):.2f}), so both halves of
+the attention grow as S^2. No length meets 1.8x on this model: the target needs a model with fewer
+broad heads."""
 
 
 def _narrow_rope(sc):

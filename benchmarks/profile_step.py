@@ -13,7 +13,8 @@ training checkpoint or its slim copy, python -m dsv_ext.app.checkpoint --slim) t
 checkpoint's weights and config (--config / --set change it) and, with --attention dsv, the
 controller its saved state: a run past the switch profiles a stage-2 step with the sparse blocks
 and per-head K it chose (the predictors keep training every dsv.train_every_stage2 steps as in
-training; the optimizer moments start fresh). --warmup steps, then
+training; the optimizer moments start fresh; no profile step, whose recall measurement on the
+random latents would replace the run's lists). --warmup steps, then
 --steps profiled. Prints the kernels (operators on the CPU) by total time and the step's share
 in attention (names matching ATTENTION: cuDNN / FlashAttention SDPA, the pack's attention
 kernels), in DSV's side work (SIDE: predictor training, top-K estimation, profiling) and in the
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -72,9 +74,14 @@ def profile_step(cfg, attention: str, device: str, warmup: int, steps: int, ck=N
     if attention == "dsv":
         from dsv_ext.control.controller import DSVController
 
+        saved = ck.get("controller") if ck is not None else None
+        if isinstance(saved, dict) and saved.get("stage") == 2:
+            # no profile steps: their recall measurement on random latents would replace the
+            # lists the run chose on its data (often with all keys: a dense step)
+            dsv_cfg = replace(dsv_cfg, profile_until=0, profile_every_late=10 ** 9)
         controller = DSVController(model, dsv_cfg)
-        if ck is not None and isinstance(ck.get("controller"), dict):
-            controller.load_state_dict(ck["controller"])
+        if isinstance(saved, dict):
+            controller.load_state_dict(saved)
     fwd = torch.compile(model) if tc.get("compile") and dev.type == "cuda" else model
     shape = (int(tc.get("batch_size", 1)), model.cfg.in_channels, *model.cfg.latent_size)
     g = torch.Generator().manual_seed(0)

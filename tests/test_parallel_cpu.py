@@ -483,7 +483,7 @@ _BY_WORLD = {
     3: ("calibrate",),
 }
 
-# world size 8 (issue 7's CPU part) takes about 20 s on 2 cores: run it by default, skip it with
+# world size 8 takes about 20 s on 2 cores: run it by default, skip it with
 # DSV_TEST_FAST=1
 _slow = pytest.mark.skipif(bool(os.environ.get("DSV_TEST_FAST")), reason="world size 8 skipped: DSV_TEST_FAST=1")
 WORLDS = [2, 4, pytest.param(8, marks=[pytest.mark.slow, _slow])]
