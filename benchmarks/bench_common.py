@@ -1,4 +1,5 @@
-"""Helpers shared by the GPU benchmarks: CUDA-event timing and the video token grids."""
+"""Helpers shared by the GPU benchmarks: CUDA-event timing, the reference DiT's training step and
+the video token grids."""
 from __future__ import annotations
 
 import datetime
@@ -6,7 +7,8 @@ import math
 import os
 import statistics
 import subprocess
-from typing import Callable, Dict, Optional, Sequence, Tuple
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -15,21 +17,61 @@ DEFAULT_GRIDS = {32768: (32, 32, 32), 65536: (16, 64, 64), 16384: (16, 32, 32),
                  8192: (8, 32, 32), 4096: (16, 16, 16), 131072: (32, 64, 64)}
 
 
-def cuda_time_ms(fn: Callable[[], object], warmup: int = 1, reps: int = 10) -> Dict[str, float]:
-    """Median / min / max milliseconds of ``fn`` over ``reps`` runs (CUDA events, after warm-up)."""
+def step_times(fn: Callable[[], object], warmup: int, reps: int, cuda: bool = True) -> List[float]:
+    """Milliseconds of each of ``reps`` runs of ``fn`` after ``warmup`` runs: CUDA events (``cuda``)
+    or the wall clock (the CPU)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def cuda_time_ms(fn: Callable[[], object], warmup: int = 1, reps: int = 10) -> Dict[str, float]:
+    """Median / min / max milliseconds of ``fn`` over ``reps`` runs (CUDA events, after warm-up)."""
+    times = step_times(fn, warmup, reps)
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
             "iters": reps}
+
+
+def train_step(model, cfg: Dict, x0, noise, t, dev, controller=None, fwd=None) -> Callable[[], None]:
+    """One training step of the reference DiT ``model`` of config ``cfg`` as the trainer takes it
+    (flow matching on ``x0`` / ``noise`` at times ``t``, the config's precision, gradient
+    clipping, a fused AdamW over the DiT's parameters, then the DSV ``controller``'s step), as a
+    closure; ``fwd``: the callable run forward (e.g. the compiled model; default ``model``)."""
+    from dsv_ext.app.common import autocast, flow_matching_loss
+
+    tc = cfg["train"]
+    params = model.dit_parameters()
+    opt = torch.optim.AdamW(params, lr=float(tc.get("lr", 1e-4)), fused=(dev.type == "cuda") or None)
+    precision = tc.get("precision", "bf16" if dev.type == "cuda" else "fp32")
+    clip = float(tc.get("grad_clip", 1.0))
+    fwd = model if fwd is None else fwd
+
+    def step():
+        with autocast(dev, precision):
+            loss = flow_matching_loss(fwd, x0, noise, t)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if controller is not None:
+            controller.step()
+    return step
 
 
 def add_shape_args(parser, heads: int) -> None:

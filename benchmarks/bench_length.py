@@ -48,51 +48,6 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 
-def step_times(step, warmup: int, steps: int, dev: torch.device) -> List[float]:
-    """Milliseconds of each of ``steps`` calls of ``step`` after ``warmup`` (CUDA events on a
-    GPU, the wall clock on the CPU)."""
-    for _ in range(warmup):
-        step()
-    out = []
-    for _ in range(steps):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            step()
-            out.append(1e3 * (time.perf_counter() - t0))
-    return out
-
-
-def train_step(model, cfg: Dict, x0, noise, t, dev, controller=None):
-    """One training step of ``model`` as the trainer takes it (precision, clipping, AdamW, then
-    the DSV controller's step), as a closure."""
-    from dsv_ext.app.common import autocast, flow_matching_loss
-
-    tc = cfg["train"]
-    params = model.dit_parameters()
-    opt = torch.optim.AdamW(params, lr=float(tc.get("lr", 1e-4)), fused=(dev.type == "cuda") or None)
-    precision = tc.get("precision", "bf16" if dev.type == "cuda" else "fp32")
-    clip = float(tc.get("grad_clip", 1.0))
-
-    def step():
-        with autocast(dev, precision):
-            loss = flow_matching_loss(model, x0, noise, t)
-        loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if controller is not None:
-            controller.step()
-    return step
-
-
 @torch.no_grad()
 def measure_lists(model, dsv_cfg, vs, dev, rows: int, exact: bool) -> List[Dict]:
     """Per attention block of ``model`` (full attention, no controller): per head the density the
@@ -162,6 +117,7 @@ def save_clips(base_cfg: Dict, a) -> None:
 
 def run_length(ck: Dict, base_cfg: Dict, frames: int, a, dev: torch.device, log=print) -> Dict:
     """Lists and step times of the checkpoint's model at ``frames`` frames (module docstring)."""
+    from bench_common import step_times, train_step
     from dsv_ext.app.common import TrainConfig, ValidationSet, autocast, build_model, inference_state_dict
     from dsv_ext.control.controller import DSVController
 
@@ -200,7 +156,8 @@ def run_length(ck: Dict, base_cfg: Dict, frames: int, a, dev: torch.device, log=
     times = {}
     dense, _ = model_of("dense")
     dense.train()
-    times["dense"] = step_times(train_step(dense, cfg, x0, noise, t, dev), a.warmup, a.steps, dev)
+    gpu = dev.type == "cuda"
+    times["dense"] = step_times(train_step(dense, cfg, x0, noise, t, dev), a.warmup, a.steps, gpu)
     del dense
 
     # stage 2 at the measured lists; profile steps left out (module docstring)
@@ -220,7 +177,7 @@ def run_length(ck: Dict, base_cfg: Dict, frames: int, a, dev: torch.device, log=
     for _, m in ctl.modules:
         m.set_workload(S, 1, kdt)
     ctl.set_sparsity([[0.0 if d > cap else 1.0 - d for d in b["predicted"]] for b in blocks])
-    times["dsv"] = step_times(train_step(model, cfg, x0, noise, t, dev, ctl), a.warmup, a.steps, dev)
+    times["dsv"] = step_times(train_step(model, cfg, x0, noise, t, dev, ctl), a.warmup, a.steps, gpu)
     res["sparse_blocks"] = [bool(st["use_sparse"]) for st in ctl.block_stats()]
     res["head_k"] = [list(st["head_k"]) for st in ctl.block_stats()]
     del ctl, model
@@ -229,7 +186,7 @@ def run_length(ck: Dict, base_cfg: Dict, frames: int, a, dev: torch.device, log=
         m1, d1 = model_of("dsv")
         m1.train()
         ctl1 = DSVController(m1, d1)  # stage 1 from step 0; 25 steps in a row hold one profile step
-        times["stage1"] = step_times(train_step(m1, cfg, x0, noise, t, dev, ctl1), a.warmup, a.stage1_steps, dev)
+        times["stage1"] = step_times(train_step(m1, cfg, x0, noise, t, dev, ctl1), a.warmup, a.stage1_steps, gpu)
         del ctl1, m1
     res["ms"] = {k: sum(v) / len(v) for k, v in times.items()}
     res["ms_median"] = {k: sorted(v)[len(v) // 2] for k, v in times.items()}

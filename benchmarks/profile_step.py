@@ -30,8 +30,9 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dsv_ext.app.common import (autocast, build_model, flow_matching_loss, inference_state_dict,  # noqa: E402
-                                load_config, resolve_device)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import train_step  # noqa: E402
+from dsv_ext.app.common import build_model, inference_state_dict, load_config, resolve_device  # noqa: E402
 
 SIDE = ("predictor", "topk", "profile_attn", "profile_attention")
 ATTENTION = ("flash", "fmha", "sdpa", "cudnn", "attn", "attention")
@@ -67,9 +68,7 @@ def profile_step(cfg, attention: str, device: str, warmup: int, steps: int, ck=N
         off = [k for k in list(res.missing_keys) + list(res.unexpected_keys) if ".predictor." not in k]
         if off:
             raise ValueError(f"--checkpoint: its weights do not fit this model (e.g. {off[0]})")
-    params = model.dit_parameters()
     tc = cfg["train"]
-    opt = torch.optim.AdamW(params, lr=float(tc.get("lr", 1e-4)), fused=(dev.type == "cuda") or None)
     controller = None
     if attention == "dsv":
         from dsv_ext.control.controller import DSVController
@@ -87,20 +86,7 @@ def profile_step(cfg, attention: str, device: str, warmup: int, steps: int, ck=N
     g = torch.Generator().manual_seed(0)
     x0, noise = torch.randn(shape, generator=g).to(dev), torch.randn(shape, generator=g).to(dev)
     t = torch.rand(shape[0], generator=g).clamp(0.05, 0.95).to(dev)
-    precision = tc.get("precision", "bf16" if dev.type == "cuda" else "fp32")
-    clip = float(tc.get("grad_clip", 1.0))
-
-    def step():
-        with autocast(dev, precision):
-            loss = flow_matching_loss(fwd, x0, noise, t)
-        loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if controller is not None:
-            controller.step()
-
+    step = train_step(model, cfg, x0, noise, t, dev, controller, fwd)
     model.train()
     for _ in range(warmup):
         step()
