@@ -89,3 +89,22 @@ def test_gpu_skips_are_one_summary_line():
     assert len(skipped) == 1 and "no CUDA GPU on this machine" in skipped[0], p.stdout
     n = int(re.match(r"SKIPPED \[(\d+)\]", skipped[0]).group(1))
     assert n >= 3 and f"{n} skipped" in p.stdout
+
+
+@pytest.mark.skipif(not dsv_attention_available(), reason="DSVAttention not importable")
+def test_switch_line_of_the_dispatch_rule(tmp_path):
+    """dsv.switch_rule=dispatch through the trainer: the switch comes on the lists (no forced
+    step, a loss bar it cannot meet), the line says why, and a block runs sparse from it."""
+    from dsv_ext.app.train import load_config
+    from test_train import micro_dict
+
+    d = micro_dict(steps=6)
+    d["dsv"].update(k_rule="recall", switch_rule="dispatch", switch_loss=0.0, force_stage2_step=None,
+                    recall_target=0.6, recall_max_density=0.9)
+    lines = []
+    res = train(load_config(base=d), out_dir=str(tmp_path), attention="dsv", device="cpu", progress=False,
+                log=lines.append)
+    sw = [SWITCH.match(l) for l in lines if "switched to stage 2" in l]
+    assert len(sw) == 1 and sw[0], lines
+    assert sw[0].group(2) == "dsv.switch_rule=dispatch: the lists pay in a block"
+    assert int(sw[0].group(1)) == res["summary"]["dsv_switch_step"] and int(sw[0].group(3)) >= 1
