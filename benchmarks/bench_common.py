@@ -117,8 +117,14 @@ def _run(cmd) -> str:
 
 
 def git_commit() -> str:
-    """Short hash of the checked-out commit ("unknown" outside a git tree)."""
-    return _run(["git", "rev-parse", "--short", "HEAD"])
+    """The commit measured (dsv_ext._buildcheck.source_commit: DSV_COMMIT, else the checkout's
+    short HEAD, "+changes" when its tracked files differ from it; "unknown" outside a git tree)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_dsv_buildcheck", os.path.join(_ROOT, "dsv_ext", "_buildcheck.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.source_commit()
 
 
 def provenance() -> Dict[str, str]:

@@ -109,11 +109,11 @@ for a in dense dsv; do  # the weights-only copies (SLIM)
 done
 mkdir -p "$RUN"
 python3 - "$RUN" > "$RUN/meta.json" <<'PY'
-import json, subprocess, sys, time, torch
-try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-except OSError:
-    commit = ""
+import json, sys, time, torch
+sys.path.insert(0, ".")
+from dsv_ext._buildcheck import source_commit  # DSV_COMMIT, else HEAD ("+changes" if the tree differs)
+commit = source_commit()
+commit = "" if commit == "unknown" else commit
 print(json.dumps({"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": commit or None,
                   "card": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                   "torch": torch.__version__}, indent=1))

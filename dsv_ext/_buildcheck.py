@@ -56,17 +56,24 @@ def source_digest(root: str = ROOT, files: Optional[Iterable[str]] = None) -> st
 def source_commit() -> str:
     """The commit the package's code comes from, for the provenance of measurements: the
     environment variable DSV_COMMIT, else ``git rev-parse --short HEAD`` of the checkout this file
-    lives in, else "unknown" (an installed copy, or no git)."""
+    lives in, with "+changes" when its tracked files differ from that commit (uncommitted edits,
+    or a copy of a newer tree over an older history), else "unknown" (an installed copy, or no
+    git)."""
     import subprocess
 
     commit = os.environ.get("DSV_COMMIT")
     if commit:
         return commit
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=ROOT,
-                                       stderr=subprocess.DEVNULL).strip() or "unknown"
+        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=ROOT,
+                                       stderr=subprocess.DEVNULL).strip()
     except Exception:  # noqa: BLE001 - not a git checkout, or no git
         return "unknown"
+    if not head:
+        return "unknown"
+    same = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode == 0
+    return head if same else head + "+changes"
 
 
 def want_cuda(setting: Optional[str], torch_cuda: Optional[str], cuda_home: Optional[str],

@@ -179,3 +179,29 @@ def test_build_log_progress_lines(tmp_path):
         "Installing collected packages: dsv-ext",
     ], p.stdout
     assert log.read_text().splitlines() == pip_lines
+
+
+def test_source_commit(tmp_path, monkeypatch):
+    """The commit a measurement records: HEAD of the checkout, "+changes" once a tracked file
+    differs from it (a copy of a newer tree over an older history), DSV_COMMIT above both,
+    "unknown" outside git."""
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True,
+                       env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
+
+    monkeypatch.delenv("DSV_COMMIT", raising=False)
+    monkeypatch.setattr(bc, "ROOT", str(tmp_path))
+    assert bc.source_commit() == "unknown"
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "a")
+    head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, text=True).strip()
+    assert bc.source_commit() == head
+    (tmp_path / "new.py").write_text("untracked\n")  # untracked files do not count
+    assert bc.source_commit() == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert bc.source_commit() == head + "+changes"
+    monkeypatch.setenv("DSV_COMMIT", "abc1234")
+    assert bc.source_commit() == "abc1234"
