@@ -164,14 +164,8 @@ def run_length(ck: Dict, base_cfg: Dict, frames: int, a, dev: torch.device, log=
     ctl_cfg = replace(dsv_cfg, profile_until=0, profile_every_late=10 ** 9)
     model.train()
     ctl = DSVController(model, ctl_cfg)
-    if isinstance(ck.get("controller"), dict):
-        ctl.load_state_dict(ck["controller"])
-    ctl.config = ctl_cfg
-    for _, m in ctl.modules:
-        m.config = ctl_cfg
-    if ctl.step_count == 0:  # a checkpoint without the controller's state (or still at step 0)
-        ctl.step_count = 1
-    ctl.switch_to_stage2()
+    ctl.load_state_dict(ck["controller"])  # armed under ctl_cfg: no profile step
+    ctl.switch_to_stage2()  # a checkpoint from before the switch
     # K is sized for the length, the dispatcher weighs the kernels' dtype
     kdt = torch.bfloat16 if precision == "bf16" else torch.float32
     for _, m in ctl.modules:
@@ -271,6 +265,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.save_clips:
         save_clips(cfg, a)
         return 0
+    if not isinstance(ck.get("controller"), dict):
+        ap.error(f"--checkpoint: {a.checkpoint} holds no DSV controller state (a run with attention dsv)")
     if a.clips_from:
         have = torch.load(a.clips_from, map_location="cpu")
         if not isinstance(have, dict) or any(f not in have for f in a.frames):

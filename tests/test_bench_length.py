@@ -75,3 +75,14 @@ def test_bad_arguments(checkpoint):
     for bad in (["--frames", "0"], ["--frames", "8", "--steps", "0"], ["--frames", "8", "--stage1-steps", "-1"]):
         with pytest.raises(SystemExit):
             BL.main(["--checkpoint", checkpoint, "--device", "cpu"] + bad)
+
+
+def test_a_checkpoint_without_dsv_state(tmp_path):
+    from dsv_ext.app.train import load_config, train
+    from test_train import micro_dict
+
+    train(load_config(base=micro_dict(steps=2, val_videos=1)), out_dir=str(tmp_path / "d"), attention="dense",
+          device="cpu", progress=False)
+    with pytest.raises(SystemExit):
+        BL.main(["--checkpoint", str(tmp_path / "d" / "ckpt_last.pt"), "--frames", "8", "--device", "cpu",
+                 "--out", str(tmp_path / "o")])
