@@ -161,9 +161,18 @@ case " $STEPS " in *" soak "*)
   echo "soak rc=$?"; tail -20 "$OUT/soak.log";;
 esac
 case " $STEPS " in *" length "*)  # DSV's step against full attention by sequence length
-  # (benchmarks/bench_length.py; LEN_ARGS: at least --checkpoint and --frames)
-  timeout ${LEN_LIMIT:-420} python3 benchmarks/bench_length.py ${LEN_ARGS:-} --out "$OUT/length" > "$OUT/length.log" 2>&1
-  echo "length rc=$?"; grep -E "^frames|Error|error" "$OUT/length.log" | head -20;;
+  # (benchmarks/bench_length.py; LEN_ARGS: at least --checkpoint and --frames; LEN_SETS: more
+  # arguments per run, runs separated by ";", each added to LEN_ARGS, e.g.
+  # LEN_SETS="--frames 16 32; --frames 16 --set data.height=96 --set data.width=96", each run's
+  # results in $OUT/length/<its number>; LEN_LIMIT: seconds for all of them)
+  IFS=';' read -r -a lsets <<< "${LEN_SETS:- }"
+  lend=$(( $(date +%s) + ${LEN_LIMIT:-420} ))
+  for i in "${!lsets[@]}"; do
+    ldir="$OUT/length"; [ ${#lsets[@]} -gt 1 ] && ldir="$OUT/length/$i"
+    left=$(( lend - $(date +%s) )); [ $left -gt 10 ] || { echo "length: no time left for run $i"; break; }
+    timeout $left python3 benchmarks/bench_length.py ${LEN_ARGS:-} ${lsets[$i]} --out "$ldir" > "$OUT/length$i.log" 2>&1
+    echo "length run $i (${lsets[$i]# }) rc=$?"; grep -E "^\| [0-9]+ \||Error|error" "$OUT/length$i.log" | head -20
+  done;;
 esac
 case " $STEPS " in *" profstep "*)  # one training step's profile, full attention and DSV stage 1
   # (benchmarks/profile_step.py; PROF_CONFIG, PROF_ARGS e.g. "--set train.compile=true", or

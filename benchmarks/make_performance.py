@@ -1180,7 +1180,7 @@ def section_long_video_narrow():
                   [(r["step"], f"{r['dense']:.4f}", f"{r['dsv']:.4f}", _pct(r["rel_gap"]))
                    for r in c["val_at_equal_steps"]])
     names = ("dense", "dsv", "dense_compile", "dsv_compile", "dense_v45", "dsv_v45", "dense_rmsnorm", "dsv_rmsnorm",
-             "dense_rope", "dsv_rope", "dense_rope_turn")
+             "dense_rope", "dsv_rope", "dense_rope_turn", "dense_rope_dispatch", "dsv_rope_dispatch")
     prof = {n: _load(f"profile-step-narrow/{n}.json") for n in names}
     tot = {n: sum(v["ms_per_step"].values()) for n, v in prof.items()}
     prow = [(label, _ms(prof[n]["ms_per_step"]["attention"], 1), _ms(prof[n]["ms_per_step"]["dsv side work"], 1) if "dsv" in n else "-",
@@ -1194,7 +1194,9 @@ def section_long_video_narrow():
                              ("dsv_rmsnorm", "DSV stage 2, the QK norm's fused kernel"),
                              ("dense_rope", "full attention, the rotary model (next paragraph)"),
                              ("dsv_rope", "DSV stage 2, the rotary model"),
-                             ("dense_rope_turn", "full attention, the rotary model, its turn as one complex product"))]
+                             ("dense_rope_turn", "full attention, the rotary model, its turn as one complex product"),
+                             ("dense_rope_dispatch", "full attention, the rotary model switched by the dispatcher"),
+                             ("dsv_rope_dispatch", "DSV stage 2, the rotary model switched by the dispatcher"))]
     n_dense = sum(sum(k >= S for k in b["head_k"]) for b in last["blocks"])
     n_heads = sum(len(b["head_k"]) for b in last["blocks"])
     d = _load("compare-long-video-narrow-128k/compare.json")
@@ -1231,9 +1233,9 @@ device time per step in ms; the DSV rows run the saved controller; from the fift
 top-K estimation of v45, clusters of up to 8 CTAs where a block has few heads; from the seventh on
 with `dsv_ext.modules.RMSNorm` as the QK norm, whose weight follows the input's dtype so that bf16
 autocast keeps torch's fused kernel (PERF_LOG "The QK norm's fused kernel under autocast"); the last
-three rows profile the rotary model of the next paragraph, with its rotation in real arithmetic and,
-in the last row, as one complex product: PERF_LOG "The rotary embedding's turn as one complex
-product"):
+five rows profile rotary models of the next paragraph: its rotation in real arithmetic, then as one
+complex product (PERF_LOG "The rotary embedding's turn as one complex product"); the last two, the
+run whose switch the dispatcher chose, `results/compare-long-video-narrow-rope-dispatch/`):
 
 {_table(["step", "attention", "top-K estimation", "the rest", "total", "vs full attention"], prow)}
 

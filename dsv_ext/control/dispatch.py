@@ -268,9 +268,9 @@ class Dispatcher:
                density: Optional[Sequence[float]] = None, kv_block: Optional[Sequence[int]] = None) -> bool:
         """True = run this block sparse (cost model only; memory is checked by `plan`).
         density: the per-head K / S the block would run with, when K does not follow from the
-        sparsity by config.head_k (the recall K rule); the threshold rule then reads 1 - density,
-        and the calibrated rule costs each head at its own density, a head at K = S (1.0) at the
-        dense time (it runs dense).
+        sparsity by config.head_k (the recall K rule); the threshold rule then reads 1 - density.
+        The calibrated rule costs each head at its own density (without density: head_k of its
+        sparsity / S), a head at K = S (1.0) at the dense time (it runs dense).
         kv_block: per-head list granularity (None: token lists); block heads are costed by
         head_cost, and the threshold rule reads their density times block_cost_ratio."""
         if not sparsity:
@@ -281,17 +281,17 @@ class Dispatcher:
         s_mean = float(sum(sparsity)) / len(sparsity)
         if density:
             s_mean = 1.0 - float(sum(density)) / len(density)
-        if self.config.use_calibration:
-            if density:  # per head: a head with K = S runs dense (SparseAttention), the others sparse
-                ps = [self.predict_ms(seq_len, heads, head_dim, min(float(d), 1.0), device, dtype, batch)
-                      for d in density]
-                if all(p is not None for p in ps):
-                    sparse = sum(p["dense"] if d >= 1.0 else p["sparse"] for p, d in zip(ps, density)) / len(ps)
-                    return sparse < (1.0 - self.config.dispatch_margin) * ps[0]["dense"]
-            dens = sum(self.config.head_k(s, seq_len) for s in sparsity) / (len(sparsity) * seq_len)
-            p = self.predict_ms(seq_len, heads, head_dim, dens, device, dtype, batch)
-            if p is not None:
-                return p["sparse"] < (1.0 - self.config.dispatch_margin) * p["dense"]
+        if self.config.use_calibration and seq_len > 0:
+            # per head, at the K it runs with (without density: head_k of its sparsity); a head
+            # with K = S runs dense (SparseAttention), the others sparse. A block whose heads mix
+            # both is not costed at their mean density: one head on all keys would then price
+            # the block as if every head ran the sparse kernel near K = S.
+            dens = [float(d) for d in density] if density else \
+                [self.config.head_k(s, seq_len) / seq_len for s in sparsity]
+            ps = [self.predict_ms(seq_len, heads, head_dim, min(d, 1.0), device, dtype, batch) for d in dens]
+            if all(p is not None for p in ps):
+                sparse = sum(p["dense"] if d >= 1.0 else p["sparse"] for p, d in zip(ps, dens)) / len(ps)
+                return sparse < (1.0 - self.config.dispatch_margin) * ps[0]["dense"]
         return s_mean >= self.config.dispatch_threshold
 
     def _decide_blocks(self, sparsity, seq_len, heads, head_dim, device, dtype, batch, density, kv_block) -> bool:
