@@ -357,6 +357,24 @@ def test_dispatcher_cost_model_and_threshold(tmp_path):
     assert Dispatcher.load(str(tmp_path / "missing.json")) is None
 
 
+def test_pinned_mixed_block_runs_sparse_where_its_heads_pay(tmp_path):
+    """set_sparsity (the theta rule) with one head at sparsity 0 (K = S: it runs dense) and one at
+    0.5: the calibrated dispatcher prices the block per head ((0.8 + 1.0) / 2 of dense in the
+    table), so the block runs sparse; priced at the mean density 0.75 it would have stayed dense.
+    A block whose sparse head does not pay stays dense."""
+    (tmp_path / "cal.json").write_text(json.dumps(_table()))
+    cfg = _cfg(use_calibration=True, calibration_path=str(tmp_path / "cal.json"), dispatch_margin=0.0,
+               force_stage2_step=1, profile_every=100, k_rule="theta")
+    model = Tiny(cfg)
+    ctl = DSVController(model)
+    _train(model, ctl, torch.optim.AdamW(model.parameters(), lr=1e-3), 1, _x())
+    assert ctl.stage == 2
+    ctl.set_sparsity([[0.5, 0.0], [0.2, 0.0]])
+    (_, m0), (_, m1) = ctl.modules
+    assert m0.head_k == [S // 2, S] and m1.head_k == [40, S]
+    assert [b["use_sparse"] for b in ctl.block_stats()] == [True, False]
+
+
 def test_dispatcher_uses_entries_of_its_group_size():
     """Entries measured with the config's group size win; else the nearest group size measured."""
     t = _table()
