@@ -1396,7 +1396,7 @@ began at step **{c['switch_step']}** instead of {old['switch_step']}, with the s
 training time {c['dsv']['train_time_s']:.0f} s against {c['dense']['train_time_s']:.0f}. Its tokens/s ratios
 ({_x(c['dsv_tokens_per_s_after_switch'] / c['dense_tokens_per_s_after_switch'])} after the switch) overstate the speed: the
 full-attention arm predates the fused QK norm and the complex rotary turn; on the same code and
-checkpoint the profiled step is {td:.1f} ms against {tv:.1f} ms (**{_x(td / tv)}**)."""
+checkpoint the profiled step takes {tv:.1f} ms against full attention's {td:.1f} ms (**{_x(td / tv)}**)."""
 
 
 def _long_video_divergence(d):
