@@ -121,7 +121,7 @@ def test_report_only_of_unfinished_runs(tmp_path, capsys):
     json.dump(summary, open(tmp_path / "dense" / "summary.json", "w"))
     assert main(["--config", str(cfg_path), "--out", str(tmp_path), "--device", "cpu", "--report-only"]) == 0
     md = open(tmp_path / "compare.md").read()
-    assert f"trained at commit 0000000 (full attention) and {source_commit()} (DSV)" in md
+    assert f"trained at commit 0000000 (full attention) and {source_commit()} (DSV): the tokens/s compare two trees" in md
 
 
 @needs_dsv

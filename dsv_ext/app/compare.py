@@ -258,7 +258,9 @@ def _provenance_line(res: Dict[str, Any]) -> str:
     c = res.get("commits") or {}
     cd, cs = c.get("dense"), c.get("dsv")
     if cd and cs and cd != cs:
-        code = f"trained at commit {cd} (full attention) and {cs} (DSV)"
+        code = (f"trained at commit {cd} (full attention) and {cs} (DSV): the tokens/s compare two trees "
+                "(a change between them outside attention moves one arm's step time alone; train both "
+                "arms at one commit to compare speed)")
     else:
         code = f"trained at commit {cd or cs}" if (cd or cs) else "commit not recorded"
     return f"Reported {res.get('date_utc')} UTC; {code}."
