@@ -174,6 +174,9 @@ def run_length(ck: Dict, base_cfg: Dict, frames: int, a, dev: torch.device, log=
     times["dsv"] = step_times(train_step(model, cfg, x0, noise, t, dev, ctl), a.warmup, a.steps, gpu)
     res["sparse_blocks"] = [bool(st["use_sparse"]) for st in ctl.block_stats()]
     res["head_k"] = [list(st["head_k"]) for st in ctl.block_stats()]
+    # what the dispatcher expected of each block (None without a calibration table for it)
+    res["dispatcher_ms"] = [ctl.dispatcher.block_ms([k / S for k in m.head_k], S, m.num_heads, m.head_dim, dev, kdt)
+                            for _, m in ctl.modules]
     del ctl, model
 
     if a.stage1_steps:
@@ -228,6 +231,17 @@ def write_outputs(res: Dict, out: str) -> None:
                     c += f" ({rb['exact'][h]:.3f}; {rb['flex'][h]:.3f})"
                 cells.append(c)
             L.append(f"| {bi}, {h} | " + " | ".join(cells) + " |")
+    if any(any(b is not None for b in r.get("dispatcher_ms", [])) for r in lens):
+        L += ["", "The dispatcher's calibrated attention time per block (forward + backward, ms: dense / sparse "
+              "at the heads' K's; - where its table has no entry), against which it chose the sparse blocks:", "",
+              "| block | " + " | ".join(f"{r['seq_len']} tokens" for r in lens) + " |", "|---|" + "---|" * len(lens)]
+        for bi in range(len(lens[0]["blocks"])):
+            cells = []
+            for r in lens:
+                b = r.get("dispatcher_ms", [None] * (bi + 1))[bi]
+                cells.append("-" if b is None else f"{b['dense']:.1f} / {b['sparse']:.1f}"
+                             + (" (sparse)" if r["sparse_blocks"][bi] else ""))
+            L.append(f"| {bi} | " + " | ".join(cells) + " |")
     with open(os.path.join(out, "length.md"), "w") as f:
         f.write("\n".join(L) + "\n")
 

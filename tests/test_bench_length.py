@@ -51,6 +51,7 @@ def test_two_lengths_on_the_cpu(tmp_path, checkpoint):
         assert all(not sp for b, sp in zip(r["blocks"], r["sparse_blocks"]) if min(b["predicted"]) > 0.6)
         assert all(v > 0 for v in r["ms"].values()) and set(r["ms"]) == {"dense", "dsv", "stage1"}
         assert r["speedup"] == pytest.approx(r["ms"]["dense"] / r["ms"]["dsv"])
+        assert r["dispatcher_ms"] == [None, None]  # no calibration table on the CPU
     assert res["recall_target"] == 0.6 and any(res["lengths"][-1]["sparse_blocks"])
     md = (out / "length.md").read_text()
     assert "| 8 | 128 |" in md and "| 16 | 256 |" in md and "| 1, 1 |" in md
@@ -86,3 +87,15 @@ def test_a_checkpoint_without_dsv_state(tmp_path):
     with pytest.raises(SystemExit):
         BL.main(["--checkpoint", str(tmp_path / "d" / "ckpt_last.pt"), "--frames", "8", "--device", "cpu",
                  "--out", str(tmp_path / "o")])
+
+
+def test_the_dispatchers_block_times_in_the_table(tmp_path):
+    """length.md shows the dispatcher's calibrated dense / sparse time per block where it had them."""
+    res = json.load(open(os.path.join(BL.HERE, "results", "length-narrow-rope-dispatch", "all-sparse-r0.85",
+                                      "length.json")))
+    for r in res["lengths"]:
+        r["dispatcher_ms"] = [{"dense": 25.0, "sparse": 20.5}, None] + [None] * (len(r["blocks"]) - 2)
+    BL.write_outputs(res, str(tmp_path))
+    md = (tmp_path / "length.md").read_text()
+    assert "| 0 | 25.0 / 20.5 (sparse) | 25.0 / 20.5 (sparse) |" in md and "| 1 | - | - |" in md
+

@@ -339,6 +339,10 @@ def test_dispatcher_cost_model_and_threshold(tmp_path):
     assert d.decide([0.5, 0.0], 2048, 2, 16, "cpu", torch.float32, density=[0.5, 1.0])
     assert not d.decide([0.2, 0.0], 2048, 2, 16, "cpu", torch.float32, density=[0.8, 1.0])
     assert not d.decide([0.0, 0.0], 2048, 2, 16, "cpu", torch.float32, density=[1.0, 1.0])
+    b = d.block_ms([0.5, 1.0], 2048, 2, 16, "cpu", torch.float32)
+    assert math.isclose(b["dense"], 2048 ** 2 / 1e6, rel_tol=1e-9)
+    assert math.isclose(b["sparse"], 0.9 * b["dense"], rel_tol=1e-9)
+    assert d.block_ms([0.5, 1.0], 2048, 2, 16, "cpu", torch.bfloat16) is None  # no entry
     # the same per head from the sparsities alone (theta rule, set_sparsity): head_k gives K = S
     # for the head at sparsity 0, which runs dense, so the block pays as above
     assert d.decide([0.5, 0.0], 2048, 2, 16, "cpu", torch.float32)

@@ -288,11 +288,21 @@ class Dispatcher:
             # the block as if every head ran the sparse kernel near K = S.
             dens = [float(d) for d in density] if density else \
                 [self.config.head_k(s, seq_len) / seq_len for s in sparsity]
-            ps = [self.predict_ms(seq_len, heads, head_dim, min(d, 1.0), device, dtype, batch) for d in dens]
-            if all(p is not None for p in ps):
-                sparse = sum(p["dense"] if d >= 1.0 else p["sparse"] for p, d in zip(ps, dens)) / len(ps)
-                return sparse < (1.0 - self.config.dispatch_margin) * ps[0]["dense"]
+            p = self.block_ms(dens, seq_len, heads, head_dim, device, dtype, batch)
+            if p is not None:
+                return p["sparse"] < (1.0 - self.config.dispatch_margin) * p["dense"]
         return s_mean >= self.config.dispatch_threshold
+
+    def block_ms(self, density: Sequence[float], seq_len: int, heads: int, head_dim: int, device,
+                 dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> Optional[Dict[str, float]]:
+        """{"dense": ms, "sparse": ms} of one block's attention (forward + backward) from the table,
+        sparse with each head at its density (K / S), a head at K = S at the dense time (it runs
+        dense); None without a table entry."""
+        ps = [self.predict_ms(seq_len, heads, head_dim, min(float(d), 1.0), device, dtype, batch) for d in density]
+        if not ps or any(p is None for p in ps):
+            return None
+        return {"dense": ps[0]["dense"],
+                "sparse": sum(p["dense"] if d >= 1.0 else p["sparse"] for p, d in zip(ps, density)) / len(ps)}
 
     def _decide_blocks(self, sparsity, seq_len, heads, head_dim, device, dtype, batch, density, kv_block) -> bool:
         dens = [float(d) for d in density] if density else \
