@@ -1307,7 +1307,8 @@ def _narrow_length_recall():
     and with every block that has a sparse head run sparse (results/length-narrow-rope-dispatch/)."""
     base = "length-narrow-rope-dispatch"
     runs = [("frames-r0.95", "dispatcher"), ("frames-r0.9", "dispatcher"), ("frames-r0.85", "dispatcher"),
-            ("all-sparse-r0.9", "every block with a sparse head"), ("all-sparse-r0.85", "every block with a sparse head")]
+            ("all-sparse-r0.9", "forced: every block with a sparse head"),
+            ("all-sparse-r0.85", "forced: every block with a sparse head")]
     rows, best = [], None
     for name, how in runs:
         d = _load(f"{base}/{name}/length.json")
@@ -1318,7 +1319,7 @@ def _narrow_length_recall():
             if best is None or r["speedup"] > best[0]:
                 best = (r["speedup"], r["seq_len"], d["recall_target"])
     p = _load(f"{base}/frames-r0.95/length.json")["provenance"]
-    t = _table(["recall", "blocks sparse", "tokens", "full attention ms", "DSV ms", "speed-up", "sparse blocks",
+    t = _table(["recall", "sparse blocks chosen by", "tokens", "full attention ms", "DSV ms", "speed-up", "sparse blocks",
                 "heads on all keys"], rows)
     return f"""The rotary model whose switch the dispatcher chose (above) by length and recall
 target ([results/length-narrow-rope-dispatch/](../benchmarks/results/length-narrow-rope-dispatch/README.md),
