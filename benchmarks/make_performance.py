@@ -1467,7 +1467,27 @@ the three DSV runs (recall 0.95 with each switch rule, above; 0.85, below) end {
 {_pct(statistics.mean(dsv) / statistics.mean((d1, d2)) - 1, 1)}. """ + ("""All three end above both: with two runs of one arm and three of the
 other, the chance of that where sparsity changes nothing is 1 in 10, so at this scale DSV likely
 costs this model a few percent of validation loss, against the 1% target, and the recall target
-(0.85 or 0.95) makes no visible difference.""" if above else "The runs interleave: one seed does not resolve the gap.")
+(0.85 or 0.95) makes no visible difference.""" if above else "The runs interleave: one seed does not resolve the gap.") + \
+        _narrow_rope_paired()
+
+
+def _narrow_rope_paired():
+    """One-sample paired evaluations of the two dispatch-switched DSV runs (results/evaluate-narrow-rope-cpu/)."""
+    arms = {}
+    for name in ("r085", "r095"):
+        d = _load(f"evaluate-narrow-rope-cpu/{name}/evaluate.json")
+        arms[name] = {a["arm"]: a["rel"] for a in d["arms"]}
+    own = " / ".join(_pct(arms[n]["checkpoint"], 1) for n in ("r085", "r095"))
+    b3 = " / ".join(_pct(arms[n]["block 3"], 1) for n in ("r085", "r095"))
+    b1 = " / ".join(_pct(arms[n]["block 1"], 1) for n in ("r085", "r095"))
+    return f"""
+
+What the lists cost a trained model, without the spread of training: the 0.85 and 0.95 runs'
+weights evaluated with full and with sparse attention on the same sample (one clip at one
+timestep on the CPU, [results/evaluate-narrow-rope-cpu/](../benchmarks/results/evaluate-narrow-rope-cpu/README.md);
+an indication, without a standard error): on their own lists {own}, block 3 alone {b3} (two local
+heads), block 1 alone {b1} (as local). The cost sits in one block; the same evaluation on the GPU
+over the validation set is the next measurement."""
 
 
 def _long_video_divergence(d):
