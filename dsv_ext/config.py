@@ -152,6 +152,11 @@ class DSVConfig:
     """Recall target of the "recall" K rule: mean fraction of the exact attention mass the
     predicted lists must cover. The default is the lowest target of the measured quality frontier
     whose paired loss increase is resolved below 1% (docs/QUALITY.md)."""
+    block_recall_targets: Optional[Dict[int, float]] = None
+    """"recall" rule: per-block overrides of recall_target, by the block's index in the controller's
+    order (its ``modules``, the model's SparseAttention layers in definition order), e.g.
+    ``{3: 0.98}`` for a block whose missing attention mass costs quality (a paired evaluation per
+    block, ``python -m dsv_ext.app.evaluate``, tells which). Blocks not named use recall_target."""
     recall_max_density: float = 0.5
     """"recall" rule: a head that needs more than this fraction of the keys to reach the target
     attends to all keys (K = S: exact attention for that head, computed by dense attention on that
@@ -202,6 +207,17 @@ class DSVConfig:
             if any(a != b for a, b in zip(t, vals)):  # e.g. a cube of (2.5, 4, 4): no truncation
                 raise ValueError(f"{name}: expected {'integers' if conv is int else 'numbers'}, got {v!r}")
             setattr(self, name, t)
+        bt = self.block_recall_targets
+        if bt is not None:  # keys may come back as strings from JSON; values as any number
+            if not isinstance(bt, dict):
+                raise ValueError(f"block_recall_targets: expected a mapping of block index to target, got {bt!r}")
+            out = {}
+            for key, val in bt.items():
+                if isinstance(key, bool) or not ((isinstance(key, int) and key >= 0) or
+                                                 (isinstance(key, str) and key.isdigit())):
+                    raise ValueError(f"block_recall_targets: expected block indices (integers >= 0) as keys, got {key!r}")
+                out[int(key)] = val
+            self.block_recall_targets = out
         self.validate()
 
     # ------------------------------------------------------------------ helpers
@@ -233,6 +249,9 @@ class DSVConfig:
         frac("min_density")
         frac("k_margin")
         frac("recall_target", lo_open=True)
+        for i, t in (self.block_recall_targets or {}).items():
+            if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or not 0 < t <= 1:
+                raise ValueError(f"block_recall_targets: block {i}: expected a value in (0, 1], got {t!r}")
         frac("recall_max_density", lo_open=True)
         frac("recall_tolerance")
         if self.k_rule not in ("recall", "theta"):
@@ -278,6 +297,10 @@ class DSVConfig:
         """True when the predictors train on this step in this stage."""
         every = self.train_every_stage1 if stage == 1 else self.train_every_stage2
         return every > 0 and step % every == 0
+
+    def recall_target_of(self, block: int) -> float:
+        """The recall rule's target for block ``block`` (block_recall_targets, else recall_target)."""
+        return float((self.block_recall_targets or {}).get(block, self.recall_target))
 
     def head_k(self, sparsity: float, seq_len: int) -> int:
         """Per-head K = max(ceil((1 - s + margin) * S), ceil(min_density * S)), rounded up to a

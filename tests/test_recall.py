@@ -1,4 +1,5 @@
 """Recall versus K (dsv_ext.recall) and the recall-targeted per-head K rule of the controller."""
+import json
 import math
 
 import pytest
@@ -276,3 +277,50 @@ def test_recall_curve_and_k_rule_on_cuda_bf16():
     index = ops.topk_estimate(q_lr, k_lr, counts, G, max(ks))
     rec = ops.profile_attention(qb.cuda(), kb.cuda(), rows.cuda().int(), 0.9, index, counts, G).recall
     assert float(rec.mean(0).min()) >= target - 1e-2, (ks, rec)
+
+
+class TwoBlocks(torch.nn.Module):
+    """Two recall-rule blocks on the same attention (the controller's blocks 0 and 1)."""
+
+    def __init__(self, cfg, q, k):
+        super().__init__()
+        self.a, self.b = Fixed(cfg, q, k), Fixed(cfg, q, k)
+
+    def forward(self):
+        return self.a() + self.b()
+
+
+def test_block_recall_targets_raise_one_blocks_target():
+    q, k = known_qk()
+    K90, K99 = needed_k(q, k, 0, 0.9)[0], needed_k(q, k, 0, 0.99)[0]
+    assert K99 > K90
+    cfg = _kcfg(recall_target=0.9, recall_max_density=1.0, block_recall_targets={1: 0.99})
+    assert cfg.recall_target_of(0) == 0.9 and cfg.recall_target_of(1) == 0.99
+    model = TwoBlocks(cfg, q, k)
+    ctl = DSVController(model)
+    for _ in range(3):
+        model()
+        ctl.step()
+    assert ctl.stage == 2
+    assert model.a.core.head_k[0] == K90 and model.b.core.head_k[0] == K99
+    # the measured recall of each block's index is held against that block's own target
+    assert ctl.recall[0][0] >= 0.9 - 1e-6 and ctl.recall[1][0] >= 0.99 - 1e-6
+
+
+def test_block_recall_targets_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"^block_recall_targets: block 2: expected a value in \(0, 1\]"):
+        DSVConfig(block_recall_targets={2: 1.5})
+    with pytest.raises(ValueError, match="^block_recall_targets: expected block indices"):
+        DSVConfig(block_recall_targets={-1: 0.9})
+    with pytest.raises(ValueError, match="^block_recall_targets: expected block indices"):
+        DSVConfig(block_recall_targets={True: 0.9})
+    with pytest.raises(ValueError, match="^block_recall_targets: expected a mapping"):
+        DSVConfig(block_recall_targets=[0.9])
+    with pytest.raises(ValueError, match="^block_recall_targets: block 0: expected a value"):
+        DSVConfig(block_recall_targets={0: "high"})
+    # keys written back as strings (a JSON round trip) are block indices again
+    cfg = DSVConfig.from_dict(json.loads(json.dumps(DSVConfig(block_recall_targets={3: 0.98}).to_dict())))
+    assert cfg.block_recall_targets == {3: 0.98} and cfg.recall_target_of(3) == 0.98
+    q, k = known_qk()
+    with pytest.raises(ValueError, match="^config: block_recall_targets names block 5, but the model has 1"):
+        DSVController(Fixed(_kcfg(block_recall_targets={5: 0.99}), q, k))

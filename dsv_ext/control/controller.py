@@ -103,6 +103,10 @@ class DSVController:
             m.config = self.config
             if m.name is None:
                 m.name = n
+        far = sorted(i for i in (self.config.block_recall_targets or {}) if i >= len(self.modules))
+        if far:
+            raise ValueError(f"config: block_recall_targets names block {far[0]}, but the model has "
+                             f"{len(self.modules)} SparseAttention blocks (indices 0 to {len(self.modules) - 1})")
         self.dispatcher = dispatcher if dispatcher is not None else Dispatcher(self.config)
         params = [p for _, m in self.modules for p in m.predictor.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=self.config.predictor_lr, betas=self.config.predictor_betas,
@@ -283,14 +287,15 @@ class DSVController:
             nb = len(flat) // H
             if S <= 0 or nb != -(-S // cfg.k_multiple):
                 continue
-            new = [density_for_recall(flat[h * nb:(h + 1) * nb], cfg.recall_target, S, cfg.k_multiple)
+            target = cfg.recall_target_of(i)
+            new = [density_for_recall(flat[h * nb:(h + 1) * nb], target, S, cfg.k_multiple)
                    for h in range(H)]
             old = self.recall_density[i]
             if old is not None:
                 new = [n if n >= o else a * o + (1 - a) * n for o, n in zip(old, new)]
                 rec = measured.get(i)
                 if rec is not None:
-                    new = [min(1.0, max(n, 2.0 * o)) if r < cfg.recall_target - cfg.recall_tolerance else n
+                    new = [min(1.0, max(n, 2.0 * o)) if r < target - cfg.recall_tolerance else n
                            for n, o, r in zip(new, old, rec)]
             self.recall_density[i] = new
 
@@ -322,7 +327,8 @@ class DSVController:
             nbins = len(flat) // (H * ng)
             if S <= 0 or nbins != -(-S // cfg.k_multiple):
                 continue
-            new = [[density_for_recall(flat[(g * H + h) * nbins:(g * H + h + 1) * nbins], cfg.recall_target, S,
+            target = cfg.recall_target_of(i)
+            new = [[density_for_recall(flat[(g * H + h) * nbins:(g * H + h + 1) * nbins], target, S,
                                        cfg.k_multiple) for h in range(H)] for g in range(ng)]
             old, prev = self.block_density[i], self.kv_block_choice[i]
             if old is not None:
@@ -331,7 +337,7 @@ class DSVController:
                 if rec is not None and prev is not None:
                     for h, (r, b) in enumerate(zip(rec, prev)):
                         g = KV_BLOCKS.index(b)
-                        if r < cfg.recall_target - cfg.recall_tolerance:
+                        if r < target - cfg.recall_tolerance:
                             new[g][h] = min(1.0, max(new[g][h], 2.0 * old[g][h]))
             self.block_density[i] = new
             choice = tuple(self.dispatcher.choose_kv_block(new, S, H, m.head_dim, m.kv_count.device,
